@@ -1,0 +1,89 @@
+"""Choice between the Triton kernel path and the PyTorch path, made when an op is called.
+
+Order of precedence: the innermost ``apex.backend(...)`` context, then the ``APEX_BACKEND`` environment
+variable (``auto``, ``torch`` or ``triton``), then ``auto``. ``auto`` picks Triton for CUDA/ROCm tensors
+when Triton is installed and PyTorch otherwise. ``triton`` on CPU tensors is allowed only when the Triton
+interpreter is on (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("apex_backend", default=None)
+
+
+def _validate(name: object, source: str) -> str:
+    if not isinstance(name, str) or name.lower() not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
+    return name.lower()
+
+
+def current_backend() -> str:
+    """The requested backend name (``auto``, ``torch`` or ``triton``), before resolution for tensors."""
+    name = _override.get()
+    if name is not None:
+        return name
+    env = os.environ.get("APEX_BACKEND", "").strip()
+    return _validate(env, "APEX_BACKEND") if env else "auto"
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force a backend inside a ``with`` block: ``with apex.backend("torch"): ...``."""
+    token = _override.set(_validate(name, "backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _device_of(tensors) -> torch.device | None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+        if isinstance(t, (list, tuple)):
+            d = _device_of(t)
+            if d is not None:
+                return d
+    return None
+
+
+def select(*tensors) -> str:
+    """Resolve the backend (``"torch"`` or ``"triton"``) for an op on ``tensors``.
+
+    ``tensors`` may contain tensors and (nested) lists of tensors; the first one found decides the device.
+    """
+    requested = current_backend()
+    device = _device_of(tensors)
+    on_gpu = device is not None and device.type == "cuda"
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "triton" if on_gpu and triton_available() else "torch"
+    # requested == "triton"
+    if not triton_available():
+        raise RuntimeError("APEX_BACKEND=triton was requested but triton is not installed "
+                           "(pip install 'apex[triton]')")
+    if not on_gpu and not interpreting():
+        where = "CPU tensors" if device is None or device.type == "cpu" else f"{device.type} tensors"
+        raise RuntimeError(f"the triton backend cannot run on {where} unless the Triton interpreter is on "
+                           "(set TRITON_INTERPRET=1 before importing apex kernels)")
+    return "triton"

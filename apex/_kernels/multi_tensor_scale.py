@@ -1,0 +1,28 @@
+"""``out = in * scale`` over lists of tensors, flagging non-finite inputs. One launch per dtype group."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+
+
+@triton.jit
+def _scale_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, scale,
+                  IN_DT: tl.constexpr, OUT_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, IN_DT)
+    o_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, OUT_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        mt.flag_nonfinite(noop_flag, x, mask)
+        tl.store(o_ptr + idx, (x * scale).to(OUT_DT), mask=mask)
+
+
+def scale(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float) -> None:
+    for _, (ins, outs) in mt.group([inputs, outputs]):
+        mt.launch(_scale_kernel, mt.table([ins, outs]), noop_flag, float(scale))

@@ -1,0 +1,89 @@
+"""Argument checks shared by the operations. Errors name the argument and what was expected."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_noop_flag(noop_flag: object, device: torch.device | None = None) -> torch.Tensor:
+    if not isinstance(noop_flag, torch.Tensor):
+        raise TypeError(f"noop_flag must be a torch.Tensor, got {type(noop_flag).__name__}")
+    if noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
+        raise ValueError("noop_flag must be a one-element torch.int32 tensor, got "
+                         f"{noop_flag.dtype} with {noop_flag.numel()} elements")
+    if device is not None and noop_flag.device != device:
+        raise ValueError(f"noop_flag is on {noop_flag.device} but the tensors are on {device}")
+    return noop_flag
+
+
+def check_tensor_lists(
+    tensor_lists: object,
+    n_lists: int | Sequence[int] | None = None,
+    *,
+    name: str = "tensor_lists",
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    list_dtypes: dict[int, Sequence[torch.dtype]] | None = None,
+    same_shape: bool = False,
+) -> torch.device | None:
+    """Validate Apex's ``tensor_lists`` argument and return the common device (None if empty).
+
+    ``n_lists``: the accepted number(s) of lists. Every list must have the same length; tensors at the
+    same index must have the same number of elements (and shape with ``same_shape``); every tensor must
+    be contiguous, of a dtype in ``dtypes`` (or ``list_dtypes[i]`` for list ``i``), and on one device.
+    """
+    if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(lst, (list, tuple))
+                                                              for lst in tensor_lists):
+        raise TypeError(f"{name} must be a list of lists of tensors")
+    if n_lists is not None:
+        allowed = (n_lists,) if isinstance(n_lists, int) else tuple(n_lists)
+        if len(tensor_lists) not in allowed:
+            raise ValueError(f"{name} must hold {' or '.join(map(str, allowed))} lists, got {len(tensor_lists)}")
+    if not tensor_lists:
+        return None
+    lengths = [len(lst) for lst in tensor_lists]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"{name}: every list must have the same length, got lengths {lengths}")
+    device = None
+    for li, lst in enumerate(tensor_lists):
+        allowed_dtypes = (list_dtypes or {}).get(li, dtypes)
+        for ti, t in enumerate(lst):
+            where = f"{name}[{li}][{ti}]"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in allowed_dtypes:
+                raise TypeError(f"{where} has dtype {t.dtype}; expected one of "
+                                f"{', '.join(str(d) for d in allowed_dtypes)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where} must be contiguous (call .contiguous() first)")
+            if t.is_sparse:
+                raise ValueError(f"{where} must be dense, got a sparse tensor")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
+                                 "all tensors must be on one device")
+            ref = tensor_lists[0][ti]
+            if (same_shape and t.shape != ref.shape) or t.numel() != ref.numel():
+                raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape "
+                                 f"{tuple(ref.shape)}")
+    return device
+
+
+def as_scalar_tensor(value, device: torch.device, name: str, dtype=torch.float32) -> torch.Tensor:
+    """A one-element tensor on ``device`` from a Python number or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
+        return value.reshape(1).to(device=device, dtype=dtype)
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+    return torch.full((1,), float(value), dtype=dtype, device=device)
+
+
+def mark_found_inf(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``noop_flag |= found_inf != 0`` on the device, without a host synchronisation."""
+    torch.maximum(noop_flag, (found_inf != 0).to(torch.int32).reshape(1), out=noop_flag)

@@ -1,0 +1,48 @@
+"""``multi_tensor_scale``: ``out[i] = in[i] * scale`` for every tensor pair, flagging non-finite inputs.
+
+Math in fp32 whatever the storage dtypes (fp32/fp16/bf16 in any combination), one rounding to the output
+dtype. ``noop_flag`` is set to 1 when any *input* element is inf or NaN; the outputs are written anyway
+(Apex propagates infs and NaNs so the caller can decide to skip the step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
+    device = check_tensor_lists(tensor_lists, 2)
+    check_noop_flag(noop_flag, device)
+    if device is None or not tensor_lists[0]:
+        return
+    ins, outs = tensor_lists
+    if _backend.select(ins) == "triton":
+        from apex._kernels import multi_tensor_scale as kernels
+
+        kernels.scale(noop_flag, list(ins), list(outs), float(scale))
+        return
+    _scale_torch(noop_flag, list(ins), list(outs), float(scale))
+
+
+def _scale_torch(noop_flag, ins, outs, scale: float) -> None:
+    found_inf = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+    scale_t = torch.full((1,), scale, dtype=torch.float32, device=noop_flag.device)
+    # Same dtype or an exact upcast: copy, then scale in place (PyTorch's op computes in fp32 and checks
+    # the values before scaling). A downcast scales in fp32 first so there is only one rounding.
+    direct = [i for i, (x, o) in enumerate(zip(ins, outs))
+              if x.dtype == o.dtype or o.dtype == torch.float32]
+    if direct:
+        d_in, d_out = [ins[i] for i in direct], [outs[i] for i in direct]
+        for x, o in zip(d_in, d_out):
+            if o.data_ptr() != x.data_ptr():
+                o.copy_(x)
+        torch._amp_foreach_non_finite_check_and_unscale_(d_out, found_inf, scale_t)
+    rest = [i for i in range(len(ins)) if i not in set(direct)]
+    if rest:
+        tmp = [ins[i].float() for i in rest]
+        torch._amp_foreach_non_finite_check_and_unscale_(tmp, found_inf, scale_t)
+        torch._foreach_copy_([outs[i] for i in rest], tmp)
+    mark_found_inf(noop_flag, found_inf)

@@ -1,0 +1,27 @@
+"""Helpers for apex's tests and benchmarks: float64 references, tolerances, the relative-error check,
+a Gloo spawn helper and the Triton-interpreter tracer. Only tests and benchmarks import this package."""
+
+from apex.testing.distributed import run_distributed
+from apex.testing.numerics import (
+    DTYPES,
+    TOLERANCES,
+    assert_rel_close,
+    inject_nonfinite,
+    rand,
+    rel_error,
+    to_float64,
+)
+from apex.testing.triton_trace import TritonTrace, count_eager
+
+__all__ = [
+    "DTYPES",
+    "TOLERANCES",
+    "TritonTrace",
+    "assert_rel_close",
+    "count_eager",
+    "inject_nonfinite",
+    "rand",
+    "rel_error",
+    "run_distributed",
+    "to_float64",
+]

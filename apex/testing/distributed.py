@@ -1,0 +1,45 @@
+"""Run a test function on N Gloo ranks on this machine (``torch.multiprocessing.spawn``)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int = 2, *args, timeout_s: float = 60.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks and wait for all of them.
+
+    ``fn`` must be picklable (a module-level function). An exception on any rank fails the call.
+    The process group's timeout makes a hung rank fail the others instead of blocking forever.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    mp.spawn(_worker, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size, join=True)

@@ -1,0 +1,195 @@
+"""Count what Triton kernels do under the interpreter, and what eager PyTorch does for the same work.
+
+:class:`TritonTrace` wraps the interpreter's memory operations and its grid executor while active:
+
+* ``launches`` and ``kernels`` (launches per kernel name);
+* ``bytes_requested``: bytes of every unmasked lane of every load and store;
+* ``bytes_unique``: distinct addresses touched, times their element size (DRAM traffic with a perfect cache);
+* with ``bounds=True`` every unmasked access must fall inside the storage of a tensor passed to the
+  launch or registered with :meth:`TritonTrace.watch`; anything else raises ``IndexError`` (an
+  out-of-bounds store would otherwise corrupt the process).
+
+:func:`count_eager` runs a function under a ``TorchDispatchMode`` and counts ATen ops (views, allocations
+and host syncs excluded) and the bytes of their tensor inputs and outputs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+class TritonTrace:
+    def __init__(self, bounds: bool = True, count: bool = True):
+        self.bounds = bounds
+        self.count = count
+        self.launches = 0
+        self.kernels: Counter = Counter()
+        self.bytes_requested = 0
+        self._addresses: list[np.ndarray] = []
+        self._watched: list[tuple[int, int]] = []
+        self._launch_ranges: list[tuple[int, int]] = []
+        self._saved: dict = {}
+
+    # -- public -------------------------------------------------------------------------------------
+    def watch(self, *tensors) -> TritonTrace:
+        """Allow accesses to these tensors (and nested lists of tensors) in every launch."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._watched.append(_storage_range(t))
+            elif isinstance(t, Iterable):
+                self.watch(*t)
+        return self
+
+    @property
+    def bytes_unique(self) -> int:
+        if not self._addresses:
+            return 0
+        allbytes = np.concatenate(self._addresses)
+        return int(np.unique(allbytes).size)
+
+    # -- machinery ------------------------------------------------------------------------------------
+    def _check(self, addr: np.ndarray, nbytes: int, what: str) -> None:
+        ranges = self._watched + self._launch_ranges
+        if addr.size == 0:
+            return
+        ok = np.zeros(addr.shape, dtype=bool)
+        for lo, hi in ranges:
+            ok |= (addr >= lo) & (addr + nbytes <= hi)
+        if not ok.all():
+            bad = int(addr[~ok][0])
+            raise IndexError(f"out-of-bounds {what} at address {bad:#x} ({int((~ok).sum())} lanes) "
+                             "outside every tensor of this launch")
+
+    def _record(self, ptrs, mask, what: str) -> None:
+        addr = np.asarray(ptrs.data).astype(np.uint64).reshape(-1)
+        if mask is not None:
+            addr = addr[np.asarray(mask.data).astype(bool).reshape(-1)]
+        nbytes = ptrs.get_element_ty().primitive_bitwidth // 8
+        if self.bounds:
+            self._check(addr, nbytes, what)
+        if self.count:
+            self.bytes_requested += int(addr.size) * nbytes
+            # One entry per byte so unique counting is exact for mixed element sizes.
+            self._addresses.append((addr[:, None] + np.arange(nbytes, dtype=np.uint64)[None, :]).reshape(-1))
+
+    def __enter__(self) -> TritonTrace:
+        from triton.runtime import interpreter as itp
+
+        builder, executor = itp.InterpreterBuilder, itp.GridExecutor
+        self._saved = {
+            "load": builder.create_masked_load,
+            "store": builder.create_masked_store,
+            "rmw": builder.create_atomic_rmw,
+            "cas": builder.create_atomic_cas,
+            "call": executor.__call__,
+        }
+        saved, trace = self._saved, self
+
+        def load(b, ptrs, mask, other, cache_policy, is_volatile):
+            trace._record(ptrs, mask, "load")
+            return saved["load"](b, ptrs, mask, other, cache_policy, is_volatile)
+
+        def store(b, ptrs, value, mask, cache_policy):
+            trace._record(ptrs, mask, "store")
+            return saved["store"](b, ptrs, value, mask, cache_policy)
+
+        def rmw(b, op, ptr, val, mask, sem, scope):
+            trace._record(ptr, mask, "atomic")
+            trace._record(ptr, mask, "atomic")  # read and write
+            return saved["rmw"](b, op, ptr, val, mask, sem, scope)
+
+        def cas(b, ptr, cmp, val, sem, scope):
+            trace._record(ptr, None, "atomic")
+            trace._record(ptr, None, "atomic")
+            return saved["cas"](b, ptr, cmp, val, sem, scope)
+
+        def call(ex, *args, **kwargs):
+            trace.launches += 1
+            trace.kernels[getattr(ex.fn, "__name__", "kernel")] += 1
+            ranges = [_storage_range(a) for a in list(args) + list(kwargs.values())
+                      if isinstance(a, torch.Tensor)]
+            previous = trace._launch_ranges
+            trace._launch_ranges = previous + ranges
+            try:
+                return saved["call"](ex, *args, **kwargs)
+            finally:
+                trace._launch_ranges = previous
+
+        builder.create_masked_load = load
+        builder.create_masked_store = store
+        builder.create_atomic_rmw = rmw
+        builder.create_atomic_cas = cas
+        executor.__call__ = call
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton.runtime import interpreter as itp
+
+        itp.InterpreterBuilder.create_masked_load = self._saved["load"]
+        itp.InterpreterBuilder.create_masked_store = self._saved["store"]
+        itp.InterpreterBuilder.create_atomic_rmw = self._saved["rmw"]
+        itp.InterpreterBuilder.create_atomic_cas = self._saved["cas"]
+        itp.GridExecutor.__call__ = self._saved["call"]
+
+
+_IGNORED_PREFIXES = ("empty", "zeros", "ones", "full", "scalar_tensor", "_local_scalar_dense", "lift_fresh",
+                     "detach", "alias", "_to_copy_noop", "new_empty", "set_", "resize_", "record_stream")
+
+
+class _EagerCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.launches = 0
+        self.bytes = 0
+        self.syncs = 0
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.syncs += 1
+            return out
+        is_view = any(a.alias_info is not None and not a.alias_info.is_write
+                      for a in func._schema.returns)
+        if is_view or name.startswith(_IGNORED_PREFIXES):
+            return out
+        self.launches += 1
+        self.ops[name] += 1
+        seen: set = set()
+
+        def add(x):
+            if isinstance(x, torch.Tensor):
+                self.bytes += x.numel() * x.element_size()
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    add(v)
+
+        for a in list(args) + list(kwargs.values()):
+            add(a)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        for o in outs:
+            if isinstance(o, torch.Tensor) and id(o) not in seen:
+                seen.add(id(o))
+                add(o)
+            elif isinstance(o, (list, tuple)):
+                add(o)
+        return out
+
+
+def count_eager(fn: Callable[[], object]) -> dict:
+    """Run ``fn`` once and return ``{"launches", "bytes", "syncs", "ops"}`` of the ATen ops it issued."""
+    with _EagerCounter() as c:
+        fn()
+    return {"launches": c.launches, "bytes": c.bytes, "syncs": c.syncs, "ops": dict(c.ops)}
