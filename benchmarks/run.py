@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-count", action="store_true", help="skip interpreter byte counting")
     p.add_argument("--list", action="store_true", help="list case names and exit")
     args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from apex.testing import speed_up_interpreter
+
+        speed_up_interpreter()
 
     cases = [(m, c) for m, c in discover() if args.k in c.name or args.k in m]
     if args.list:

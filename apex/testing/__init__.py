@@ -11,7 +11,7 @@ from apex.testing.numerics import (
     rel_error,
     to_float64,
 )
-from apex.testing.triton_trace import TritonTrace, count_eager
+from apex.testing.triton_trace import TritonTrace, count_eager, speed_up_interpreter
 
 __all__ = [
     "DTYPES",
@@ -23,5 +23,6 @@ __all__ = [
     "rand",
     "rel_error",
     "run_distributed",
+    "speed_up_interpreter",
     "to_float64",
 ]

@@ -35,10 +35,11 @@ class TritonTrace:
         self.launches = 0
         self.kernels: Counter = Counter()
         self.bytes_requested = 0
-        self._addresses: list[np.ndarray] = []
+        self._addresses: dict[int, list[np.ndarray]] = {}
         self._watched: list[tuple[int, int]] = []
         self._launch_ranges: list[tuple[int, int]] = []
         self._saved: dict = {}
+        self._sorted: tuple | None = None
 
     # -- public -------------------------------------------------------------------------------------
     def watch(self, *tensors) -> TritonTrace:
@@ -46,25 +47,38 @@ class TritonTrace:
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self._watched.append(_storage_range(t))
+                self._sorted = None
             elif isinstance(t, Iterable):
                 self.watch(*t)
         return self
 
     @property
     def bytes_unique(self) -> int:
-        if not self._addresses:
-            return 0
-        allbytes = np.concatenate(self._addresses)
-        return int(np.unique(allbytes).size)
+        # Addresses are kept per element size; a byte counts once per (address, size) pair.
+        return sum(nbytes * int(np.unique(np.concatenate(arrs)).size)
+                   for nbytes, arrs in self._addresses.items())
 
     # -- machinery ------------------------------------------------------------------------------------
+    def _ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._sorted is None:
+            spans = sorted(self._watched + self._launch_ranges)
+            merged: list[list[int]] = []
+            for lo, hi in spans:
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            arr = np.array(merged, dtype=np.uint64).reshape(-1, 2)
+            self._sorted = (arr[:, 0].copy(), arr[:, 1].copy())
+        return self._sorted
+
     def _check(self, addr: np.ndarray, nbytes: int, what: str) -> None:
-        ranges = self._watched + self._launch_ranges
         if addr.size == 0:
             return
-        ok = np.zeros(addr.shape, dtype=bool)
-        for lo, hi in ranges:
-            ok |= (addr >= lo) & (addr + nbytes <= hi)
+        lo, hi = self._ranges()
+        idx = np.searchsorted(lo, addr, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        ok[ok] = addr[ok] + np.uint64(nbytes) <= hi[idx[ok]]
         if not ok.all():
             bad = int(addr[~ok][0])
             raise IndexError(f"out-of-bounds {what} at address {bad:#x} ({int((~ok).sum())} lanes) "
@@ -79,8 +93,7 @@ class TritonTrace:
             self._check(addr, nbytes, what)
         if self.count:
             self.bytes_requested += int(addr.size) * nbytes
-            # One entry per byte so unique counting is exact for mixed element sizes.
-            self._addresses.append((addr[:, None] + np.arange(nbytes, dtype=np.uint64)[None, :]).reshape(-1))
+            self._addresses.setdefault(nbytes, []).append(addr)
 
     def __enter__(self) -> TritonTrace:
         from triton.runtime import interpreter as itp
@@ -120,10 +133,12 @@ class TritonTrace:
                       if isinstance(a, torch.Tensor)]
             previous = trace._launch_ranges
             trace._launch_ranges = previous + ranges
+            trace._sorted = None
             try:
                 return saved["call"](ex, *args, **kwargs)
             finally:
                 trace._launch_ranges = previous
+                trace._sorted = None
 
         builder.create_masked_load = load
         builder.create_masked_store = store
@@ -193,3 +208,38 @@ def count_eager(fn: Callable[[], object]) -> dict:
     with _EagerCounter() as c:
         fn()
     return {"launches": c.launches, "bytes": c.bytes, "syncs": c.syncs, "ops": dict(c.ops)}
+
+
+def speed_up_interpreter() -> None:
+    """Patch ``triton.language`` once per launch instead of once per nested ``@jit`` call.
+
+    The interpreter re-patches the language module every time a kernel calls a ``@triton.jit`` helper;
+    inside a launch it is already patched, so the repeat is pure overhead (2-3x on kernels that call
+    helpers). Idempotent; affects only interpreted runs.
+    """
+    from triton.runtime import interpreter as itp
+
+    if getattr(itp.InterpretedFunction, "_apex_patched_once", False):
+        return
+    depth = [0]
+    launch = itp.GridExecutor.__call__
+
+    def grid_call(self, *args, **kwargs):
+        depth[0] += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def device_call(self, *args, **kwargs):
+        if depth[0] == 0:
+            itp._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise itp.InterpreterError(repr(e)) from e
+
+    itp.GridExecutor.__call__ = grid_call
+    itp.InterpretedFunction.__call__ = device_call
+    itp.InterpretedFunction._apex_patched_once = True
