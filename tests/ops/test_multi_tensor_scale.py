@@ -90,3 +90,10 @@ def test_empty_list_and_empty_tensor(backend_name):
     amp_C.multi_tensor_scale(2048, flag(), [[], []], 2.0)
     x, o = torch.empty(0), torch.empty(0)
     amp_C.multi_tensor_scale(2048, flag(), [[x], [o]], 2.0)
+
+
+def test_bf16_outputs_round_like_pytorch(backend_name):
+    ins = ragged(torch.float32, sizes=(4097,), seed=3)
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16) for x in ins]
+    _run(backend_name, 2048 * 32, flag(), ins, outs, 1.0)
+    assert torch.equal(outs[0], ins[0].to(torch.bfloat16))
