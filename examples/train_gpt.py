@@ -235,8 +235,24 @@ def evaluate(model: nn.Module, val: torch.Tensor, args, info: DistInfo) -> float
     return (total[0] / total[1]).item()
 
 
+def read_resume_state(args) -> dict | None:
+    """Read and check ``--resume``'s checkpoint before any work is done, so a bad one fails fast."""
+    if not args.resume:
+        return None
+    state = load_checkpoint(args.resume, ["model", "optimizer", "amp", "step", "config", "history"])
+    mismatched = {k: (state["config"].get(k), getattr(args, k)) for k in MODEL_KEYS
+                  if state["config"].get(k) != getattr(args, k)}
+    if mismatched:
+        raise CheckpointError(f"cannot resume from {args.resume}: it was written with different settings "
+                              f"(checkpoint vs now: {mismatched})")
+    if (args.impl == "apex") != (state["amp"] is not None) or not 0 <= int(state["step"]) <= args.steps:
+        raise CheckpointError(f"cannot resume from {args.resume}: its amp state or step count is inconsistent")
+    return state
+
+
 def train(args, info: DistInfo) -> dict:
     impl = args.impl
+    resume_state = read_resume_state(args)
     torch.manual_seed(args.seed)
     train_data, val_data, data_info = load_corpus(max_mb=args.data_mb)
     model = make_model(args, impl).to(info.device)
@@ -258,16 +274,8 @@ def train(args, info: DistInfo) -> dict:
 
     history = {"train": [], "val": []}
     start = 0
-    if args.resume:
-        state = load_checkpoint(args.resume, ["model", "optimizer", "step", "config", "history"])
-        mismatched = {k: (state["config"].get(k), getattr(args, k.replace("-", "_"))) for k in MODEL_KEYS
-                      if state["config"].get(k) != getattr(args, k)}
-        if mismatched:
-            raise CheckpointError(f"cannot resume from {args.resume}: it was written with different settings "
-                                  f"(checkpoint vs now: {mismatched})")
-        if use_amp != (state.get("amp") is not None):
-            raise CheckpointError(f"cannot resume from {args.resume}: it was written by --impl "
-                                  f"{state['config'].get('impl')}, this run uses --impl {impl}")
+    if resume_state is not None:
+        state = resume_state
         try:
             raw_model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,172 @@
+"""The example scripts, run for a few steps with tiny models so they cannot silently rot.
+
+Each test starts the script the way a user does (a fresh ``python`` or ``torchrun`` process), with the
+worktree on ``PYTHONPATH`` in place of an installed apex.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = ROOT / "examples" / "train_gpt.py"
+DIGITS = ROOT / "examples" / "train_digits.py"
+
+# A model of a few thousand parameters on the first MiB of the corpus: a step takes milliseconds.
+TINY_GPT = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4",
+            "--data-mb", "1", "--eval-batches", "2", "--no-progress", "--threads", "1"]
+
+
+def run(*cmd: str | Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def gpt(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
+    return run(sys.executable, GPT, *TINY_GPT, *args, cwd=cwd)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               script, *args, cwd=cwd)
+
+
+def rank_checksums(stdout: str) -> dict[int, str]:
+    return {int(r): c for r, c in re.findall(r"rank (\d+): parameter checksum ([0-9a-f]+)", stdout)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_gpt.py
+
+
+def test_gpt_trains_reports_and_plots(tmp_path):
+    out = tmp_path / "run"
+    proc = ok(gpt("--steps", "12", "--eval-interval", "6", "--norm", "rms", "--sample-len", "16",
+                  "--out", out, cwd=tmp_path))
+    for label in ("steps", "tokens/s", "final train loss", "val loss first -> final", "peak memory", "sample:"):
+        assert label in proc.stdout
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = metrics(out)
+    assert m["steps"] == 12 and m["finished"] and m["impl"] == "apex" and m["dtype"] == "bfloat16"
+    assert [s for s, _ in m["history"]["val"]] == [0, 6, 12]
+    assert len(m["history"]["train"]) == 12 and m["tokens_per_s"] > 0
+    # 12 steps of a tiny model already move the loss off its starting point of about ln(256).
+    assert m["final_val_loss"] < m["first_val_loss"] < 6.0
+
+
+def test_gpt_compare_puts_both_runs_side_by_side(tmp_path):
+    out = tmp_path / "cmp"
+    proc = ok(gpt("--steps", "6", "--eval-interval", "3", "--sample-len", "0", "--compare", "--out", out,
+                  cwd=tmp_path))
+    assert "apex / PyTorch" in proc.stdout and "speed ratio" in proc.stdout
+    a, t = metrics(out / "apex"), metrics(out / "torch")
+    assert (a["impl"], a["dtype"], t["impl"], t["dtype"]) == ("apex", "bfloat16", "torch", "float32")
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["speed_ratio"] == pytest.approx(a["tokens_per_s"] / t["tokens_per_s"])
+    # Same seed, same data: after 6 steps the bf16 and fp32 runs are still close.
+    assert abs(summary["val_loss_rel_diff"]) < 0.03
+    assert (out / "compare.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An uninterrupted 10-step run that also saves a checkpoint at the end."""
+    tmp = tmp_path_factory.mktemp("gpt_full")
+    ok(gpt("--steps", "10", "--eval-interval", "4", "--sample-len", "0", "--save", tmp / "ckpt",
+           "--out", tmp / "out", cwd=tmp))
+    return tmp
+
+
+def test_gpt_resume_equals_uninterrupted(tmp_path, uninterrupted):
+    common = ["--steps", "10", "--eval-interval", "4", "--sample-len", "0", "--save-every", "3",
+              "--out", tmp_path / "out"]
+    ckpt = tmp_path / "ckpt"
+    stopped = ok(gpt(*common, "--save", ckpt, "--stop-at", "5", cwd=tmp_path))
+    assert "stopped at step 5 of 10" in stopped.stdout
+    resumed = ok(gpt(*common, "--resume", ckpt, cwd=tmp_path))
+    assert "resumed from" in resumed.stdout and "at step 5/10" in resumed.stdout
+    full, part = metrics(uninterrupted / "out"), metrics(tmp_path / "out")
+    # Bit for bit: the loss curves of both runs and the final parameters are the same.
+    assert part["history"] == full["history"]
+    assert part["checksums"] == full["checksums"]
+
+
+@pytest.fixture
+def gpt_main():
+    """train_gpt.main, called in this process (a refused checkpoint costs no interpreter start-up)."""
+    spec = importlib.util.spec_from_file_location("train_gpt_under_test", GPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module.main
+    torch.set_num_threads(threads)
+
+
+def test_gpt_resume_refuses_missing_and_corrupt_checkpoints(tmp_path, uninterrupted, gpt_main, capsys):
+    args = [*TINY_GPT, "--steps", "10", "--eval-interval", "4", "--sample-len", "0",
+            "--out", str(tmp_path / "out")]
+
+    def refused(*extra: str | Path) -> str:
+        assert gpt_main([*args, *map(str, extra)]) == 2
+        return capsys.readouterr().err
+
+    assert "no checkpoint found" in refused("--resume", tmp_path / "nowhere")
+    good = (uninterrupted / "ckpt" / "checkpoint.pt").read_bytes()
+    for name, data in {"truncated": good[: len(good) // 2], "garbage": b"not a checkpoint\n" * 10}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoint.pt").write_bytes(data)
+        assert "corrupt or unreadable" in refused("--resume", tmp_path / name), name
+    # A checkpoint of another model shape, or of the fp32 baseline, is refused too.
+    assert "different settings" in refused("--n-embd", "64", "--resume", uninterrupted / "ckpt")
+    assert "different settings" in refused("--impl", "torch", "--resume", uninterrupted / "ckpt")
+    assert not (tmp_path / "out").exists()  # never a silent fresh start
+
+
+def test_gpt_torchrun_two_ranks_end_identical(tmp_path):
+    proc = ok(torchrun(GPT, *TINY_GPT, "--steps", "4", "--eval-interval", "2", "--sample-len", "0",
+                       "--out", str(tmp_path / "out"), cwd=tmp_path))
+    sums = rank_checksums(proc.stdout)
+    assert sorted(sums) == [0, 1] and sums[0] == sums[1]
+    assert "all 2 ranks have identical parameters" in proc.stdout
+    m = metrics(tmp_path / "out")
+    assert m["world_size"] == 2 and m["tokens_per_step"] == 2 * 4 * 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_digits.py
+
+
+def test_digits_learns_with_larc(tmp_path):
+    proc = ok(run(sys.executable, DIGITS, "--epochs", "2", "--width", "16", "--larc", "--no-progress",
+                  "--threads", "1", cwd=tmp_path))
+    assert "FusedSGD + LARC" in proc.stdout
+    acc = float(re.search(r"test accuracy: ([\d.]+)%", proc.stdout).group(1))
+    assert acc > 80.0  # chance is 10%
+
+
+def test_digits_torchrun_syncbn_two_ranks_end_identical(tmp_path):
+    proc = ok(torchrun(DIGITS, "--epochs", "1", "--width", "8", "--no-progress", cwd=tmp_path))
+    sums = rank_checksums(proc.stdout)
+    assert sorted(sums) == [0, 1] and sums[0] == sums[1]
+    assert "SyncBatchNorm + DDP" in proc.stdout and "test accuracy:" in proc.stdout
