@@ -20,7 +20,9 @@ Examples::
     python examples/train_gpt.py --resume runs/ckpt   # continue exactly where it stopped
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20
 
-Outputs go to ``--out`` (default ``runs/train_gpt``): ``metrics.json`` and ``loss.png``.
+Outputs go to ``--out`` (default ``runs/train_gpt``): ``metrics.json`` and ``loss.png`` (``compare.png`` with
+``--compare``). ``--compare`` trains both models in one process, alternating steps on the same batches, so
+that both see the same machine load and the speed ratio is fair on a busy machine.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -220,19 +221,115 @@ def amp_dtype(args, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, val: torch.Tensor, args, info: DistInfo) -> float:
-    """Mean loss over a fixed set of validation batches, shared out among the ranks."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    for i in range(info.rank, args.eval_batches, info.world_size):
-        x, y = get_batch(val, args.batch_size, args.block_size, seed=10_000_019 + i)
-        _, loss = model(x.to(info.device), y.to(info.device))
-        total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-    if info.distributed:
-        dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
+class Run:
+    """One model with its optimizer, trained step by step: apex (amp + FusedAdam + fused norm) or the plain
+    PyTorch fp32 baseline. ``--compare`` trains one of each on the same batches, step for step, so that the
+    speed ratio is measured under the same machine load."""
+
+    def __init__(self, args, info: DistInfo, impl: str):
+        self.args, self.info, self.impl, self.use_amp = args, info, impl, impl == "apex"
+        torch.manual_seed(args.seed)  # both implementations start from the same weights
+        model = make_model(args, impl).to(info.device)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        groups = param_groups(model, args.weight_decay)
+        if self.use_amp:
+            optimizer = FusedAdam(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True)
+            self.dtype = amp_dtype(args, info.device)
+            model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+            self.dtype = torch.float32
+        self.raw, self.optimizer = model, optimizer
+        self.model = DDP(model) if info.distributed else model
+        self.history: dict[str, list] = {"train": [], "val": []}
+        self.train_time, self.timed_steps = 0.0, 0
+
+    def load(self, state: dict) -> None:
+        try:
+            self.raw.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.use_amp:
+                amp.load_state_dict(state["amp"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"cannot resume from {self.args.resume}: {exc}") from exc
+        self.history = state["history"]
+
+    def state(self, step: int) -> dict:
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "amp": amp.state_dict() if self.use_amp else None, "step": step,
+                "config": vars(self.args), "history": self.history}
+
+    def train_step(self, step: int, x: torch.Tensor, y: torch.Tensor, timed: bool) -> float:
+        args, info = self.args, self.info
+        t0 = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        _, loss = self.model(x, y)
+        if self.use_amp:
+            with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+                scaled_loss.backward()
+            params = amp.master_params(self.optimizer)  # gradients are unscaled when the block exits
+        else:
+            loss.backward()
+            params = self.model.parameters()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_t = loss.detach().float()
+        if info.distributed:
+            dist.all_reduce(loss_t)
+            loss_t /= info.world_size
+        value = loss_t.item()  # waits for the step to finish, so the timing is honest
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        if timed:
+            self.train_time += time.perf_counter() - t0
+            self.timed_steps += 1
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{self.impl}: training diverged at step {step} (loss {value})")
+        self.history["train"].append((step, value))
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, val: torch.Tensor) -> float:
+        """Mean loss over a fixed set of validation batches, shared out among the ranks."""
+        args, info = self.args, self.info
+        self.raw.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(info.rank, args.eval_batches, info.world_size):
+            x, y = get_batch(val, args.batch_size, args.block_size, seed=10_000_019 + i)
+            _, loss = self.raw(x.to(info.device), y.to(info.device))
+            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        if info.distributed:
+            dist.all_reduce(total)
+        self.raw.train()
+        return (total[0] / total[1]).item()
+
+    def tokens_per_s(self) -> float:
+        tokens = self.args.batch_size * self.args.block_size * self.info.world_size
+        return tokens * self.timed_steps / self.train_time if self.train_time else float("nan")
+
+    def state_mib(self) -> float:
+        """Parameters (and amp's master copies, if any) plus optimizer state, in MiB."""
+        tensors = {id(p): p for p in self.raw.parameters()}
+        for group in self.optimizer.param_groups:
+            tensors.update((id(p), p) for p in group["params"])
+        for st in self.optimizer.state.values():
+            tensors.update((id(t), t) for t in st.values() if torch.is_tensor(t))
+        return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+
+    def result(self, done: int) -> dict:
+        h = self.history
+        tail = [v for _, v in h["train"]][-self.args.eval_interval:] or [float("nan")]
+        return {
+            "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "steps": done,
+            "finished": done >= self.args.steps, "params": self.n_params, "tokens_per_s": self.tokens_per_s(),
+            "train_time_s": self.train_time, "final_train_loss": sum(tail) / len(tail),
+            "first_val_loss": h["val"][0][1] if h["val"] else float("nan"),
+            "final_val_loss": h["val"][-1][1] if h["val"] else float("nan"),
+            "state_mib": self.state_mib(), "checksums": gather_checksums(self.raw, self.info), "history": h,
+        }
 
 
 def read_resume_state(args) -> dict | None:
@@ -250,202 +347,120 @@ def read_resume_state(args) -> dict | None:
     return state
 
 
-def train(args, info: DistInfo) -> dict:
-    impl = args.impl
-    resume_state = read_resume_state(args)
-    torch.manual_seed(args.seed)
-    train_data, val_data, data_info = load_corpus(max_mb=args.data_mb)
-    model = make_model(args, impl).to(info.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    groups = param_groups(model, args.weight_decay)
-    betas = (0.9, 0.95)
-    use_amp = impl == "apex"
-    if use_amp:
-        optimizer = FusedAdam(groups, lr=args.lr, betas=betas, eps=1e-8, adam_w_mode=True)
-        half = amp_dtype(args, info.device)
-        amp_kwargs = {} if half == amp_dtype(argparse.Namespace(dtype="auto"), info.device) else \
-            {"cast_model_type": half}
-        model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0,
-                                          **amp_kwargs)
-    else:
-        half = torch.float32
-        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=1e-8)
-    raw_model = model
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "norm", "impl", "batch_size", "seed", "steps",
+              "lr", "warmup", "weight_decay", "grad_clip", "opt_level", "dtype", "data_mb")
 
-    history = {"train": [], "val": []}
+
+def train(args, info: DistInfo) -> dict:
+    resume_state = read_resume_state(args)
+    train_data, val_data, data_info = load_corpus(max_mb=args.data_mb)
+    runs = [Run(args, info, impl) for impl in (("apex", "torch") if args.compare else (args.impl,))]
     start = 0
     if resume_state is not None:
-        state = resume_state
-        try:
-            raw_model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            if use_amp:
-                amp.load_state_dict(state["amp"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"cannot resume from {args.resume}: {exc}") from exc
-        start, history = int(state["step"]), state["history"]
+        runs[0].load(resume_state)
+        start = int(resume_state["step"])
         if info.is_main:
-            print(f"resumed from {args.resume} at step {start}/{args.steps}")
-
-    if info.distributed:
-        model = DDP(model)
-
+            print(f"resumed from {args.resume} at step {start}/{args.steps}", flush=True)
     save_dir = args.save or args.resume
 
     def checkpoint(step: int) -> None:
-        if not save_dir or not info.is_main:
-            return
-        save_checkpoint(save_dir, {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            "amp": amp.state_dict() if use_amp else None, "step": step,
-            "config": vars(args), "history": history,
-        })
+        if save_dir and info.is_main:
+            save_checkpoint(save_dir, runs[0].state(step))
 
-    tokens_per_step = args.batch_size * args.block_size * info.world_size
     bar = tqdm(total=args.steps, initial=start, disable=not info.is_main or args.no_progress, unit="step",
-               dynamic_ncols=True, desc=impl, file=sys.stderr)
-    train_time, timed_steps, val_loss = 0.0, 0, float("nan")
-    stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
-    step = start
+               dynamic_ncols=True, desc="train", file=sys.stderr)
+    stop = args.steps if args.stop_at is None else max(start, min(args.steps, args.stop_at))
+    val = {}
     for step in range(start, stop):
         if step % args.eval_interval == 0:
-            val_loss = evaluate(model, val_data, args, info)
-            history["val"].append((step, val_loss))
-        t0 = time.perf_counter()
+            for run in runs:
+                val[run.impl] = run.evaluate(val_data)
+                run.history["val"].append((step, val[run.impl]))
         x, y = get_batch(train_data, args.batch_size, args.block_size,
                          batch_seed(args.seed, step, info.rank, info.world_size))
         x, y = x.to(info.device), y.to(info.device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        _, loss = model(x, y)
-        if use_amp:
-            with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()
-            params = amp.master_params(optimizer)
-        else:
-            loss.backward()
-            params = model.parameters()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_t = loss.detach().float()
-        if info.distributed:
-            dist.all_reduce(loss_t)
-            loss_t /= info.world_size
-        loss_v = loss_t.item()  # also waits for the step to finish, so the timing below is honest
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        dt = time.perf_counter() - t0
-        if step > start:  # the first step pays one-off costs (allocator warm-up, kernel selection)
-            train_time += dt
-            timed_steps += 1
-        history["train"].append((step, loss_v))
-        if not math.isfinite(loss_v):
-            raise FloatingPointError(f"training diverged at step {step}: loss {loss_v}")
-        bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}",
-                        tok_s=f"{tokens_per_step * timed_steps / max(train_time, 1e-9):,.0f}", refresh=False)
+        postfix = {}
+        for run in runs:
+            # The first step of a process pays one-off costs (allocator warm-up, kernel selection).
+            loss = run.train_step(step, x, y, timed=step > start)
+            postfix[run.impl] = f"loss {loss:.3f} val {val.get(run.impl, float('nan')):.3f} " \
+                                f"{run.tokens_per_s():,.0f} tok/s"
+        bar.set_postfix(postfix, refresh=False)
         bar.update(1)
-        if args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             checkpoint(step + 1)
     bar.close()
-    done = stop if stop > start else start
-    finished = done >= args.steps
-    if finished and (not history["val"] or history["val"][-1][0] != done):
-        history["val"].append((done, evaluate(model, val_data, args, info)))
-    checkpoint(done)
+    if stop >= args.steps:
+        for run in runs:
+            if not run.history["val"] or run.history["val"][-1][0] != stop:
+                run.history["val"].append((stop, run.evaluate(val_data)))
+    checkpoint(stop)
 
-    checksums = gather_checksums(raw_model, info)
     peak, peak_kind = peak_memory_mib(info.device)
-    train_losses = [v for _, v in history["train"]]
-    tail = train_losses[-args.eval_interval:] or [float("nan")]
-    result = {
-        "impl": impl, "dtype": str(half).replace("torch.", ""), "steps": done, "finished": finished,
-        "params": n_params, "world_size": info.world_size, "threads": torch.get_num_threads(),
-        "device": str(info.device), "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step * timed_steps / train_time if train_time else float("nan"),
-        "train_time_s": train_time, "final_train_loss": sum(tail) / len(tail),
-        "final_val_loss": history["val"][-1][1] if history["val"] else float("nan"),
-        "first_val_loss": history["val"][0][1] if history["val"] else float("nan"),
-        "peak_memory_mib": peak, "peak_memory_kind": peak_kind, "checksums": checksums,
-        "data": data_info, "history": history, "config": vars(args),
-    }
-    if info.is_main and finished and args.sample_len > 0:
-        text = raw_model.generate(b"def ", args.sample_len, seed=args.seed)
-        result["sample"] = text.decode("utf-8", errors="replace")
-    return result
-
-
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "norm", "impl", "batch_size", "seed", "steps",
-              "lr", "warmup", "weight_decay", "opt_level", "dtype", "data_mb")
+    out = {"runs": {run.impl: run.result(stop) for run in runs}, "steps": stop, "finished": stop >= args.steps,
+           "world_size": info.world_size, "threads": torch.get_num_threads(), "device": str(info.device),
+           "tokens_per_step": args.batch_size * args.block_size * info.world_size,
+           "peak_memory_mib": peak, "peak_memory_kind": peak_kind, "data": data_info, "config": vars(args)}
+    if args.compare:
+        a, t = out["runs"]["apex"], out["runs"]["torch"]
+        out["speed_ratio"] = a["tokens_per_s"] / t["tokens_per_s"]
+        out["val_loss_rel_diff"] = (a["final_val_loss"] - t["final_val_loss"]) / t["final_val_loss"]
+        out["train_loss_rel_diff"] = (a["final_train_loss"] - t["final_train_loss"]) / t["final_train_loss"]
+    if info.is_main and out["finished"] and args.sample_len > 0:
+        text = runs[0].raw.generate(b"def ", args.sample_len, seed=args.seed)
+        out["sample"] = text.decode("utf-8", errors="replace")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Reporting.
 
+LABELS = {"apex": "apex", "torch": "PyTorch"}
 
-def report(result: dict, out: Path) -> None:
-    r = result
-    drop = 1 - r["final_val_loss"] / r["first_val_loss"]
+
+def describe(r: dict, norm: str) -> str:
+    if r["impl"] == "apex":
+        return f"amp O1 {r['dtype']}, FusedAdam, Fused{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
+    return f"fp32, AdamW, nn.{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
+
+
+def report(out: dict, directory: Path) -> None:
+    runs = list(out["runs"].values())
+    norm = out["config"]["norm"]
+    rel = lambda k: f"{runs[0][k] / runs[1][k] - 1:+.2%}"
+    ratio = lambda k: f"{runs[0][k] / runs[1][k]:.2f}x"
     rows = [
-        ["implementation", "apex amp O1 + FusedAdam + Fused" + ("LayerNorm" if r["config"]["norm"] == "layer"
-                                                               else "RMSNorm")
-         if r["impl"] == "apex" else "PyTorch fp32 + AdamW + nn.LayerNorm"],
-        ["compute dtype", r["dtype"]],
-        ["parameters", f"{r['params'] / 1e6:.2f} M"],
-        ["steps", r["steps"]],
-        ["ranks x threads", f"{r['world_size']} x {r['threads']}"],
-        ["tokens/s", f"{r['tokens_per_s']:,.0f}"],
-        ["train time", f"{r['train_time_s']:.1f} s"],
-        ["final train loss", f"{r['final_train_loss']:.4f}"],
-        ["val loss first -> final",
-         f"{r['first_val_loss']:.4f} -> {r['final_val_loss']:.4f} ({drop:.0%} lower)"],
-        [f"peak memory ({r['peak_memory_kind']})", f"{r['peak_memory_mib']:,.0f} MiB"],
+        ("", [LABELS[r["impl"]] for r in runs], "apex / PyTorch"),
+        ("setup", [describe(r, norm) for r in runs], ""),
+        ("parameters", [f"{r['params'] / 1e6:.2f} M" for r in runs], ""),
+        ("steps", [str(r["steps"]) for r in runs], ""),
+        ("ranks x threads", [f"{out['world_size']} x {out['threads']}" for r in runs], ""),
+        ("tokens/s", [f"{r['tokens_per_s']:,.0f}" for r in runs], lambda: ratio("tokens_per_s")),
+        ("train time (s)", [f"{r['train_time_s']:.1f}" for r in runs], lambda: ratio("train_time_s")),
+        ("final train loss", [f"{r['final_train_loss']:.4f}" for r in runs], lambda: rel("final_train_loss")),
+        ("final val loss", [f"{r['final_val_loss']:.4f}" for r in runs], lambda: rel("final_val_loss")),
+        ("val loss drop", [f"{1 - r['final_val_loss'] / r['first_val_loss']:.0%} (from {r['first_val_loss']:.2f})"
+                           for r in runs], ""),
+        ("weights + optimizer state (MiB)", [f"{r['state_mib']:.1f}" for r in runs], lambda: ratio("state_mib")),
     ]
-    print(format_table(rows, ["", "value"]))
-    plot = plot_losses(out / "loss.png", {r["impl"]: r["history"]},
-                       f"byte-level GPT on the Python stdlib ({r['params'] / 1e6:.1f}M params, {r['dtype']})")
+    compare = len(runs) == 2
+    table = [[name, *cells, (last() if callable(last) else last)] if compare else [name, *cells]
+             for name, cells, last in rows[1:]]
+    print(format_table(table, ["", *rows[0][1], rows[0][2]] if compare else ["", *rows[0][1]]))
+    print(f"peak memory ({out['peak_memory_kind']}{', both runs' if compare else ''}): "
+          f"{out['peak_memory_mib']:,.0f} MiB")
+    if compare:
+        print(f"speed ratio (tokens/s, apex / PyTorch): {out['speed_ratio']:.2f}x; "
+              f"final val loss difference: {out['val_loss_rel_diff']:+.2%}")
+        title = (f"apex {runs[0]['dtype']} runs at {out['speed_ratio']:.2f}x the speed of PyTorch fp32; "
+                 f"final val loss differs by {out['val_loss_rel_diff']:+.2%}")
+    else:
+        title = f"byte-level GPT on the Python stdlib ({runs[0]['params'] / 1e6:.1f}M params, {runs[0]['dtype']})"
+    plot = plot_losses(directory / ("compare.png" if compare else "loss.png"),
+                       {f"{LABELS[r['impl']]} {r['dtype']}": r["history"] for r in runs}, title)
     print(f"loss curves: {plot}")
-    if "sample" in r:
-        print("sample:\n" + "-" * 60 + "\n" + r["sample"] + "\n" + "-" * 60)
-
-
-def run_compare(args, argv: list[str]) -> int:
-    """Run apex and the plain PyTorch baseline one after the other, each in a fresh process (so memory
-    peaks and warm-up are each run's own), then put them side by side."""
-    out = Path(args.out)
-    results = {}
-    for impl in ("apex", "torch"):
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--impl", impl, "--out", str(out / impl)]
-        print(f"== {impl}: {' '.join(cmd[1:])}", flush=True)
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            print(f"error: the {impl} run failed with exit code {rc}", file=sys.stderr)
-            return rc
-        results[impl] = json.loads((out / impl / "metrics.json").read_text())
-    a, t = results["apex"], results["torch"]
-    speed = a["tokens_per_s"] / t["tokens_per_s"]
-    dval = (a["final_val_loss"] - t["final_val_loss"]) / t["final_val_loss"]
-    dtrain = (a["final_train_loss"] - t["final_train_loss"]) / t["final_train_loss"]
-    fmt = lambda r: [f"{r['dtype']}", f"{r['tokens_per_s']:,.0f}", f"{r['train_time_s']:.1f}",
-                     f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
-                     f"{r['peak_memory_mib']:,.0f}"]
-    print(format_table([["apex (amp O1, FusedAdam, Fused norm)", *fmt(a)],
-                        ["PyTorch (fp32, AdamW, nn.LayerNorm)", *fmt(t)],
-                        ["apex / PyTorch", "", f"{speed:.2f}x",
-                         f"{a['train_time_s'] / t['train_time_s']:.2f}x",
-                         f"{dtrain:+.2%}", f"{dval:+.2%}",
-                         f"{a['peak_memory_mib'] / t['peak_memory_mib']:.2f}x"]],
-                       ["run", "dtype", "tokens/s", "train s", "final train", "final val", "peak MiB"]))
-    runs = {"apex " + a["dtype"]: a["history"], "PyTorch fp32": t["history"]}
-    plot = plot_losses(out / "compare.png", runs,
-                       f"apex {a['dtype']} is {speed:.2f}x the speed of PyTorch fp32; "
-                       f"final val loss differs by {dval:+.2%}")
-    summary = {"speed_ratio": speed, "val_loss_rel_diff": dval, "train_loss_rel_diff": dtrain}
-    (out / "compare.json").write_text(json.dumps(summary, indent=2))
-    print(f"speed ratio (tokens/s, apex / PyTorch): {speed:.2f}x; final val loss difference: {dval:+.2%}")
-    print(f"loss curves: {plot}")
-    return 0
+    if "sample" in out:
+        print("sample (apex model, prompt 'def '):\n" + "-" * 60 + "\n" + out["sample"] + "\n" + "-" * 60)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -483,7 +498,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     o = p.add_argument_group("outputs and checkpoints")
     o.add_argument("--out", default="runs/train_gpt", help="directory for metrics.json and the loss plot")
     o.add_argument("--compare", action="store_true",
-                   help="run apex and the fp32 PyTorch baseline with the same seed and compare them")
+                   help="train apex and the fp32 PyTorch baseline side by side (same seed, same batches, "
+                        "steps interleaved) and compare speed and loss")
     o.add_argument("--save", metavar="DIR",
                    help="write a checkpoint to DIR every --save-every steps and at the end")
     o.add_argument("--save-every", type=int, default=100)
@@ -492,6 +508,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="stop at STEP as if interrupted (the schedule still spans --steps)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.compare and (args.save or args.resume):
+        p.error("--compare does not checkpoint; drop --save/--resume")
     for name in ("steps", "batch_size", "eval_interval", "eval_batches", "n_layer", "n_head", "n_embd",
                  "block_size"):
         if getattr(args, name) <= 0:
@@ -500,55 +518,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.compare:
-        if "RANK" in os.environ:
-            raise SystemExit("error: --compare runs two single-process trainings; start it with python, "
-                             "not torchrun")
-        strip = {"--compare"}
-        child = [a for a in argv if a not in strip]
-        # drop any --impl/--out the user gave: each side gets its own
-        for flag in ("--impl", "--out"):
-            while flag in child:
-                i = child.index(flag)
-                del child[i:i + 2]
-            child = [a for a in child if not a.startswith(flag + "=")]
-        return run_compare(args, child)
-
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     info = setup_distributed(args.device, args.dist_timeout)
     try:
         threads = set_cpu_threads(args.threads, info) if info.device.type == "cpu" else 0
         if info.is_main:
-            print(f"train_gpt: impl={args.impl} device={info.device} ranks={info.world_size} "
-                  f"threads/rank={threads or torch.get_num_threads()}", flush=True)
+            what = "apex vs PyTorch fp32, step for step" if args.compare else args.impl
+            print(f"train_gpt: {what} on {info.device}, {info.world_size} rank(s) x "
+                  f"{threads or torch.get_num_threads()} thread(s)", flush=True)
         t0 = time.perf_counter()
         try:
-            result = train(args, info)
+            out = train(args, info)
         except CheckpointError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        result["wall_time_s"] = time.perf_counter() - t0
-        checks = result["checksums"]
-        if info.distributed:
-            same = len(set(checks)) == 1
-            print(f"rank {info.rank}: parameter checksum {checks[info.rank]}", flush=True)
-            if info.is_main:
-                print(f"all {info.world_size} ranks have identical parameters" if same
-                      else f"error: ranks have different parameters: {checks}")
-            if not same:
-                return 3
+        out["wall_time_s"] = time.perf_counter() - t0
+        same = True
+        for run in out["runs"].values():
+            checks = run["checksums"]
+            if info.distributed:
+                same &= len(set(checks)) == 1
+                print(f"rank {info.rank}: parameter checksum {checks[info.rank]} ({run['impl']})", flush=True)
         if info.is_main:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.json").write_text(json.dumps(result, indent=1))
-            if result["finished"]:
-                report(result, out)
+            if info.distributed:
+                print(f"all {info.world_size} ranks have identical parameters" if same
+                      else "error: the ranks' parameters differ")
+            directory = Path(args.out)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "metrics.json").write_text(json.dumps(out, indent=1))
+            if out["finished"]:
+                report(out, directory)
             else:
                 where = args.save or args.resume
-                print(f"stopped at step {result['steps']} of {args.steps}"
+                print(f"stopped at step {out['steps']} of {args.steps}"
                       + (f"; resume with --resume {where}" if where else ""))
-        return 0
+        return 0 if same else 3
     finally:
         cleanup_distributed(info)
 
