@@ -75,12 +75,12 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
+    dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_B:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for t in range(0, tiles_per_prog):
         rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -133,8 +133,8 @@ def _reduce_kernel(DWp, DBp, DW, DB, P, N, HAS_B: tl.constexpr, BLOCK_P: tl.cons
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_w = tl.full([BLOCK_N], 0.0, tl.float32)
+    acc_b = tl.full([BLOCK_N], 0.0, tl.float32)
     for p0 in range(0, P, BLOCK_P):
         prow = p0 + tl.arange(0, BLOCK_P)
         mask = (prow < P)[:, None] & cmask[None, :]

@@ -67,9 +67,21 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@torch.compiler.assume_constant_result
+def _select_for_device(device_type: str) -> str:
+    # The backend override lives in a context variable, which torch.compile cannot trace: the choice is
+    # made once while tracing and baked into the graph.
+    return _backend.select(torch.empty(0, device=device_type))
+
+
+def select(input: torch.Tensor) -> str:
+    """``apex._backend.select`` for one tensor, usable inside ``torch.compile``-traced code."""
+    return _select_for_device(input.device.type)
+
+
 def use_kernel(input: torch.Tensor, out_dtype: torch.dtype, n: int, *params) -> bool:
     """True when the Triton kernels run this call (backend choice, dtypes and row length they cover)."""
-    if _backend.select(input) != "triton":
+    if select(input) != "triton":
         return False
     dtypes = [input.dtype, out_dtype] + [p.dtype for p in params if p is not None]
     return all(d in KERNEL_DTYPES for d in dtypes) and n <= MAX_FUSED_N

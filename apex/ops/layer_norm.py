@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apex import _backend
-from apex.ops._norm import check_args, rows_view, stats_dtype, use_kernel
+from apex.ops._norm import check_args, rows_view, select, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
 
@@ -194,7 +193,7 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     the weight dtype)."""
     shape, _, _ = check_args(input, normalized_shape, weight, bias)
     out_dtype = out_dtype or input.dtype
-    if not memory_efficient and _backend.select(input) == "torch":
+    if not memory_efficient and select(input) == "torch":
         return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
     return torch.ops.apex.layer_norm_fwd(input, weight, bias, list(shape), float(eps), bool(memory_efficient),
                                          out_dtype)[0]
