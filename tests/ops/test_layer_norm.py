@@ -137,17 +137,17 @@ def test_layer_norm_mixed_dtypes(backend_name):
     assert_rel_close(plain, ref_y, torch.bfloat16)
 
 
-def test_layer_norm_wide_row_and_many_rows(backend_name):
+@pytest.mark.parametrize("shape", [(3, 65536), (1000, 3)], ids=str)
+def test_layer_norm_wide_row_and_many_rows(backend_name, shape):
     """Rows of 65,536 elements (the widest one-block row) and more rows than programs."""
-    for shape in [(3, 65536), (1000, 3)]:
-        x = torch.randn(shape, requires_grad=True)
-        w, b = _params(shape[-1:], torch.float32)
-        dy = torch.randn(shape)
-        with _trace(backend_name, x, w, b, dy):
-            y, grads = _run(lambda: L.layer_norm(x, shape[-1:], w, b, 1e-5), x, w, dy, b)
-        ref_y, ref_g = _ref(x, shape[-1:], w, b, dy, 1e-5)
-        assert_rel_close(y, ref_y, tol=1e-5)
-        assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+    x = torch.randn(shape, requires_grad=True)
+    w, b = _params(shape[-1:], torch.float32)
+    dy = torch.randn(shape)
+    with _trace(backend_name, x, w, b, dy):
+        y, grads = _run(lambda: L.layer_norm(x, shape[-1:], w, b, 1e-5), x, w, dy, b)
+    ref_y, ref_g = _ref(x, shape[-1:], w, b, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
 
 
 def test_layer_norm_backward_is_deterministic(backend_name):
