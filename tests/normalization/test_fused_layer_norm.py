@@ -143,12 +143,14 @@ def test_functional_signatures_match_apex():
          ["input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"]),
         (fused_rms_norm_affine, ["input", "weight", "normalized_shape", "eps", "memory_efficient"]),
         (fused_rms_norm, ["input", "normalized_shape", "eps", "memory_efficient"]),
-        (mixed_dtype_fused_rms_norm_affine, ["input", "weight", "normalized_shape", "eps", "memory_efficient"]),
+        (mixed_dtype_fused_rms_norm_affine,
+         ["input", "weight", "normalized_shape", "eps", "memory_efficient"]),
     ]:
         sig = inspect.signature(fn)
         assert list(sig.parameters) == params, fn.__name__
         assert sig.parameters["eps"].default == 1e-6 and sig.parameters["memory_efficient"].default is False
-    assert list(inspect.signature(manual_rms_norm).parameters) == ["input", "normalized_shape", "weight", "eps"]
+    manual = list(inspect.signature(manual_rms_norm).parameters)
+    assert manual == ["input", "normalized_shape", "weight", "eps"]
 
 
 def test_functional_forms_match_float64(backend_name):
@@ -201,34 +203,34 @@ def test_autocast_casts_arguments_like_apex():
 
 
 # ------------------------------------------------------------------------------- autograd Functions
-def test_autograd_functions_apex_argument_order(backend_name):
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_autograd_functions_apex_argument_order(backend_name, mem_eff):
     x = torch.randn(6, 2, 8, requires_grad=True)
     w = (1 + 0.25 * torch.randn(2, 8)).requires_grad_()
     b = (0.25 * torch.randn(2, 8)).requires_grad_()
     dy = torch.randn(6, 2, 8)
     ns = (2, 8)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
-    for mem_eff in (False, True):
-        cases = [
-            (lambda: FusedLayerNormAffineFunction.apply(x, w, b, ns, 1e-5, mem_eff),
-             lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
-            (lambda: FusedLayerNormAffineMixedDtypesFunction.apply(x, w, b, ns, 1e-5, mem_eff),
-             lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
-            (lambda: FusedLayerNormFunction.apply(x, ns, 1e-5, mem_eff), lambda: _ln64(x64, ns, None, None, 1e-5),
-             1),
-            (lambda: FusedRMSNormAffineFunction.apply(x, w, ns, 1e-5, mem_eff),
-             lambda: _rms64(x64, ns, w64, 1e-5), 2),
-            (lambda: FusedRMSNormAffineMixedDtypesFunction.apply(x, w, ns, 1e-5, mem_eff),
-             lambda: _rms64(x64, ns, w64, 1e-5), 2),
-            (lambda: FusedRMSNormFunction.apply(x, ns, 1e-5, mem_eff), lambda: _rms64(x64, ns, None, 1e-5), 1),
-        ]
-        for ours, ref, n_leaves in cases:
-            with _trace(backend_name):
-                y = ours()
-                g = _grads(y, [x, w, b][:n_leaves], dy)
-            r = ref()
-            assert_rel_close(y, r, tol=1e-5)
-            assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
+    cases = [
+        (lambda: FusedLayerNormAffineFunction.apply(x, w, b, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
+        (lambda: FusedLayerNormAffineMixedDtypesFunction.apply(x, w, b, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
+        (lambda: FusedLayerNormFunction.apply(x, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, None, None, 1e-5), 1),
+        (lambda: FusedRMSNormAffineFunction.apply(x, w, ns, 1e-5, mem_eff),
+         lambda: _rms64(x64, ns, w64, 1e-5), 2),
+        (lambda: FusedRMSNormAffineMixedDtypesFunction.apply(x, w, ns, 1e-5, mem_eff),
+         lambda: _rms64(x64, ns, w64, 1e-5), 2),
+        (lambda: FusedRMSNormFunction.apply(x, ns, 1e-5, mem_eff), lambda: _rms64(x64, ns, None, 1e-5), 1),
+    ]
+    for ours, ref, n_leaves in cases:
+        with _trace(backend_name):
+            y = ours()
+            g = _grads(y, [x, w, b][:n_leaves], dy)
+        r = ref()
+        assert_rel_close(y, r, tol=1e-5)
+        assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
     # Defaults: memory_efficient may be left out, as Apex's callers do.
     assert FusedRMSNormFunction.apply(x, ns, 1e-5).shape == x.shape
     xb = x.detach().to(torch.bfloat16)
