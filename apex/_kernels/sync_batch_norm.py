@@ -100,8 +100,8 @@ def _grad_act(dy_ptr, x_ptr, z_ptr, off, mask, scale, shift, HAS_Z: tl.constexpr
 
 
 @triton.jit
-def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr, s1_ptr, s2_ptr, C, L, R, ITERS,
-                            HAS_Z: tl.constexpr, RELU: tl.constexpr,
+def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr, s1_ptr, s2_ptr,
+                            C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc = tl.program_id(0)
     pr = tl.program_id(1)
@@ -122,9 +122,9 @@ def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr
 
 
 @triton.jit
-def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, scale_ptr, shift_ptr, mdy_ptr, k_ptr,
-                           C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr, NEED_DZ: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, scale_ptr, shift_ptr, mdy_ptr,
+                           k_ptr, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
+                           NEED_DZ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc = tl.program_id(0)
     pr = tl.program_id(1)
     c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -173,7 +173,8 @@ def backward_reduce(dy, x, mean, scale, shift, z, fuse_relu: bool):
     return s1.sum(0), s2.sum(0)
 
 
-def backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu: bool, need_dz: bool):
+def backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu: bool,
+                   need_dz: bool):
     C, L, R, bc, br, rows, iters = _layout(x)
     dx = torch.empty_like(x)
     dz = torch.empty_like(x) if need_dz else dx

@@ -285,7 +285,9 @@ class DistributedDataParallel(Module):
     def forward(self, *inputs, **kwargs):
         self._register_hooks()
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if len(params) != len(self.active_params) or any(a is not b for a, b in zip(params, self.active_params)):
+        changed = len(params) != len(self.active_params) or any(
+            a is not b for a, b in zip(params, self.active_params))
+        if changed:
             self.active_params = params
             self._param_index = {id(p): i for i, p in enumerate(params)}
             self.needs_refresh = True

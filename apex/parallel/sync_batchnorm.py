@@ -87,7 +87,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
         dy = grad_output.contiguous().reshape(x.shape)
         C = x.shape[1]
         if x.numel():
-            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz, fuse_relu)
+            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz,
+                                                                fuse_relu)
         else:
             sum_dy = sum_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
         need_x, need_z, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -106,13 +107,13 @@ class SyncBatchnormFunction(torch.autograd.Function):
             else:
                 mean_dy = mean_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
             if x.numel():
-                dx, dz = ops.batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_dy_xmu,
-                                                       zz, fuse_relu, need_dz=need_z)
+                dx, dz = ops.batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy,
+                                                       mean_dy_xmu, zz, fuse_relu, need_dz=need_z)
             else:
                 dx, dz = dy.clone(), dy.clone()
             grad_input = dx.reshape(shape) if need_x else None
             grad_z = dz.reshape(shape) if need_z else None
-        return (grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None)
+        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -137,9 +138,9 @@ class SyncBatchNorm(_BatchNorm):
     ``forward(input, z=None)``: ``out = relu?(batch_norm(input) + z)``.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group=None, channel_last: bool = False,
-                 fuse_relu: bool = False):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 channel_last: bool = False, fuse_relu: bool = False):
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
                          track_running_stats=track_running_stats)
         self.process_group = process_group
@@ -170,8 +171,8 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}")
         use_batch_stats = self.training or not self.track_running_stats
         if (not use_batch_stats and not channel_last and z is None and not self.fuse_relu):
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
-                                self.eps)
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False,
+                                0.0, self.eps)
         distributed = False
         if use_batch_stats:
             if dist.is_available() and dist.is_initialized():
@@ -184,8 +185,8 @@ class SyncBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
-        return SyncBatchnormFunction.apply(input, z, self.weight, self.bias, running_mean, running_var, self.eps,
-                                           use_batch_stats, factor if self.training else 0.0,
+        return SyncBatchnormFunction.apply(input, z, self.weight, self.bias, running_mean, running_var,
+                                           self.eps, use_batch_stats, factor if self.training else 0.0,
                                            self.process_group, channel_last, self.fuse_relu, distributed)
 
 

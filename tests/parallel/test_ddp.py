@@ -105,8 +105,10 @@ def _ddp_options_worker(rank, world):
         model = DDP(local, **kwargs)
         for n, p in local.named_parameters():
             assert torch.equal(p, dict(base.named_parameters())[n]), f"{name}: {n} not broadcast"
-        scale = world / kwargs.get("gradient_predivide_factor", 1.0) if kwargs.get("gradient_average") is False \
-            else 1.0
+        # Without averaging the result is Σ_r grad_r / predivide = world / predivide * the average.
+        scale = 1.0
+        if kwargs.get("gradient_average") is False:
+            scale = world / kwargs.get("gradient_predivide_factor", 1.0)
         for step in range(3):
             local.zero_grad(set_to_none=True)
             x, y = _data(step, world)
@@ -186,7 +188,8 @@ def _ddp_training_worker(rank, world):
     red.reduce()
     assert torch.equal(t, torch.arange(6, dtype=torch.float64) * (world + 1) / 2)
     assert torch.allclose(u[0], torch.full((3,), (world - 1) / 2), rtol=0, atol=1e-7)
-    assert torch.allclose(u[1], torch.full((2, 2), sum(r * r for r in range(world)) / world), rtol=0, atol=1e-6)
+    mean_sq = sum(r * r for r in range(world)) / world
+    assert torch.allclose(u[1], torch.full((2, 2), mean_sq), rtol=0, atol=1e-6)
     torch.manual_seed(rank)
     m = nn.Linear(3, 2)
     r2 = Reducer(m)
@@ -199,14 +202,15 @@ def _ddp_training_worker(rank, world):
     assert torch.allclose(m.weight.grad, torch.full((2, 3), (world + 1) / 2), rtol=1e-6)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_every_option_matches_single_process(world):
-    run_distributed(_ddp_options_worker, world)
+def _ddp_worker(rank, world):
+    # One spawn per world size: starting ranks costs seconds, the checks themselves milliseconds.
+    _ddp_options_worker(rank, world)
+    _ddp_training_worker(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ddp_training_accumulation_refresh_and_reducer(world):
-    run_distributed(_ddp_training_worker, world)
+def test_ddp_every_option_training_accumulation_refresh_and_reducer(world):
+    run_distributed(_ddp_worker, world)
 
 
 def test_ddp_bad_input_without_process_group():
