@@ -15,8 +15,7 @@ import warnings
 
 import torch
 
-from apex.amp._amp_state import maybe_print
-from apex.amp.scaler import LossScaler, scale_into
+from apex.fp16_utils._scaling import LossScaler, scale_into
 from apex.fp16_utils.fp16util import clip_grad_norm
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -153,8 +152,8 @@ class FP16_Optimizer:
     def step(self, closure=None):
         """Update the masters with the wrapped optimizer and copy them to the model; skipped on overflow."""
         if self.overflow:
-            maybe_print("Gradient overflow.  Skipping step, reducing "
-                        f"loss scale to {self.loss_scaler.loss_scale()}")
+            print("Gradient overflow.  Skipping step, reducing "
+                  f"loss scale to {self.loss_scaler.loss_scale()}")
             return None
         if closure is not None:
             retval = self._step_with_closure(closure)
