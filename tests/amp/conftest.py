@@ -16,7 +16,11 @@ def _reset():
 
 @pytest.fixture(autouse=True)
 def _amp_off():
+    # Tiny models: one thread is fastest and does not fight other processes for the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     _reset()
     yield
     _reset()
+    torch.set_num_threads(threads)
     assert not torch.is_autocast_enabled("cpu"), "a test left O1 casting switched on"
