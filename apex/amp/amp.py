@@ -24,8 +24,9 @@ import torch
 from apex.amp.handle import AmpHandle, NoOpHandle
 
 _DECORATOR_HANDLE = None
-_USER_CAST_REGISTRY: set = set()
-_USER_PROMOTE_REGISTRY: set = set()
+# Lists rather than Apex's sets: any object with the attribute may be registered, hashable or not.
+_USER_CAST_REGISTRY: list = []
+_USER_PROMOTE_REGISTRY: list = []
 
 
 def _cast(value, dtype):
@@ -110,28 +111,36 @@ def _check_registrable(module, name) -> None:
         raise ValueError(f"No function named {name} in module {module}.")
 
 
+def _register(registry: list, entry: tuple) -> None:
+    for i, old in enumerate(registry):
+        if old[0] is entry[0] and old[1] == entry[1]:
+            registry[i] = entry  # the last registration of a name wins
+            return
+    registry.append(entry)
+
+
 def register_half_function(module, name: str) -> None:
     """Make ``module.name`` a half function once ``amp.initialize`` (O1) runs. Call before initialize."""
     _check_registrable(module, name)
-    _USER_CAST_REGISTRY.add((module, name, "half"))
+    _register(_USER_CAST_REGISTRY, (module, name, "half"))
 
 
 def register_bfloat16_function(module, name: str) -> None:
     """Make ``module.name`` a bf16 function once ``amp.initialize`` (O1) runs. Call before initialize."""
     _check_registrable(module, name)
-    _USER_CAST_REGISTRY.add((module, name, "bfloat16"))
+    _register(_USER_CAST_REGISTRY, (module, name, "bfloat16"))
 
 
 def register_float_function(module, name: str) -> None:
     """Make ``module.name`` an fp32 function once ``amp.initialize`` (O1) runs. Call before initialize."""
     _check_registrable(module, name)
-    _USER_CAST_REGISTRY.add((module, name, "float"))
+    _register(_USER_CAST_REGISTRY, (module, name, "float"))
 
 
 def register_promote_function(module, name: str) -> None:
     """Make ``module.name`` a promote function once ``amp.initialize`` (O1) runs. Call before initialize."""
     _check_registrable(module, name)
-    _USER_PROMOTE_REGISTRY.add((module, name))
+    _register(_USER_PROMOTE_REGISTRY, (module, name))
 
 
 def _apply_registry(handle) -> None:
