@@ -17,18 +17,19 @@ def cnn(seed: int = 0) -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
 
 
-def mlp_data(n: int = 64, seed: int = 1):
+def mlp_data(n: int = 64, seed: int = 1, noise: float = 0.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g)
-    w = torch.randn(16, 4, generator=g)
-    return x, (x @ w).argmax(1)
+    w = torch.randn(16, 4, generator=torch.Generator().manual_seed(12345))  # one task for every seed
+    return x, (x @ w + noise * torch.randn(n, 4, generator=g)).argmax(1)
 
 
-def cnn_data(n: int = 32, seed: int = 1):
+def cnn_data(n: int = 32, seed: int = 1, noise: float = 0.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, 8, 8, generator=g)
-    y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
-    return x, y
+    a = x[:, 0].mean((1, 2)) + noise * torch.randn(n, generator=g) / 8
+    b = x[:, 1].mean((1, 2)) + noise * torch.randn(n, generator=g) / 8
+    return x, (a > 0).long() + 2 * (b > 0).long()
 
 
 def make_optimizer(name: str, params, lr: float | None = None):

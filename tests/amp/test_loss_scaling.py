@@ -130,7 +130,7 @@ def test_scaler_halving_respects_min_loss_scale():
 def test_scaler_window_and_static_mode():
     s = LossScaler("dynamic", init_scale=4.0, scale_window=3)
     g = [torch.ones(3)]
-    for i in range(7):
+    for _ in range(7):
         s.clear_overflow_state()
         s.unscale(g, g, None, models_are_masters=True)
         assert s.update_scale() is False
