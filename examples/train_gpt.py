@@ -235,7 +235,8 @@ class Run:
         if self.use_amp:
             optimizer = FusedAdam(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True)
             self.dtype = amp_dtype(args, info.device)
-            model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
+            model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0,
+                                              half_dtype=self.dtype)
         else:
             optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
             self.dtype = torch.float32
