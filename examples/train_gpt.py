@@ -28,6 +28,7 @@ that both see the same machine load and the speed ratio is fair on a busy machin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -119,43 +120,55 @@ def batch_seed(seed: int, step: int, rank: int, world_size: int) -> int:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    """Causal multi-head attention, computed by ``F.scaled_dot_product_attention`` ("sdpa") or by two
+    matmuls around a softmax ("math"): the same function, and on CPUs in bf16 "math" is ~3x faster because
+    the matmuls use the bf16 GEMMs while PyTorch's fused CPU attention kernel is slow in bf16."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, attention: str):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.attention = n_head, attention
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
+        if attention == "math":
+            future = torch.ones(block_size, block_size, dtype=torch.bool).triu(1)
+            self.register_buffer("future", future, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            att = att.float().masked_fill(self.future[:t, :t], float("-inf")).softmax(-1)  # fp32 softmax
+            y = att.to(v.dtype) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, norm: type[nn.Module]):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, norm: type[nn.Module], attention: str):
         super().__init__()
         self.ln1 = norm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, attention)
         self.ln2 = norm(n_embd)
         self.fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
         self.out = nn.Linear(4 * n_embd, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
     def __init__(self, n_layer: int, n_head: int, n_embd: int, block_size: int, norm: type[nn.Module],
-                 vocab: int = 256):
+                 attention: str = "sdpa", vocab: int = 256):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"--n-embd ({n_embd}) must be divisible by --n-head ({n_head})")
         self.block_size = block_size
         self.wte = nn.Embedding(vocab, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, norm) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, block_size, norm, attention) for _ in range(n_layer))
         self.ln_f = norm(n_embd)
         self.head = nn.Linear(n_embd, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied input/output embedding
@@ -188,12 +201,21 @@ class GPT(nn.Module):
         return bytes(idx[0].tolist())
 
 
-def make_model(args, impl: str) -> GPT:
+def attention_kind(args, impl: str, device: torch.device) -> str:
+    """``--attention auto``: the faster kernel for the run's compute dtype (measured on CPUs: fused SDPA in
+    fp32, matmul + softmax in bf16/fp16); fused SDPA on GPUs."""
+    if args.attention != "auto":
+        return args.attention
+    return "math" if impl == "apex" and device.type == "cpu" else "sdpa"
+
+
+def make_model(args, impl: str, device: torch.device) -> GPT:
     if impl == "torch":
         norm = nn.LayerNorm if args.norm == "layer" else nn.RMSNorm
     else:
         norm = FusedLayerNorm if args.norm == "layer" else FusedRMSNorm
-    return GPT(args.n_layer, args.n_head, args.n_embd, args.block_size, norm)
+    return GPT(args.n_layer, args.n_head, args.n_embd, args.block_size, norm,
+               attention_kind(args, impl, device)).to(device)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -229,7 +251,8 @@ class Run:
     def __init__(self, args, info: DistInfo, impl: str):
         self.args, self.info, self.impl, self.use_amp = args, info, impl, impl == "apex"
         torch.manual_seed(args.seed)  # both implementations start from the same weights
-        model = make_model(args, impl).to(info.device)
+        model = make_model(args, impl, info.device)
+        self.attention = attention_kind(args, impl, info.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         groups = param_groups(model, args.weight_decay)
         if self.use_amp:
@@ -244,6 +267,11 @@ class Run:
         self.model = DDP(model) if info.distributed else model
         self.history: dict[str, list] = {"train": [], "val": []}
         self.train_time, self.timed_steps = 0.0, 0
+
+    def casting(self):
+        """amp O1 switches autocast on for the whole process (as Apex's O1 patched torch functions
+        globally), so the fp32 baseline of ``--compare`` must switch it off around its own work."""
+        return contextlib.nullcontext() if self.use_amp else torch.autocast(self.info.device.type, enabled=False)
 
     def load(self, state: dict) -> None:
         try:
@@ -265,7 +293,10 @@ class Run:
         t0 = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        _, loss = self.model(x, y)
+        with self.casting():
+            logits, loss = self.model(x, y)
+        if not self.use_amp and logits.dtype != torch.float32:
+            raise RuntimeError(f"the fp32 baseline computed in {logits.dtype}: mixed precision leaked into it")
         if self.use_amp:
             with amp.scale_loss(loss, self.optimizer) as scaled_loss:
                 scaled_loss.backward()
@@ -297,11 +328,13 @@ class Run:
         """Mean loss over a fixed set of validation batches, shared out among the ranks."""
         args, info = self.args, self.info
         self.raw.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=info.device)  # NCCL reduces device tensors only
         for i in range(info.rank, args.eval_batches, info.world_size):
             x, y = get_batch(val, args.batch_size, args.block_size, seed=10_000_019 + i)
-            _, loss = self.raw(x.to(info.device), y.to(info.device))
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            with self.casting():
+                _, loss = self.raw(x.to(info.device), y.to(info.device))
+            total[0] += loss.double()
+            total[1] += 1
         if info.distributed:
             dist.all_reduce(total)
         self.raw.train()
@@ -324,7 +357,8 @@ class Run:
         h = self.history
         tail = [v for _, v in h["train"]][-self.args.eval_interval:] or [float("nan")]
         return {
-            "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "steps": done,
+            "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "attention": self.attention,
+            "steps": done,
             "finished": done >= self.args.steps, "params": self.n_params, "tokens_per_s": self.tokens_per_s(),
             "train_time_s": self.train_time, "final_train_loss": sum(tail) / len(tail),
             "first_val_loss": h["val"][0][1] if h["val"] else float("nan"),
@@ -348,7 +382,7 @@ def read_resume_state(args) -> dict | None:
     return state
 
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "norm", "impl", "batch_size", "seed", "steps",
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "norm", "attention", "impl", "batch_size", "seed", "steps",
               "lr", "warmup", "weight_decay", "grad_clip", "opt_level", "dtype", "data_mb")
 
 
@@ -433,6 +467,7 @@ def report(out: dict, directory: Path) -> None:
     rows = [
         ("", [LABELS[r["impl"]] for r in runs], "apex / PyTorch"),
         ("setup", [describe(r, norm) for r in runs], ""),
+        ("attention", [r["attention"] for r in runs], ""),
         ("parameters", [f"{r['params'] / 1e6:.2f} M" for r in runs], ""),
         ("steps", [str(r["steps"]) for r in runs], ""),
         ("ranks x threads", [f"{out['world_size']} x {out['threads']}" for r in runs], ""),
@@ -472,10 +507,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m.add_argument("--n-head", type=int, default=4)
     m.add_argument("--n-embd", type=int, default=256)
     m.add_argument("--block-size", type=int, default=128)
+    m.add_argument("--attention", choices=["auto", "sdpa", "math"], default="auto",
+                   help="F.scaled_dot_product_attention or matmul + softmax (auto: the faster for the dtype)")
     m.add_argument("--norm", choices=["layer", "rms"], default="layer",
                    help="FusedLayerNorm or FusedRMSNorm (nn.LayerNorm / nn.RMSNorm with --impl torch)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=500)
+    t.add_argument("--steps", type=int, default=400)
     t.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=50)
