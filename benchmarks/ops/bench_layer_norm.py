@@ -70,11 +70,11 @@ def _bwd_counted(m, n):
 
     bn, bm, _ = _tiling(m, n)
     progs, _ = _grid(-(-m // bm), 100)
-    partials = 2 * 2 * progs * n * 4  # dweight and dbias partials, written then read
+    partials = 2 * progs * n * 4  # distinct bytes of the dweight and dbias partials (written, then read)
     return Counted(triton=lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
                    eager=lambda: torch.autograd.grad(y_eager, (x, w, b), dy, retain_graph=True),
                    bytes_min=minimum,
-                   note=f"{progs} programs; per-program partials {partials} B included in triton bytes")
+                   note=f"{progs} programs; per-program partials: {partials} distinct B, counted in triton bytes")
 
 
 def cases() -> list[Case]:

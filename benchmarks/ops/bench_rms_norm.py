@@ -74,8 +74,8 @@ def _bwd_counted(m, n):
     return Counted(triton=lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True),
                    eager=lambda: torch.autograd.grad(y_eager, (x, w), dy, retain_graph=True),
                    bytes_min=3 * x.nbytes + 2 * w.nbytes + 4 * m,
-                   note=f"{progs} programs; per-program partials {2 * progs * n * 4} B "
-                        "included in triton bytes")
+                   note=f"{progs} programs; per-program partials: {progs * n * 4} distinct B, counted in "
+                        "triton bytes")
 
 
 def cases() -> list[Case]:
