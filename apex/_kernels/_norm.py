@@ -79,8 +79,9 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-    if MEM_EFF and HAS_B:  # the bias is only needed to undo the affine transform
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    if MEM_EFF:
+        if HAS_B:  # the bias is only needed to undo the affine transform
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, tiles_per_prog):
         rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
