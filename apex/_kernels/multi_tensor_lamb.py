@@ -38,9 +38,9 @@ def _pow_int(base, s):
 def _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2, step_ptr, betas64,
              SKIP: tl.constexpr, MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
              BIAS_CORR: tl.constexpr):
-    live = True
+    live = 1
     if SKIP:
-        live = tl.load(noop_flag) == 0
+        live = (tl.load(noop_flag) == 0).to(tl.int32)
     gn = tl.load(grad_norm).to(tl.float32)
     if MAXN_PTR:
         mx = tl.load(max_norm_ptr).to(tl.float32)
@@ -78,6 +78,7 @@ def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
                                         step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
+    n = n * live  # a skipped step touches no memory
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
@@ -90,7 +91,7 @@ def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     acc_p = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
-        mask = (idx < n) & live
+        mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             g = g * scale
@@ -138,6 +139,7 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
                                         step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
+    n = n * live  # a skipped step touches no memory
     u_norm = tl.load(norms + t)
     p_norm = tl.load(norms + n_tensors + t)
     ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * (p_norm / u_norm), lr)
@@ -147,7 +149,7 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     o_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, O_DT)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
-        mask = (idx < n) & live
+        mask = idx < n
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
