@@ -6,6 +6,7 @@ dtype" baseline that bounds the error allowed to fp16/bf16 parameters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -78,3 +79,26 @@ def novograd(params, grad_seq, hp, *, reg_inside_moment=False, dtype=torch.float
                 m[i] = b1 * m[i] + b3 * g
                 p[i] = p[i] - lr * ((m[i] / bc1) / d + wd * p[i])
     return p, m, norms
+
+
+@contextlib.contextmanager
+def bf16_round_to_nearest():
+    """Make the Triton interpreter round fp32 -> bf16 to nearest even, as GPUs do (it truncates)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as itp
+
+    original = itp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            return itp.TensorHandle(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                    dst_type.scalar)
+        return original(self, src, dst_type)
+
+    itp.InterpreterBuilder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        itp.InterpreterBuilder.cast_impl = original
