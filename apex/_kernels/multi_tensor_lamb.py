@@ -142,7 +142,8 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     n = n * live  # a skipped step touches no memory
     u_norm = tl.load(norms + t)
     p_norm = tl.load(norms + n_tensors + t)
-    ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * (p_norm / u_norm), lr)
+    safe = tl.where(u_norm != 0.0, u_norm, 1.0)  # both branches are evaluated: avoid 0/0
+    ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * (p_norm / safe), lr)
     m_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, M_DT)
     v_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, V_DT)
     p_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, P_DT)
@@ -216,3 +217,67 @@ def lamb(noop_flag: torch.Tensor, g: list, p: list, m: list, v: list, out: list 
                   lr_f, lr_ptr if lr_ptr is not None else grad_norm, bc1, bc2,
                   step_ptr if step_ptr is not None else noop_flag, betas, float(eps), float(weight_decay),
                   ADAM_W=bool(adam_w), HAS_OUT=has_out, **common)
+
+
+@triton.jit
+def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, grad_norm, max_norm,
+                   beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, eps,
+                   G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                   U_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    gn = tl.load(grad_norm).to(tl.float32)
+    clip = tl.where(gn > max_norm, gn / max_norm, 1.0)
+    decay = tl.load(decays + t).to(tl.float32)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
+    u_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, U_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        sg = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) / clip
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta1 + one_m_b1 * sg
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta2 + one_m_b2 * sg * sg
+        u = _direction(m, v, p, bc1, bc2, eps, decay, True)
+        tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
+        tl.store(v_ptr + idx, v.to(V_DT), mask=mask)
+        tl.store(u_ptr + idx, u.to(U_DT), mask=mask)
+
+
+@triton.jit
+def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u_norms, lr,
+                   P_DT: tl.constexpr, U_DT: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    ratio = lr
+    if TRUST:
+        pn = tl.load(p_norms + t).to(tl.float32)
+        un = tl.load(u_norms + t).to(tl.float32)
+        ratio = tl.where((un != 0.0) & (pn != 0.0), lr * (pn / tl.where(un != 0.0, un, 1.0)), lr)
+    p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT)
+    u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_ptr + idx, (p - ratio * u).to(P_DT), mask=mask)
+
+
+def stage1(lists: list, decays: torch.Tensor, grad_norm: torch.Tensor, max_norm: float, beta1: float,
+           beta2: float, bc1: float, bc2: float, eps: float) -> None:
+    """Apex's LAMB stage 1 on ``[g, p, m, v, update]``; ``decays``: fp32, one weight decay per tensor."""
+    for idx, subs in mt.group(lists):
+        sel = decays[idx] if idx != list(range(len(lists[0]))) else decays
+        mt.launch(_stage1_kernel, mt.table(subs), sel.contiguous(), grad_norm, float(max_norm), float(beta1),
+                  float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps))
+
+
+def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float, trust: bool) -> None:
+    """Apex's LAMB stage 2 on ``[p, update]`` with per-tensor norms (fp32)."""
+    for idx, subs in mt.group(lists):
+        whole = idx == list(range(len(lists[0])))
+        mt.launch(_stage2_kernel, mt.table(subs), p_norms if whole else p_norms[idx].contiguous(),
+                  u_norms if whole else u_norms[idx].contiguous(), float(lr), TRUST=bool(trust))

@@ -200,10 +200,16 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
     g, p, m, v, upd = [list(x) for x in tensor_lists]
     maxn = float(max_global_grad_norm)
-    clip = torch.where(gn[0] > maxn, gn[0] / maxn, torch.ones((), device=device))
     s = int(step) + 1
     bc1, bc2 = 1.0 - float(beta1) ** s, 1.0 - float(beta2) ** s
     decay = per_tensor_decay.reshape(-1)[:n].to(device=device, dtype=torch.float32)
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        kernels.stage1([g, p, m, v, upd], decay.contiguous(), gn, maxn, float(beta1), float(beta2), bc1, bc2,
+                       float(epsilon))
+        return
+    clip = torch.where(gn[0] > maxn, gn[0] / maxn, torch.ones((), device=device))
     sg = [t.float() for t in g]
     torch._foreach_div_(sg, clip)
     mf, vf, pf = _f32(m), _f32(v), _f32(p)
@@ -238,10 +244,16 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
         if not isinstance(t, torch.Tensor) or t.numel() < n:
             raise ValueError(f"{name} must be a tensor with one norm per tensor ({n})")
     lr = float(lr)
+    trust = bool(use_nvlamb) or float(weight_decay) != 0.0
+    pn = per_tensor_param_norm.reshape(-1)[:n].float().to(device)
+    un = per_tensor_update_norm.reshape(-1)[:n].float().to(device)
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        kernels.stage2([p, upd], pn.contiguous(), un.contiguous(), lr, trust)
+        return
     pf, uf = _f32(p), _f32(upd)
-    if use_nvlamb or float(weight_decay) != 0.0:
-        pn = per_tensor_param_norm.reshape(-1)[:n].float().to(device)
-        un = per_tensor_update_norm.reshape(-1)[:n].float().to(device)
+    if trust:
         ratio = torch.where((un != 0) & (pn != 0), lr * (pn / un), torch.full_like(un, lr))
         torch._foreach_addcmul_(pf, uf, list(ratio.unbind()), value=-1.0)
     else:
