@@ -90,8 +90,8 @@ def test_multi_tensor_lamb_fp16_lists(backend_name):
     ref = _ref(lists, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, step=2, bias_correction=1, wd=0.01,
                grad_averaging=1, mode=1, gnorm=gnorm, max_norm=1.0, nvlamb=False)
     noop = torch.zeros(1, dtype=torch.int32)
-    amp_C.multi_tensor_lamb(2048, noop, lists, 1e-2, 0.9, 0.999, 1e-6, 2, 1, 0.01, 1, 1, torch.tensor([gnorm]),
-                            1.0, False)
+    amp_C.multi_tensor_lamb(2048, noop, lists, 1e-2, 0.9, 0.999, 1e-6, 2, 1, 0.01, 1, 1,
+                            torch.tensor([gnorm]), 1.0, False)
     for i, (p_r, _, _) in enumerate(ref):
         assert_rel_close(lists[1][i], p_r, torch.float16)
 
