@@ -52,9 +52,12 @@ def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
 def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
                       grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
-                      use_nvlamb: bool | None = False) -> None:
+                      use_nvlamb: bool | None = False, *, workspace: list | None = None) -> None:
     """LAMB step on ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` (one dtype per tensor
-    index; fp32/fp16/bf16). ``mode``: 0 = L2 regularisation, 1 = decoupled weight decay (AdamW)."""
+    index; fp32/fp16/bf16). ``mode``: 0 = L2 regularisation, 1 = decoupled weight decay (AdamW).
+
+    ``workspace`` (apex's addition): fp32 tensors shaped like the parameters that the PyTorch path may
+    use for the update instead of allocating it every call."""
     device = _check(noop_flag, tensor_lists, 4)
     if device is None or not tensor_lists[0]:
         return
@@ -63,7 +66,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
          beta2=float(beta2), eps=float(epsilon), step=int(step), bias_correction=bool(bias_correction),
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=float(max_grad_norm), use_nvlamb=bool(use_nvlamb),
-         inv_scale=None, skip_on_noop=False)
+         inv_scale=None, skip_on_noop=False, workspace=workspace)
 
 
 def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
@@ -105,13 +108,50 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
          use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True)
 
 
-def _run(noop_flag, g, p, m, v, out, **kw) -> None:
+def _run(noop_flag, g, p, m, v, out, workspace=None, **kw) -> None:
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor_lamb as kernels
 
         kernels.lamb(noop_flag, g, p, m, v, out, **kw)
         return
+    if _fusable(g, p, m, v, out, kw):
+        _lamb_torch_fused(g, p, m, v, workspace=workspace, **kw)
+        return
     lamb_torch(noop_flag, g, p, m, v, out, **kw)
+
+
+def _fusable(g, p, m, v, out, kw) -> bool:
+    """Whether ``torch._fused_adamw_`` computes this step's moments and Adam direction exactly as LAMB
+    does: fp32 everywhere on the CPU, decoupled decay, grad averaging, a host step, no unscaling."""
+    return (out is None and kw["adam_w"] and kw["inv_scale"] is None and not kw["skip_on_noop"]
+            and kw["beta3"] == 1.0 - kw["beta1"] and not isinstance(kw["step"], torch.Tensor)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for lst in (g, p, m, v) for t in lst))
+
+
+def _lamb_torch_fused(g, p, m, v, *, workspace, lr, beta1, beta2, eps, step, bias_correction, weight_decay,
+                      grad_norm, max_grad_norm, use_nvlamb, **_) -> None:
+    """CPU LAMB in four multi-threaded passes: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
+    leaves ``u = m̂ / (sqrt(v̂) + eps)`` in it (and updates m and v); then the decay term, the two norms
+    and ``p -= ratio * u``. The gradients are divided by the clip factor in place when it is not 1
+    (Apex's kernel overwrites them with the update)."""
+    u = workspace if workspace is not None else [torch.empty_like(t) for t in p]
+    torch._foreach_zero_(u)
+    gn = float(grad_norm.reshape(-1)[0])
+    clip = gn / max_grad_norm if gn > max_grad_norm else 1.0
+    # Without bias correction: a step so large that beta**step is 0, i.e. corrections of exactly 1.
+    step_t = torch.tensor(float(step) if bias_correction else 2.0 ** 60)
+    torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
+                        weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+                        grad_scale=torch.tensor(clip) if clip != 1.0 else None, found_inf=None)
+    if weight_decay != 0.0:
+        torch._foreach_add_(u, p, alpha=weight_decay)
+    if use_nvlamb or weight_decay != 0.0:
+        un = torch.stack(torch._foreach_norm(u))
+        pn = torch.stack(torch._foreach_norm(p))
+        ratio = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, 1.0), 1.0) * lr
+        torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
+    else:
+        torch._foreach_add_(p, u, alpha=-lr)
 
 
 def _f32(ts: list) -> list:

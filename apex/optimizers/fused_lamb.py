@@ -27,7 +27,9 @@ class FusedLAMB(torch.optim.Optimizer):
 
     ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step`` with ``bias_correction`` (else 1); ``step`` is kept
     per group (``param_groups[i]["step"]``). State per parameter: ``exp_avg`` and ``exp_avg_sq``, of the
-    parameter's dtype (fp32, fp16 or bf16; math in fp32). The gradients are not modified.
+    parameter's dtype (fp32, fp16 or bf16; math in fp32). The Triton path leaves the gradients as they
+    are; the CPU path may divide them in place by the clip factor (Apex's kernel overwrites them with the
+    update) and keeps one fp32 work buffer per fp32 parameter, outside the state dict.
 
     Arguments:
         params: iterable of parameters or dicts defining parameter groups.
@@ -63,6 +65,7 @@ class FusedLAMB(torch.optim.Optimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none
         self.use_nvlamb = use_nvlamb
+        self._workspace: dict = {}
 
     def add_param_group(self, param_group: dict) -> None:
         check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
@@ -106,8 +109,25 @@ class FusedLAMB(torch.optim.Optimizer):
                 p.append(param)
                 m.append(state["exp_avg"])
                 v.append(state["exp_avg_sq"])
-            self.multi_tensor_lamb(_CHUNK_SIZE, self._dummy_overflow_buf, [g, p, m, v], group["lr"], beta1,
-                                   beta2, group["eps"], group["step"], 1 if group["bias_correction"] else 0,
-                                   group["weight_decay"], 1 if group["grad_averaging"] else 0,
-                                   self.adam_w_mode, global_grad_norm, max_grad_norm, self.use_nvlamb)
+            args = (_CHUNK_SIZE, self._dummy_overflow_buf, [g, p, m, v], group["lr"], beta1, beta2,
+                    group["eps"], group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                    1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
+                    self.use_nvlamb)
+            if self.multi_tensor_lamb is multi_tensor_lamb:
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(p))
+            else:  # a subclass's own op, called the Apex way
+                self.multi_tensor_lamb(*args)
         return loss
+
+    def _workspace_for(self, params: list) -> list | None:
+        """Reused fp32 buffers for the CPU path's update (allocating them every step costs more than the
+        step's arithmetic)."""
+        if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+            return None
+        out = []
+        for p in params:
+            buf = self._workspace.get(p)
+            if buf is None or buf.shape != p.shape:
+                buf = self._workspace[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            out.append(buf)
+        return out
