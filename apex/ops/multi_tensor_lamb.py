@@ -73,11 +73,14 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                          beta1: float, beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int,
                          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
                          max_grad_norm: torch.Tensor, use_nvlamb: bool | None, found_inf: torch.Tensor,
-                         inv_scale: torch.Tensor) -> None:
+                         inv_scale: torch.Tensor, *, workspace: list | None = None,
+                         grad_workspace: list | None = None) -> None:
     """Mixed-precision LAMB: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 master
     weights, ``[grads, masters, exp_avgs, exp_avg_sqs, model_params]``. ``lr``, ``step``, ``max_grad_norm``
     and ``inv_scale`` are device tensors (no host synchronisation on the Triton path); gradients are
-    multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero."""
+    multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero. ``workspace`` and
+    ``grad_workspace`` (apex's additions): reusable fp32 buffers shaped like the masters for the PyTorch
+    path's update and fp32 gradients."""
     device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:
@@ -105,46 +108,62 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
          eps=float(epsilon), step=tensors["step"], bias_correction=bool(bias_correction),
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=tensors["max_grad_norm"].float(),
-         use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True)
+         use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True,
+         workspace=workspace, grad_workspace=grad_workspace)
 
 
-def _run(noop_flag, g, p, m, v, out, workspace=None, **kw) -> None:
+def _run(noop_flag, g, p, m, v, out, workspace=None, grad_workspace=None, **kw) -> None:
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor_lamb as kernels
 
         kernels.lamb(noop_flag, g, p, m, v, out, **kw)
         return
-    if _fusable(g, p, m, v, out, kw):
-        _lamb_torch_fused(g, p, m, v, workspace=workspace, **kw)
+    if _fusable(g, p, m, v, kw):
+        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, grad_workspace=grad_workspace,
+                          **kw)
         return
     lamb_torch(noop_flag, g, p, m, v, out, **kw)
 
 
-def _fusable(g, p, m, v, out, kw) -> bool:
+def _fusable(g, p, m, v, kw) -> bool:
     """Whether ``torch._fused_adamw_`` computes this step's moments and Adam direction exactly as LAMB
-    does: fp32 everywhere on the CPU, decoupled decay, grad averaging, a host step, no unscaling."""
-    return (out is None and kw["adam_w"] and kw["inv_scale"] is None and not kw["skip_on_noop"]
-            and kw["beta3"] == 1.0 - kw["beta1"] and not isinstance(kw["step"], torch.Tensor)
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for lst in (g, p, m, v) for t in lst))
+    does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging."""
+    return (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]
+            and all(t.device.type == "cpu" for t in g)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for lst in (p, m, v) for t in lst))
 
 
-def _lamb_torch_fused(g, p, m, v, *, workspace, lr, beta1, beta2, eps, step, bias_correction, weight_decay,
-                      grad_norm, max_grad_norm, use_nvlamb, **_) -> None:
+def _host(x) -> float:
+    return float(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, grad_workspace, lr, beta1, beta2, eps, step,
+                      bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
+                      skip_on_noop=False, **_) -> None:
     """CPU LAMB in four multi-threaded passes: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
     leaves ``u = m̂ / (sqrt(v̂) + eps)`` in it (and updates m and v); then the decay term, the two norms
-    and ``p -= ratio * u``. The gradients are divided by the clip factor in place when it is not 1
-    (Apex's kernel overwrites them with the update)."""
+    and ``p -= ratio * u``. Scalars are read on the host (cheap on a CPU). fp32 gradients are divided in
+    place by the clip factor (and multiplied by ``inv_scale``) when those are not 1 (Apex's kernel
+    overwrites them with the update); other gradients are first copied into fp32 buffers."""
+    if skip_on_noop and bool(noop_flag.item()):
+        return
     u = workspace if workspace is not None else [torch.empty_like(t) for t in p]
     torch._foreach_zero_(u)
-    gn = float(grad_norm.reshape(-1)[0])
-    clip = gn / max_grad_norm if gn > max_grad_norm else 1.0
+    if any(t.dtype != torch.float32 for t in g):
+        g32 = grad_workspace if grad_workspace is not None else [torch.empty_like(t) for t in p]
+        torch._foreach_copy_(g32, g)
+        g = g32
+    gn, maxn = _host(grad_norm), _host(max_grad_norm)
+    # Apex: ĝ = (g * inv_scale) / clip, i.e. g divided by clip / inv_scale.
+    divisor = (gn / maxn if gn > maxn else 1.0) / (_host(inv_scale) if inv_scale is not None else 1.0)
     # Without bias correction: a step so large that beta**step is 0, i.e. corrections of exactly 1.
-    step_t = torch.tensor(float(step) if bias_correction else 2.0 ** 60)
+    step_t = torch.tensor(_host(step) if bias_correction else 2.0 ** 60)
     torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
                         weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
-                        grad_scale=torch.tensor(clip) if clip != 1.0 else None, found_inf=None)
+                        grad_scale=torch.tensor(divisor) if divisor != 1.0 else None, found_inf=None)
     if weight_decay != 0.0:
         torch._foreach_add_(u, p, alpha=weight_decay)
+    lr = _host(lr)
     if use_nvlamb or weight_decay != 0.0:
         un = torch.stack(torch._foreach_norm(u))
         pn = torch.stack(torch._foreach_norm(p))
@@ -152,6 +171,8 @@ def _lamb_torch_fused(g, p, m, v, *, workspace, lr, beta1, beta2, eps, step, bia
         torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
     else:
         torch._foreach_add_(p, u, alpha=-lr)
+    if out is not None:
+        torch._foreach_copy_(out, p)
 
 
 def _f32(ts: list) -> list:

@@ -91,27 +91,33 @@ def _f32(ts: list) -> list:
 
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
                    weight_decay, reg_inside_moment) -> None:
-    """The PyTorch path: ``torch._foreach_*`` ops in fp32."""
+    """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
+    size (the per-tensor factors are folded into 0-dim scalars)::
+
+        decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - (lr / (bc1*d_i)) * m
+        inside:     m = beta1*m + (beta3/d_i)*g + beta3*wd*p;  p = p - (lr/bc1) * m
+    """
     ord_ = float("inf") if norm_type == 0 else 2.0
     new = torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32))
     mark_found_inf(noop_flag, (~torch.isfinite(new)).any())
     _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
     denom = grad_norms / bc2 + eps
     gf, pf, mf = _f32(g), _f32(p), _f32(m)
-    torch._foreach_mul_(mf, beta1)
     if reg_inside_moment:
-        gg = torch._foreach_div(gf, list(denom.unbind()))
+        torch._foreach_mul_(mf, beta1)
+        torch._foreach_addcmul_(mf, gf, list((beta3 / denom).unbind()))
         if weight_decay != 0.0:
-            torch._foreach_add_(gg, pf, alpha=weight_decay)
-        torch._foreach_add_(mf, gg, alpha=beta3)
-        del gg
-        u = torch._foreach_div(mf, bc1)
+            torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
+        torch._foreach_add_(pf, mf, alpha=-lr / bc1)
     else:
-        torch._foreach_add_(mf, gf, alpha=beta3)
-        u = torch._foreach_div(mf, list((denom * bc1).unbind()))
+        if beta3 == 1.0 - beta1:
+            torch._foreach_lerp_(mf, gf, beta3)
+        else:
+            torch._foreach_mul_(mf, beta1)
+            torch._foreach_add_(mf, gf, alpha=beta3)
         if weight_decay != 0.0:
-            torch._foreach_add_(u, pf, alpha=weight_decay)
-    torch._foreach_add_(pf, u, alpha=-lr)
+            torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
+        torch._foreach_addcmul_(pf, mf, list((lr / (bc1 * denom)).unbind()), value=-1.0)
     for dst, src in ((p, pf), (m, mf)):
         pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
         if pairs:

@@ -57,6 +57,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
+        self._workspace: dict = {}
 
     @staticmethod
     def _tensorize(group: dict, device) -> None:
@@ -190,10 +191,29 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                     for lst, t in zip(plain, (grad_of(p), p, state["exp_avg"], state["exp_avg_sq"])):
                         lst.append(t)
             for lists in (mixed, plain):
-                if lists[0]:
-                    self.multi_tensor_lamb(_CHUNK_SIZE, self._dummy_overflow_buf, lists, group["lr"], beta1,
-                                           beta2, group["eps"], group["step"],
-                                           1 if group["bias_correction"] else 0, group["weight_decay"],
-                                           1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm,
-                                           max_grad_norm, self.use_nvlamb, found_inf, inv_scale)
+                if not lists[0]:
+                    continue
+                args = (_CHUNK_SIZE, self._dummy_overflow_buf, lists, group["lr"], beta1, beta2, group["eps"],
+                        group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                        1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
+                        self.use_nvlamb, found_inf, inv_scale)
+                if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].device.type == "cpu":
+                    self.multi_tensor_lamb(*args, workspace=self._buffers(lists[1], "update"),
+                                           grad_workspace=self._buffers(lists[1], "grad"))
+                else:
+                    self.multi_tensor_lamb(*args)
         return loss
+
+    def _buffers(self, params: list, kind: str) -> list | None:
+        """Reused fp32 buffers for the CPU path (allocating them every step costs more than the step's
+        arithmetic); kept outside the state dict."""
+        if any(p.dtype != torch.float32 for p in params):
+            return None
+        out = []
+        for p in params:
+            buf = self._workspace.get((id(p), kind))
+            if buf is None or buf.shape != p.shape:
+                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+                self._workspace[(id(p), kind)] = buf
+            out.append(buf)
+        return out
