@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
-from _lamb_reference import bf16_round_to_nearest
-from _lamb_reference import lamb as ref_lamb
 
 import apex
 from apex.optimizers import FusedLAMB
 from apex.testing import TritonTrace, assert_rel_close
+
+from ._lamb_reference import bf16_round_to_nearest
+from ._lamb_reference import lamb as ref_lamb
 
 SMALL = [(1,), (3,), (4097,), (2, 3, 5)]
 RAGGED = [(1,), (3,), (4097,), (65537,), (2, 3, 5)]
