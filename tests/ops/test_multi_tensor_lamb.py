@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
@@ -173,3 +175,23 @@ def test_bad_arguments():
         amp_C.multi_tensor_lamb(2048, noop, [lists[0], lists[1][::-1], lists[2], lists[3]], *args)
     with pytest.raises(TypeError, match="global_grad_norm"):
         amp_C.multi_tensor_lamb(2048, noop, lists, *args[:9], 1.0, 1.0, False)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6), wd=st.sampled_from([0.0, 0.05]),
+       mode=st.sampled_from([0, 1]), step=st.integers(1, 50), scale=st.floats(0.01, 100.0))
+def test_multi_tensor_lamb_random_lists(backend_name, sizes, wd, mode, step, scale):
+    lists = _lists(sizes=sizes, seed=len(sizes) + step)
+    for t in lists[0]:
+        t.mul_(scale)
+    gnorm = _global_norm(lists[0])
+    ref = _ref(lists, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, step=step, bias_correction=1, wd=wd,
+               grad_averaging=1, mode=mode, gnorm=gnorm, max_norm=1.0, nvlamb=False)
+    with TritonTrace(bounds=True) as tr:
+        tr.watch(lists)
+        amp_C.multi_tensor_lamb(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.9, 0.999, 1e-6, step, 1,
+                                wd, 1, mode, torch.tensor([gnorm]), 1.0, False)
+    for i, (p_r, _, v_r) in enumerate(ref):
+        if sizes[i]:
+            assert_rel_close(lists[1][i], p_r, tol=1e-6, name=f"p{i}")
+            assert_rel_close(lists[3][i], v_r, tol=1e-6, name=f"v{i}")

@@ -273,3 +273,17 @@ def test_bad_gradients_change_nothing(backend_name, bad):
     for k, st in opt.state_dict()["state"].items():
         for name, t in st.items():
             assert torch.equal(t, before[1]["state"][k][name])
+
+
+def test_non_contiguous_gradient(backend_name):
+    # A transposed gradient (as some custom autograd functions produce) gives the same step.
+    results = []
+    for transposed in (False, True):
+        torch.manual_seed(5)
+        p = torch.nn.Parameter(torch.randn(3, 70))
+        g = torch.randn(70, 3)
+        p.grad = g.t() if transposed else g.t().contiguous()
+        assert p.grad.is_contiguous() != transposed
+        FusedLAMB([p], lr=1e-2).step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
