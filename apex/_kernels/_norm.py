@@ -79,8 +79,9 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-    if HAS_B:
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    if MEM_EFF:
+        if HAS_B:  # the bias is only needed to undo the affine transform
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, tiles_per_prog):
         rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -170,8 +171,9 @@ def _max_programs(device: torch.device, backward: bool) -> int:
     if _interpreting() or device.type != "cuda":
         return 100
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # The backward writes one partial row per program: a few waves keep that buffer small.
-    return sms * 4 if backward else 1 << 30
+    # The backward writes one fp32 partial row per program and parameter: one wave of programs keeps
+    # that buffer (and its second read) small next to the 3 passes over x, dy and dx.
+    return sms if backward else 1 << 30
 
 
 def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, is_rms: bool,

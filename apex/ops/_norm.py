@@ -67,11 +67,14 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-@torch.compiler.assume_constant_result
 def _select_for_device(device_type: str) -> str:
-    # The backend override lives in a context variable, which torch.compile cannot trace: the choice is
-    # made once while tracing and baked into the graph.
     return _backend.select(torch.empty(0, device=device_type))
+
+
+# The backend override lives in a context variable, which torch.compile cannot trace: the choice is made
+# once while tracing and baked into the graph. This is what ``torch.compiler.assume_constant_result``
+# does, without importing torch._dynamo (and with it Triton) when apex.normalization is imported.
+_select_for_device._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def select(input: torch.Tensor) -> str:

@@ -35,3 +35,29 @@ def test_compiled_two_layer_model_matches_eager():
     ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
     assert_rel_close(y, y_ref, tol=1e-5)
     assert_rel_close(list(grads), list(ref), tol=1e-5)
+
+
+def test_triton_path_traces_as_custom_ops():
+    """With the Triton backend the norms are apex:: custom ops in the graph (fake + autograd kernels);
+    aot_eager runs them (interpreted here) without Inductor's compile time."""
+    import apex
+    from apex.normalization import fused_add_rms_norm
+
+    torch._dynamo.reset()
+    model = _TwoLayer(16)
+    model.norm2.memory_efficient = False
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step(x):
+        y = model(x)
+        out, h = fused_add_rms_norm(y, x, model.norm2.weight, (16,))
+        return out + h
+
+    with apex.backend("triton"):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        y = compiled(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
+        y_ref = step(x)
+        ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
+    assert_rel_close(y, y_ref, tol=1e-5)
+    assert_rel_close(list(grads), list(ref), tol=1e-5)
