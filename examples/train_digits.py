@@ -147,7 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--opt-level", default="O2", help="apex.amp opt_level")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores / local ranks)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per rank (0: the idle cores, split among the local ranks)")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds before a collective waiting on a dead or hung rank fails")
     p.add_argument("--no-progress", action="store_true")

@@ -530,7 +530,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
                    help="amp's half type: auto is bf16 on CPUs and fp16 on GPUs")
     r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    r.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores / local ranks)")
+    r.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per rank (0: the idle cores, split among the local ranks)")
     r.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds before a collective waiting on a dead or hung rank fails")
     o = p.add_argument_group("outputs and checkpoints")
