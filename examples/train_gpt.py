@@ -360,7 +360,7 @@ class Run:
             "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "attention": self.attention,
             "steps": done,
             "finished": done >= self.args.steps, "params": self.n_params, "tokens_per_s": self.tokens_per_s(),
-            "train_time_s": self.train_time, "final_train_loss": sum(tail) / len(tail),
+            "train_time_s": self.train_time, "final_train_loss": sum(tail) / len(tail), "train_tail": len(tail),
             "first_val_loss": h["val"][0][1] if h["val"] else float("nan"),
             "final_val_loss": h["val"][-1][1] if h["val"] else float("nan"),
             "state_mib": self.state_mib(), "checksums": gather_checksums(self.raw, self.info), "history": h,
@@ -473,7 +473,8 @@ def report(out: dict, directory: Path) -> None:
         ("ranks x threads", [f"{out['world_size']} x {out['threads']}" for r in runs], ""),
         ("tokens/s", [f"{r['tokens_per_s']:,.0f}" for r in runs], lambda: ratio("tokens_per_s")),
         ("train time (s)", [f"{r['train_time_s']:.1f}" for r in runs], lambda: ratio("train_time_s")),
-        ("final train loss", [f"{r['final_train_loss']:.4f}" for r in runs], lambda: rel("final_train_loss")),
+        (f"train loss (mean of last {runs[0]['train_tail']} steps)", [f"{r['final_train_loss']:.4f}" for r in runs],
+         lambda: rel("final_train_loss")),
         ("final val loss", [f"{r['final_val_loss']:.4f}" for r in runs], lambda: rel("final_val_loss")),
         ("val loss drop", [f"{1 - r['final_val_loss'] / r['first_val_loss']:.0%} (from {r['first_val_loss']:.2f})"
                            for r in runs], ""),
