@@ -201,3 +201,22 @@ def test_accumulation_without_delay_unscale_adds_unscaled_grads():
         grads.append([p.grad.clone() for p in model.parameters()])
     for one, two in zip(*grads):
         torch.testing.assert_close(two, 2 * one, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_clipping_on_master_grads():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    x, y = mlp_data()
+    optimizer.zero_grad()
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(optimizer))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters)
+    unclipped = torch.nn.utils.clip_grad_norm_(masters, 1e-3)
+    assert 1e-3 < unclipped.item() < 100  # unscaled: a loss scale of 65536 would show here
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in masters]))
+    assert total.item() == pytest.approx(1e-3, rel=1e-3)
+    before = [m.clone() for m in masters]
+    optimizer.step()
+    assert all((m - b).abs().max() <= 0.1 * 1e-3 + 1e-6 for m, b in zip(masters, before))
