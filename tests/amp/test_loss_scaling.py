@@ -220,3 +220,36 @@ def test_gradient_clipping_on_master_grads():
     before = [m.clone() for m in masters]
     optimizer.step()
     assert all((m - b).abs().max() <= 0.1 * 1e-3 + 1e-6 for m, b in zip(masters, before))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_channels_last_gradients(backend):
+    import apex
+    from tests.amp._models import cnn, cnn_data
+    from tests.conftest import HAS_TRITON
+
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    model = cnn().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    x, y = cnn_data(8)
+    with apex.backend(backend):
+        _step(model, optimizer, x.to(memory_format=torch.channels_last), y)
+        assert any(not p.grad.is_contiguous() for p in model.parameters() if p.grad is not None)
+        before = _state(model, optimizer)
+        _step(model, optimizer, x, y, inject=float("nan"))
+    assert _equal(before, _state(model, optimizer))
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+
+
+def test_delay_overflow_check_does_not_skip():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x, y = mlp_data()
+    optimizer.zero_grad()
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer, delay_overflow_check=True) as s:
+        s.backward()
+    assert optimizer._amp_stash.skip_pending is None
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0 ** 16, "unskipped": 0}
