@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -234,14 +236,31 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
     ]
 
     if properties.patch_torch_functions:
-        amp_mod.init(loss_scale=properties.loss_scale, verbose=(_amp_state.verbosity == 2),
-                     device_type=_amp_state.device_type, dtype=_amp_state.half_dtype)
+        handle = amp_mod.init(loss_scale=properties.loss_scale, verbose=(_amp_state.verbosity == 2),
+                              device_type=_amp_state.device_type, dtype=_amp_state.half_dtype)
+        _switch_off_with_models(handle, models)
 
     if optimizers_was_list:
         return (models if models_was_list else models[0]), optimizers
     if len(optimizers) == 0:
         return models if models_was_list else models[0]
     return (models if models_was_list else models[0]), optimizers[0]
+
+
+def _switch_off_with_models(handle, models) -> None:
+    """O1's casting is process-wide, like Apex's; unlike Apex it ends when the last model it was set up
+    for is garbage-collected, so code that runs afterwards is not silently cast."""
+    thread = threading.get_ident()
+    alive = [len(models)]
+
+    def gone() -> None:
+        alive[0] -= 1
+        # Autocast state is per thread: only the thread that switched it on may switch it off.
+        if alive[0] == 0 and threading.get_ident() == thread:
+            handle._deactivate()
+
+    for model in models:
+        weakref.finalize(model, gone)
 
 
 class _StepCastsDisabled:

@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from apex import _backend
 from apex.amp._amp_state import maybe_print
 from apex.amp.scaler import scale_into
 
@@ -27,7 +28,13 @@ class AmpOptimizerState:
 
 def _master_params_to_model_params(self) -> None:
     stash = self._amp_stash
-    if stash.all_fp16_params:
+    if not stash.all_fp16_params:
+        return
+    if _backend.select(stash.all_fp16_params) == "torch":
+        # A plain rounding copy: no scale and no check needed (the masters are finite after a taken step).
+        with torch.no_grad():
+            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
+    else:
         scale_into(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params, 1.0)
 
 

@@ -2,7 +2,8 @@
 
 O1 is built on ``torch.autocast``: ``amp.initialize`` switches autocast on for the model's device type
 and half dtype, process-wide, the way Apex's O1 patched the torch namespace process-wide (the loss
-computed after the forward pass is covered too). ``disable_casts()`` turns it off inside a block and the
+computed after the forward pass is covered too). It stays on until the next ``initialize`` or until the
+models it was set up for are garbage-collected. ``disable_casts()`` turns it off inside a block and the
 optimizer's ``step`` always runs without casts. Autocast caches the half copies of the weights; the cache
 is dropped when ``scale_loss`` exits, before the optimizer changes the weights, as Apex dropped its own.
 """

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from apex import _backend
 from apex.ops._checks import mark_found_inf
 from apex.ops.multi_tensor_axpby import multi_tensor_axpby
 from apex.ops.multi_tensor_scale import multi_tensor_scale
@@ -36,23 +37,46 @@ def _split_contiguous(*lists):
 
 @torch.no_grad()
 def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float) -> None:
-    """``outputs[i] = inputs[i] * scale`` with the non-finite flag, for any strides and dtypes."""
+    """``outputs[i] = inputs[i] * scale`` with the non-finite flag, for any strides and dtypes.
+
+    GPU tensors go through ``multi_tensor_scale`` (one Triton launch per dtype group); CPU tensors straight
+    to ``torch._amp_foreach_non_finite_check_and_unscale_``, which takes any strides and mixed dtypes, so
+    a step pays no per-tensor Python checks.
+    """
     if not inputs:
+        return
+    if _backend.select(inputs) == "torch":
+        _scale_into_torch(noop_flag, inputs, outputs, scale)
         return
     good, bad = _split_contiguous(inputs, outputs)
     if good:
         multi_tensor_scale(_CHUNK, noop_flag, [[inputs[i] for i in good], [outputs[i] for i in good]], scale)
     if bad:
-        # Rare (channels_last or expanded gradients): PyTorch's fused check works on any strides.
-        found = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
-        tmp = [inputs[i].float().clone() if inputs[i].dtype != torch.float32 or inputs[i] is not outputs[i]
-               else inputs[i] for i in bad]
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            tmp, found, torch.full((1,), scale, dtype=torch.float32, device=noop_flag.device))
-        for i, t in zip(bad, tmp):
-            if t is not outputs[i]:
-                outputs[i].copy_(t)
-        mark_found_inf(noop_flag, found)
+        _scale_into_torch(noop_flag, [inputs[i] for i in bad], [outputs[i] for i in bad], scale)
+
+
+def _scale_into_torch(noop_flag, inputs, outputs, scale: float) -> None:
+    found = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+    scale_t = torch.full((1,), scale, dtype=torch.float32, device=noop_flag.device)
+    # In place, or an exact copy into a type at least as wide: copy, then unscale the outputs in place
+    # (PyTorch's op computes in fp32 and rounds once). A narrowing copy scales an fp32 temporary first.
+    direct = [i for i, (x, o) in enumerate(zip(inputs, outputs))
+              if x is o or o.dtype == torch.float32 or o.dtype == x.dtype]
+    if len(direct) == len(inputs):
+        copies = [i for i in direct if inputs[i] is not outputs[i]]
+        if copies:
+            torch._foreach_copy_([outputs[i] for i in copies], [inputs[i] for i in copies])
+        torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found, scale_t)
+    else:
+        keep = set(direct)
+        if direct:
+            _scale_into_torch(noop_flag, [inputs[i] for i in direct], [outputs[i] for i in direct], scale)
+        rest = [i for i in range(len(inputs)) if i not in keep]
+        tmp = [inputs[i].float() for i in rest]
+        tmp = [t.clone() if t is inputs[i] else t for t, i in zip(tmp, rest)]
+        torch._amp_foreach_non_finite_check_and_unscale_(tmp, found, scale_t)
+        torch._foreach_copy_([outputs[i] for i in rest], tmp)
+    mark_found_inf(noop_flag, found)
 
 
 class LossScaler:
@@ -132,19 +156,19 @@ class LossScaler:
         buf = self._buf_for([t[0] for t in triples])
         inv = 1.0 / self._loss_scale
         ms, ss, outs = ([t[i] for t in triples] for i in range(3))
-        good, bad = _split_contiguous(ms, ss, outs)
+        cpu = _backend.select(ms) == "torch"
+        good, bad = ([], list(range(len(ms)))) if cpu else _split_contiguous(ms, ss, outs)
         if good:
             # out = (1/scale) * model + 1 * stashed in fp32, checking only the model grads (arg 0).
             multi_tensor_axpby(_CHUNK, buf, [[ms[i] for i in good], [ss[i] for i in good],
                                              [outs[i] for i in good]], inv, 1.0, 0)
         if bad:
-            tmp = [torch.empty_like(ms[i], dtype=torch.float32, memory_format=torch.contiguous_format)
-                   for i in bad]
-            scale_into(buf, [ms[i].contiguous() for i in bad], tmp, inv)
+            tmp = [ms[i].float() for i in bad]
+            tmp = [t.clone() if t is ms[i] else t for t, i in zip(tmp, bad)]
+            _scale_into_torch(buf, tmp, tmp, inv)
             with torch.no_grad():
                 torch._foreach_add_(tmp, [ss[i].float() for i in bad])
-                for i, t in zip(bad, tmp):
-                    outs[i].copy_(t)
+                torch._foreach_copy_([outs[i] for i in bad], tmp)
 
     def clear_overflow_state(self) -> None:
         self._has_overflow = False

@@ -9,9 +9,9 @@ backoff_factor, growth_interval, hysteresis)`` updates the three state tensors i
 * ``f == 0``: ``g += 1``; when ``g == growth_interval``, ``s *= growth_factor`` unless that overflows fp32,
   and ``g = 0``; then ``h = hysteresis``.
 
-Products are formed in float64 and rounded once to fp32, as the CUDA kernel does. Everything stays on the
-device: no host synchronisation. Dtypes: ``current_scale`` and ``found_inf`` float32, the trackers int32,
-one element each.
+Products are formed in float64 and rounded once to fp32, as the CUDA kernel does. On GPUs everything stays
+on the device (no host synchronisation); CPU tensors are read directly. Dtypes: ``current_scale`` and
+``found_inf`` float32, the trackers int32, one element each.
 """
 
 from __future__ import annotations
@@ -52,9 +52,37 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
         kernels.update(current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
                        float(backoff_factor), int(growth_interval), int(hysteresis))
         return current_scale
-    _update_torch(current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
-                  float(backoff_factor), int(growth_interval), int(hysteresis))
+    args = (current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
+            float(backoff_factor), int(growth_interval), int(hysteresis))
+    if current_scale.device.type == "cpu":
+        _update_cpu(*args)  # reading a CPU tensor is no synchronisation: plain scalar logic is fastest
+    else:
+        _update_torch(*args)
     return current_scale
+
+
+@torch.no_grad()
+def _update_cpu(scale, growth, hyst, found_inf, growth_factor, backoff_factor, growth_interval,
+                hysteresis) -> None:
+    f, s, g, h = found_inf.item(), scale.item(), int(growth.item()), int(hyst.item())
+    if f > 0:
+        h -= 1
+        if h > 0:
+            growth.fill_(0)
+            hyst.fill_(h)
+            return
+    if f:
+        scale.fill_(s * backoff_factor)  # float64 product, one rounding to fp32 in fill_
+        g = 0
+    else:
+        g += 1
+        if g == growth_interval:
+            grown = torch.tensor(s * growth_factor, dtype=torch.float64).float()
+            if torch.isfinite(grown):
+                scale.fill_(grown.item())
+            g = 0
+    growth.fill_(g)
+    hyst.fill_(hysteresis if f <= 0 else h)
 
 
 @torch.no_grad()

@@ -41,22 +41,28 @@ def make_optimizer(name: str, params, lr: float | None = None):
         from apex.optimizers import FusedAdam
 
         return FusedAdam(params, lr=lr or 1e-2, weight_decay=1e-2)
+    if name == "FusedLAMB":
+        from apex.optimizers import FusedLAMB
+
+        return FusedLAMB(params, lr=lr or 1e-2, weight_decay=1e-2)
     raise ValueError(name)
 
 
-def fused_adam_available() -> bool:
+def apex_optimizer_available(name: str) -> bool:
     try:
-        from apex.optimizers import FusedAdam  # noqa: F401
+        import apex.optimizers as optimizers
+
+        getattr(optimizers, name)
     except (ImportError, AttributeError):
         return False
     return True
 
 
-OPTIMIZERS = ["SGD", "AdamW", "FusedAdam"]
+OPTIMIZERS = ["SGD", "AdamW", "FusedAdam", "FusedLAMB"]
 
 
 def skip_if_unavailable(name: str):
     import pytest
 
-    if name == "FusedAdam" and not fused_adam_available():
-        pytest.skip("apex.optimizers.FusedAdam is not importable in this build")
+    if name.startswith("Fused") and not apex_optimizer_available(name):
+        pytest.skip(f"apex.optimizers.{name} is not importable in this build")

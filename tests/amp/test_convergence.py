@@ -47,7 +47,13 @@ CASES = {"mlp": (mlp, lambda seed, n=128: mlp_data(n, seed=seed, noise=1.0)),
 
 @pytest.fixture(scope="module")
 def fp32_losses():
-    return {name: _train(build, data, None, None) for name, (build, data) in CASES.items()}
+    # Module-scoped fixtures run before the per-test one-thread setting: ask for one thread here too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: _train(build, data, None, None) for name, (build, data) in CASES.items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -236,3 +236,35 @@ def test_closure_with_skipped_step_is_refused():
         model[0].weight.grad.view(-1)[0] = float("inf")
     with pytest.raises(RuntimeError, match="closure"):
         opt.step(lambda: None)
+
+
+def test_apex_ddp_is_refused(tmp_path):
+    import torch.distributed as dist
+
+    parallel = pytest.importorskip("apex.parallel")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = parallel.DistributedDataParallel(nn.Linear(2, 2))
+        with pytest.raises(RuntimeError, match="apex.parallel.DistributedDataParallel. Parallel wrappers"):
+            amp.initialize(model, opt_level="O1", verbosity=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_larc_wrapped_optimizer_under_o2():
+    larc = pytest.importorskip("apex.parallel.LARC")
+    model = mlp()
+    opt = larc.LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x = torch.randn(8, 16)
+    before = model[0].weight.detach().clone()
+    for inject in (False, True):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+            s.backward()
+            if inject:
+                model[0].weight.grad.view(-1)[0] = float("inf")
+        snapshot = model[0].weight.detach().clone()
+        opt.step()
+    assert not torch.equal(before, snapshot) and torch.equal(snapshot, model[0].weight)
+    assert all(p.dtype == torch.float32 for p in amp.master_params(opt))

@@ -201,3 +201,55 @@ def test_accumulation_without_delay_unscale_adds_unscaled_grads():
         grads.append([p.grad.clone() for p in model.parameters()])
     for one, two in zip(*grads):
         torch.testing.assert_close(two, 2 * one, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_clipping_on_master_grads():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    x, y = mlp_data()
+    optimizer.zero_grad()
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(optimizer))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters)
+    unclipped = torch.nn.utils.clip_grad_norm_(masters, 1e-3)
+    assert 1e-3 < unclipped.item() < 100  # unscaled: a loss scale of 65536 would show here
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in masters]))
+    assert total.item() == pytest.approx(1e-3, rel=1e-3)
+    before = [m.clone() for m in masters]
+    optimizer.step()
+    assert all((m - b).abs().max() <= 0.1 * 1e-3 + 1e-6 for m, b in zip(masters, before))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_channels_last_gradients(backend):
+    import apex
+    from tests.amp._models import cnn, cnn_data
+    from tests.conftest import HAS_TRITON
+
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    model = cnn().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    x, y = cnn_data(8)
+    with apex.backend(backend):
+        _step(model, optimizer, x.to(memory_format=torch.channels_last), y)
+        assert any(not p.grad.is_contiguous() for p in model.parameters() if p.grad is not None)
+        before = _state(model, optimizer)
+        _step(model, optimizer, x, y, inject=float("nan"))
+    assert _equal(before, _state(model, optimizer))
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+
+
+def test_delay_overflow_check_does_not_skip():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x, y = mlp_data()
+    optimizer.zero_grad()
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer, delay_overflow_check=True) as s:
+        s.backward()
+    assert optimizer._amp_stash.skip_pending is None
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0 ** 16, "unskipped": 0}

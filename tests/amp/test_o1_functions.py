@@ -27,7 +27,7 @@ def test_decorators_are_transparent_before_initialize():
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_half_float_promote_under_o1(half):
-    _init_o1(half)
+    _keep = _init_o1(half)
     x, i = torch.randn(2), torch.arange(2)
     assert amp.half_function(_probe)(x, i, y=x) == [half, torch.int64, half]
     assert amp.bfloat16_function(_probe)(x) == [torch.bfloat16]
@@ -39,7 +39,7 @@ def test_half_float_promote_under_o1(half):
 
 
 def test_float_function_really_runs_in_fp32():
-    _init_o1()
+    _keep = _init_o1()
     w = torch.randn(8, 8)
 
     @amp.float_function
@@ -52,7 +52,7 @@ def test_float_function_really_runs_in_fp32():
 
 
 def test_half_function_output_feeds_backward():
-    _init_o1()
+    _keep = _init_o1()
     w = torch.randn(4, 4, requires_grad=True)
     out = amp.half_function(lambda a: a * 2)(w)
     out.float().sum().backward()
@@ -60,7 +60,7 @@ def test_half_function_output_feeds_backward():
 
 
 def test_disable_casts():
-    _init_o1()
+    _keep = _init_o1()
     a, b = torch.randn(2, 2), torch.randn(2, 2)
     assert (a @ b).dtype == torch.bfloat16
     with amp.disable_casts():
@@ -78,7 +78,7 @@ def test_register_functions_apply_at_initialize_and_restore():
     amp.register_bfloat16_function(mod, "b")
     x = torch.randn(2)
     assert mod.h(x) == [torch.float32]  # nothing happens until initialize
-    _init_o1(torch.float16)
+    _keep = _init_o1(torch.float16)
     assert mod.h(x) == [torch.float16]
     assert mod.f(x.half()) == [torch.float32]
     assert mod.p(x, x.half()) == [torch.float32, torch.float32]
@@ -94,7 +94,7 @@ def test_register_unknown_name():
 
 def test_register_on_torch_namespace():
     amp.register_float_function(torch, "sigmoid")
-    _init_o1()
+    _keep = _init_o1()
     assert torch.sigmoid(torch.randn(3).bfloat16()).dtype == torch.float32
     amp.frontend._reset_casting()
     assert torch.sigmoid(torch.randn(3).bfloat16()).dtype == torch.bfloat16
@@ -118,7 +118,7 @@ def test_optimizer_step_runs_without_casts():
 
 
 def test_reinitialize_switches_casting_off():
-    _init_o1()
+    _keep = _init_o1()
     assert torch.is_autocast_enabled("cpu")
     amp.initialize(torch.nn.Linear(2, 2), opt_level="O2", verbosity=0)
     assert not torch.is_autocast_enabled("cpu")
@@ -131,4 +131,19 @@ def test_legacy_handle_api():
         with handle.scale_loss(torch.ones(()), None):
             pass
     amp.frontend._reset_casting()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_casting_ends_when_the_models_are_gone():
+    import gc
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    assert torch.is_autocast_enabled("cpu")
+    del model, opt, s
+    gc.collect()
     assert not torch.is_autocast_enabled("cpu")

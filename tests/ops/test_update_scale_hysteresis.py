@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import amp_C
-from apex.ops.update_scale_hysteresis import update_scale_hysteresis
+from apex.ops.update_scale_hysteresis import _update_torch, update_scale_hysteresis
 from tests.conftest import HAS_TRITON
 
 
@@ -41,13 +41,14 @@ def _state(scale=65536.0, growth=0, hyst=2):
             torch.tensor([hyst], dtype=torch.int32))
 
 
-def _run_sequence(found_seq, growth_factor, backoff_factor, interval, hysteresis, start):
+def _run_sequence(found_seq, growth_factor, backoff_factor, interval, hysteresis, start,
+                  fn=update_scale_hysteresis):
     s, g, h = _state(*start)
     ref = (s.item(), g.item(), h.item())
     for f in found_seq:
-        out = update_scale_hysteresis(s, g, h, torch.tensor([f], dtype=torch.float32), growth_factor,
-                                      backoff_factor, interval, hysteresis)
-        assert out is s
+        out = fn(s, g, h, torch.tensor([f], dtype=torch.float32), growth_factor, backoff_factor, interval,
+                 hysteresis)
+        assert out is s or out is None
         ref = _reference(*ref, f, growth_factor, backoff_factor, interval, hysteresis)
         assert (s.item(), g.item(), h.item()) == ref, (f, ref, (s.item(), g.item(), h.item()))
 
@@ -88,6 +89,9 @@ def test_matches_kernel_reference_torch(found, growth_factor, backoff_factor, in
 
     with apex.backend("torch"):
         _run_sequence(found, growth_factor, backoff_factor, interval, hysteresis, (scale, growth, hyst))
+    # The sync-free formulation used for GPU tensors when Triton is not in use.
+    _run_sequence(found, growth_factor, backoff_factor, interval, hysteresis, (scale, growth, hyst),
+                  fn=_update_torch)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -107,12 +111,12 @@ def test_exported_through_amp_c():
     assert amp_C.update_scale_hysteresis is update_scale_hysteresis
 
 
-def test_no_host_sync():
+def test_device_path_has_no_host_sync():
     from apex.testing import count_eager
 
     s, g, h = _state()
     found = torch.ones(1)
-    c = count_eager(lambda: update_scale_hysteresis(s, g, h, found, 2.0, 0.5, 10, 2))
+    c = count_eager(lambda: _update_torch(s, g, h, found, 2.0, 0.5, 10, 2))
     assert c["syncs"] == 0
 
 
