@@ -19,6 +19,9 @@ Examples::
     python examples/train_gpt.py --save runs/ckpt     # checkpoint every --save-every steps
     python examples/train_gpt.py --resume runs/ckpt   # continue exactly where it stopped
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20
+    python examples/train_gpt.py --device cuda --dtype bf16   # GPUs: Triton kernels, fp16 unless told
+    torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port 29500 --nproc_per_node 8 \
+        examples/train_gpt.py                                   # several machines (NCCL on GPUs)
 
 Outputs go to ``--out`` (default ``runs/train_gpt``): ``metrics.json`` and ``loss.png`` (``compare.png`` with
 ``--compare``). ``--compare`` trains both models in one process, alternating steps on the same batches, so
@@ -504,24 +507,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--n-layer", type=int, default=4)
-    m.add_argument("--n-head", type=int, default=4)
-    m.add_argument("--n-embd", type=int, default=256)
-    m.add_argument("--block-size", type=int, default=128)
+    m.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    m.add_argument("--n-head", type=int, default=4, help="attention heads")
+    m.add_argument("--n-embd", type=int, default=256, help="model width")
+    m.add_argument("--block-size", type=int, default=128, help="context length in bytes")
     m.add_argument("--attention", choices=["auto", "sdpa", "math"], default="auto",
                    help="F.scaled_dot_product_attention or matmul + softmax (auto: the faster for the dtype)")
     m.add_argument("--norm", choices=["layer", "rms"], default="layer",
                    help="FusedLayerNorm or FusedRMSNorm (nn.LayerNorm / nn.RMSNorm with --impl torch)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=400)
+    t.add_argument("--steps", type=int, default=400, help="optimizer steps")
     t.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1337)
-    t.add_argument("--eval-interval", type=int, default=50)
-    t.add_argument("--eval-batches", type=int, default=8)
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of the matrices")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    t.add_argument("--seed", type=int, default=1337, help="initial weights and batches")
+    t.add_argument("--eval-interval", type=int, default=50, help="steps between validations")
+    t.add_argument("--eval-batches", type=int, default=8, help="fixed validation batches")
     t.add_argument("--data-mb", type=float, default=0.0, help="use only the first N MiB of source (0: all)")
     t.add_argument("--sample-len", type=int, default=300, help="bytes of generated text at the end")
     r = p.add_argument_group("precision and hardware")
@@ -542,7 +545,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "steps interleaved) and compare speed and loss")
     o.add_argument("--save", metavar="DIR",
                    help="write a checkpoint to DIR every --save-every steps and at the end")
-    o.add_argument("--save-every", type=int, default=100)
+    o.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     o.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR (keeps saving there)")
     o.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop at STEP as if interrupted (the schedule still spans --steps)")
