@@ -71,8 +71,12 @@ def setup_distributed(requested_device: str, timeout_s: float) -> DistInfo:
     return DistInfo(rank, world_size, local_rank, device)
 
 
-def cleanup_distributed(info: DistInfo) -> None:
+def cleanup_distributed(info: DistInfo, ok: bool = True) -> None:
+    """Leave the process group together: a rank that tears Gloo down while a peer still uses its
+    connections can make that peer abort. After an error, skip the barrier (the peers may never reach it)."""
     if info.distributed and dist.is_initialized():
+        if ok:
+            dist.barrier()
         dist.destroy_process_group()
 
 

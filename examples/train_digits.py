@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                       else f"error: ranks have different parameters: {checks}")
         return 0 if len(set(checks)) == 1 else 3
     finally:
-        cleanup_distributed(info)
+        cleanup_distributed(info, ok=sys.exc_info()[0] is None)
 
 
 if __name__ == "__main__":

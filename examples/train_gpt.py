@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"; resume with --resume {where}" if where else ""))
         return 0 if same else 3
     finally:
-        cleanup_distributed(info)
+        cleanup_distributed(info, ok=sys.exc_info()[0] is None)
 
 
 if __name__ == "__main__":
