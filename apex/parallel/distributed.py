@@ -434,7 +434,11 @@ class DistributedDataParallel(Module):
             for v, g in zip(views, slots):
                 if g is None:
                     v.zero_()
-            flat[n:].copy_(torch.tensor([g is not None for g in slots], dtype=dtype))
+            all_present = all(g is not None for g in slots)
+            if all_present:
+                flat[n:].fill_(1)  # the common case: no host-to-device copy
+            else:
+                flat[n:].copy_(torch.tensor([g is not None for g in slots], dtype=dtype))
             red = flat
             if self.allreduce_always_fp32 and dtype in (torch.float16, torch.bfloat16):
                 red = flat.float()
@@ -443,16 +447,19 @@ class DistributedDataParallel(Module):
             group = self.bucket_pgs[b % len(self.bucket_pgs)]
             work = dist.all_reduce(red, group=group, async_op=True)
             self.allreduce_calls += 1
-            step.pending.append((b, work, flat, red, n, numels))
+            step.pending.append((b, work, flat, red, n, numels, all_present))
 
-    def _finish(self, step: _Step, b: int, work, flat, red, n: int, numels: list[int]) -> None:
+    def _finish(self, step: _Step, b: int, work, flat, red, n: int, numels: list[int],
+                all_present: bool) -> None:
         work.wait()
         if self.gradient_average:
             red[:n].mul_(self.gradient_predivide_factor / self.world_size)
         if red is not flat:
             flat.copy_(red)
         params = [self.active_params[i] for i in self.active_i_buckets[b]]
-        present = (flat[n:] != 0).tolist()
+        # Parameters with a local gradient are present by construction; only when some are missing here
+        # does the (host-synchronising) look at the all-reduced presence counts happen.
+        present = [True] * len(params) if all_present else (flat[n:] != 0).tolist()
         views = [v.view_as(p) for v, p in zip(flat[:n].split(numels), params)]
         if self.retain_allreduce_buffers:
             self.allreduce_buffers[b] = flat[:n]
