@@ -83,6 +83,9 @@ def test_public_surface():
     from apex.parallel.sync_batchnorm import SyncBatchNorm
 
     assert SyncBatchNorm is P.SyncBatchNorm
+    from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as Fused
+
+    assert Fused is P.SyncBatchNorm
     import inspect
 
     sig = inspect.signature(P.DistributedDataParallel.__init__).parameters
