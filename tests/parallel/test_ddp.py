@@ -179,7 +179,13 @@ def _ddp_training_worker(rank, world):
     # Overlap: after the first (structure-building) pass, every full bucket is launched during backward.
     calls = model.allreduce_calls
     x, y = _data(40, world)
+    in_flight = []
+    # fc1's weight gets its gradient last; by then earlier buckets' all-reduces must already be running.
+    handle = local.fc1.weight.register_post_accumulate_grad_hook(
+        lambda p: in_flight.append(len(model._step.pending)))
     _loss(model, x[sl], y[sl], True).backward()
+    handle.remove()
+    assert model.num_buckets >= 3 and in_flight and in_flight[0] >= model.num_buckets - 2, in_flight
     assert model.allreduce_calls - calls == model.num_buckets
 
     # Reducer: exact average of a list of tensors and of a module's gradients.
