@@ -43,6 +43,17 @@ def _weights(C: int, weight, bias, device) -> tuple[torch.Tensor, torch.Tensor]:
     return w, b
 
 
+def _v(t):
+    """The PyTorch path works on ``[M, C]`` when ``L == 1``: PyTorch's CPU batch-norm kernels are several
+    times faster on 2-D inputs than on ``[M, C, 1]``."""
+    return None if t is None else (t.view(t.shape[0], t.shape[1]) if t.shape[2] == 1 else t)
+
+
+def _ch(v, t):
+    """A per-channel vector shaped to broadcast against ``t`` (2-D or 3-D)."""
+    return v if t.dim() == 2 else v[:, None]
+
+
 def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` in fp32 of ``x`` ``[N, C, L]``."""
     if x.shape[0] * x.shape[2] == 0:
@@ -52,7 +63,7 @@ def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return kernels.stats(x)
     # PyTorch's fused CPU statistics kernel (a fraction of var_mean's time over dims (0, 2)).
-    mean, var = torch.batch_norm_update_stats(x.float(), None, None, 0.0)
+    mean, var = torch.batch_norm_update_stats(_v(x).float(), None, None, 0.0)
     return mean.float(), var.float()
 
 
@@ -65,22 +76,39 @@ def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = Fa
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.forward(x, scale, shift, z, fuse_relu)
-    y = torch.addcmul(shift[:, None], x.float(), scale[:, None])
-    if z is not None:
-        y += z
+    x2, z2 = _v(x), _v(z)
+    if x2.dim() == 2:
+        y = torch.addcmul(shift, x2.float(), scale)
+    else:
+        # PyTorch's eval-mode batch-norm kernel with zero mean, unit variance and eps=0 is
+        # x * scale + shift, faster than a broadcasting addcmul over (N, C, L).
+        y = torch.batch_norm(x2.float(), scale, shift, torch.zeros_like(mean), torch.ones_like(mean), False,
+                             0.0, 0.0, False)
+    if z2 is not None:
+        y += z2
     if fuse_relu:
         y.relu_()
-    return y.to(x.dtype)
+    return y.to(x.dtype).view(x.shape)
 
 
 def _dy_act(dy, x, scale, shift, z, fuse_relu):
+    """``dy`` (fp32) after the fused relu's mask; all arguments already through :func:`_v`."""
     dyf = dy.float()
     if not fuse_relu:
         return dyf
-    pre = torch.addcmul(shift[:, None], x.float(), scale[:, None])
+    pre = torch.addcmul(_ch(shift, x), x.float(), _ch(scale, x))
     if z is not None:
         pre += z
     return dyf * (pre > 0)
+
+
+def relu_grad(dy, x, mean, invstd, weight, bias, z=None) -> torch.Tensor:
+    """``dy * (y > 0)`` for the fused relu, in fp32 (PyTorch ops): lets the PyTorch path mask ``dy`` once
+    for both backward passes (the Triton kernels recompute the mask on the fly instead)."""
+    w, b = _weights(x.shape[1], weight, bias, x.device)
+    scale = w * invstd
+    shift = b - mean * scale
+    return _dy_act(_v(dy), _v(x), scale, shift, _v(z), True).view(x.shape)
 
 
 def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False):
@@ -92,6 +120,7 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_r
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.backward_reduce(dy, x, mean, scale, shift, z, fuse_relu)
+    x, dy, z = _v(x), _v(dy), _v(z)
     d = _dy_act(dy, x, scale, shift, z, fuse_relu)
     xf = x.float()
     ones = torch.ones_like(mean)
@@ -113,6 +142,8 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
 
         return kernels.backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu,
                                       need_dz)
+    shape = x.shape
+    x, dy, z = _v(x), _v(dy), _v(z)
     d = _dy_act(dy, x, scale, shift, z, fuse_relu)
     k = mean_dy_xmu * invstd * invstd
     # dx = d * scale + x * A + B with per-channel A, B: one fused affine pass over x (batch norm in eval
@@ -121,6 +152,6 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
     b = scale * (k * mean - mean_dy)
     zeros, ones = torch.zeros_like(mean), torch.ones_like(mean)
     dx = torch.batch_norm(x.float(), a, b, zeros, ones, False, 0.0, 0.0, False)
-    dx.addcmul_(d, scale[:, None])
-    dz = d.to(x.dtype) if need_dz else None
-    return dx.to(x.dtype), dz
+    dx.addcmul_(d, _ch(scale, x))
+    dz = d.to(x.dtype).view(shape) if need_dz else None
+    return dx.to(x.dtype).view(shape), dz

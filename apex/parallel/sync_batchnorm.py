@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from apex import _backend
 from apex.ops import sync_batch_norm as ops
 from apex.parallel.distributed import require_process_group
 
@@ -85,6 +86,10 @@ class SyncBatchnormFunction(torch.autograd.Function):
         x, zz, weight, bias, mean, invstd = ctx.saved_tensors
         count, use_batch_stats, group, distributed, fuse_relu, shape, has_z = ctx.meta
         dy = grad_output.contiguous().reshape(x.shape)
+        if fuse_relu and x.numel() and _backend.select(x) == "torch":
+            # Mask once here instead of in each of the two backward passes.
+            dy = ops.relu_grad(dy, x, mean, invstd, weight, bias, zz)
+            fuse_relu, zz = False, None
         C = x.shape[1]
         if x.numel():
             sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz,
