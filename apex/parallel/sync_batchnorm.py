@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from apex import _backend
 from apex.ops import sync_batch_norm as ops
-from apex.parallel.distributed import require_process_group
+from apex.parallel._comm import require_process_group
 
 
 def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
