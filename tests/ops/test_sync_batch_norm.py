@@ -171,8 +171,8 @@ def test_bad_inputs():
        loc=st.floats(-50, 50), spread=st.floats(0.1, 10))
 def test_stats_and_gradients_random_shapes(backend_name, n, c, l_, channel_last, loc, spread):
     shape = (n, l_, c) if channel_last else (n, c, l_)
-    if n * l_ < 2:
-        return
+    if n * l_ < 4:
+        return  # with 2-3 values per channel dx is pure cancellation (exactly 0 for 2 when eps -> 0)
     x = (torch.randn(shape) * spread + loc).requires_grad_()
     gy = torch.randn(shape)
     bn = SyncBatchNorm(c, channel_last=channel_last)
@@ -181,7 +181,14 @@ def test_stats_and_gradients_random_shapes(backend_name, n, c, l_, channel_last,
         y.backward(gy)
     ref_y, ref_dx, _, ref_dw, ref_db = _reference(x.detach(), None, gy, bn.weight.detach(), bn.bias.detach(),
                                                   bn.eps, channel_last, False)
-    assert_rel_close(y, ref_y, tol=1e-5, name="out")
-    assert_rel_close(x.grad, ref_dx, tol=1e-4, name="dx")
-    assert_rel_close(bn.weight.grad, ref_dw, tol=1e-4, name="dweight")
-    assert_rel_close(bn.bias.grad, ref_db, tol=1e-5, name="dbias")
+    # fp32 conditioning grows with |loc| / spread: PyTorch's own fp32 batch norm is the baseline.
+    xb = x.detach().clone().requires_grad_()
+    wb = bn.weight.detach().clone().requires_grad_()
+    bb = bn.bias.detach().clone().requires_grad_()
+    yb = F.batch_norm(_cf(xb, channel_last), None, None, wb, bb, True, 0.0, bn.eps)
+    yb = yb.movedim(1, -1) if channel_last else yb
+    yb.backward(gy)
+    assert_rel_close(y, ref_y, tol=1e-5, baseline=yb.detach(), name="out")
+    assert_rel_close(x.grad, ref_dx, tol=1e-4, baseline=xb.grad, name="dx")
+    assert_rel_close(bn.weight.grad, ref_dw, tol=1e-4, baseline=wb.grad, name="dweight")
+    assert_rel_close(bn.bias.grad, ref_db, tol=1e-5, baseline=bb.grad, name="dbias")
