@@ -45,7 +45,8 @@ def _scale_torch(noop_flag, ins, outs, scale: float | torch.Tensor) -> None:
             if o.data_ptr() != x.data_ptr():
                 o.copy_(x)
         torch._amp_foreach_non_finite_check_and_unscale_(d_out, found_inf, scale_t)
-    rest = [i for i in range(len(ins)) if i not in set(direct)]
+    direct_set = set(direct)
+    rest = [i for i in range(len(ins)) if i not in direct_set]
     if rest:
         tmp = [ins[i].to(torch.float32, copy=True) for i in rest]
         torch._amp_foreach_non_finite_check_and_unscale_(tmp, found_inf, scale_t)
