@@ -155,11 +155,21 @@ def launch(kernel, tab: TensorTable, *args, **meta) -> None:
     """Launch ``kernel`` with one program per chunk of ``tab``.
 
     The kernel's parameters are, in order: ``ptrs, sizes, chunk_tensor, chunk_start, n_tensors``, then
-    ``*args``, then one ``tl.constexpr`` dtype per list, then ``CHUNK`` and ``BLOCK`` (and ``**meta``).
+    ``*args``, then one ``tl.constexpr`` dtype per list, then the keyword constexprs of ``**meta``, then
+    ``CHUNK`` and ``BLOCK``.
     """
     kernel[(tab.n_chunks,)](
         tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
         *args, *tab.dtypes, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
+    )
+
+
+def launch_with_dtypes(kernel, tab: TensorTable, dtypes: tuple, *args, **meta) -> None:
+    """Like :func:`launch`, with the dtype constexprs given explicitly (for kernels whose number of
+    dtype parameters differs from the table's number of lists)."""
+    kernel[(tab.n_chunks,)](
+        tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+        *args, *dtypes, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
     )
 
 

@@ -213,27 +213,41 @@ def count_eager(fn: Callable[[], object]) -> dict:
 def speed_up_interpreter() -> None:
     """Patch ``triton.language`` once per launch instead of once per nested ``@jit`` call.
 
-    The interpreter re-patches the language module every time a kernel calls a ``@triton.jit`` helper;
-    inside a launch it is already patched, so the repeat is pure overhead (2-3x on kernels that call
-    helpers). Idempotent; affects only interpreted runs.
+    The interpreter re-patches the language modules every time a kernel calls a ``@triton.jit`` helper;
+    inside a launch the modules a helper uses are usually patched already, so the repeat is pure overhead
+    (2-3x on kernels that call helpers). A helper whose module sees a language module not yet patched in
+    this launch (``triton.language.core`` from ``triton.language.standard``, say) is patched as before.
+    Idempotent; affects only interpreted runs.
     """
+    import triton.language as tl
     from triton.runtime import interpreter as itp
 
     if getattr(itp.InterpretedFunction, "_apex_patched_once", False):
         return
-    depth = [0]
+    launch_state: list = []  # stack of (patched module ids, scopes) per active launch
     launch = itp.GridExecutor.__call__
 
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
     def grid_call(self, *args, **kwargs):
-        depth[0] += 1
+        launch_state.append((set(langs_of(self.fn)), []))
         try:
             return launch(self, *args, **kwargs)
         finally:
-            depth[0] -= 1
+            _, scopes = launch_state.pop()
+            for scope in reversed(scopes):
+                scope.restore()
 
     def device_call(self, *args, **kwargs):
-        if depth[0] == 0:
+        if not launch_state:
             itp._patch_lang(self.fn)
+        else:
+            patched, scopes = launch_state[-1]
+            needed = langs_of(self.fn)
+            if not needed <= patched:
+                scopes.append(itp._patch_lang(self.fn))
+                patched |= needed
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)

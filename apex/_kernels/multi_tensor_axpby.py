@@ -1,0 +1,36 @@
+"""``out = a * x + b * y`` over lists of tensors, flagging non-finite inputs. One launch per dtype group."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+
+
+@triton.jit
+def _axpby_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, a, b,
+                  X_DT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr,
+                  CHECK_X: tl.constexpr, CHECK_Y: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, X_DT)
+    y_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, Y_DT)
+    o_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, OUT_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if CHECK_X:
+            mt.flag_nonfinite(noop_flag, x, mask)
+        if CHECK_Y:
+            mt.flag_nonfinite(noop_flag, y, mask)
+        tl.store(o_ptr + idx, (a * x + b * y).to(OUT_DT), mask=mask)
+
+
+def axpby(noop_flag: torch.Tensor, xs: list, ys: list, outs: list, a: float, b: float, arg_to_check: int) -> None:
+    for _, sub in mt.group([xs, ys, outs]):
+        mt.launch(_axpby_kernel, mt.table(sub), noop_flag, float(a), float(b),
+                  CHECK_X=arg_to_check in (-1, 0), CHECK_Y=arg_to_check in (-1, 1))

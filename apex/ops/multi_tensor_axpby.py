@@ -1,0 +1,37 @@
+"""``multi_tensor_axpby(chunk_size, noop_flag, [xs, ys, outs], a, b, arg_to_check)``:
+``out[i] = a * x[i] + b * y[i]`` computed in fp32 and rounded once to the output dtype.
+
+``arg_to_check`` picks which inputs are checked for inf/NaN (setting ``noop_flag`` to 1): ``-1`` both,
+``0`` only ``x``, ``1`` only ``y``. The outputs are written either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+
+
+def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
+                       arg_to_check: int) -> None:
+    device = check_tensor_lists(tensor_lists, 3)
+    check_noop_flag(noop_flag, device)
+    if arg_to_check not in (-1, 0, 1):
+        raise ValueError(f"arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check!r}")
+    if device is None or not tensor_lists[0]:
+        return
+    xs, ys, outs = (list(lst) for lst in tensor_lists)
+    if _backend.select(xs) == "triton":
+        from apex._kernels import multi_tensor_axpby as kernels
+
+        kernels.axpby(noop_flag, xs, ys, outs, float(a), float(b), arg_to_check)
+        return
+    checked = (xs if arg_to_check in (-1, 0) else []) + (ys if arg_to_check in (-1, 1) else [])
+    if checked:
+        # Any non-finite x or y gives a non-finite norm; one fp32 reduction per list, no host sync.
+        norms = torch._foreach_norm(checked, float("inf"), dtype=torch.float32)
+        mark_found_inf(noop_flag, ~torch.isfinite(torch.stack(norms)).all())
+    fx = [x.float() for x in xs]
+    res = torch._foreach_add(torch._foreach_mul(fx, float(a)), [y.float() for y in ys], alpha=float(b))
+    torch._foreach_copy_(outs, res)

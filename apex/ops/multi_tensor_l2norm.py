@@ -1,0 +1,127 @@
+"""L2 norms of tensor lists, Apex's ``amp_C`` family:
+
+* ``multi_tensor_l2norm(chunk_size, noop_flag, [xs], per_tensor=False)`` → ``(total, per_tensor_norms)``:
+  ``total = sqrt(Σ_i ‖x_i‖²)`` as a one-element fp32 tensor, ``per_tensor_norms[i] = ‖x_i‖`` (an empty
+  tensor unless ``per_tensor``).
+* ``multi_tensor_l2norm_mp``: the same, but the whole call is a no-op returning zeros when ``noop_flag`` is
+  already set (so a step that found inf/NaN does not read its gradients again).
+* ``multi_tensor_l2norm_scale(chunk_size, noop_flag, [xs, outs], scale, per_tensor=False)``: also writes
+  ``outs[i] = xs[i] * scale``; the norms are of the unscaled ``xs``.
+* ``multi_tensor_unscale_l2norm(chunk_size, noop_flag, [xs], inv_scale, per_tensor=False)``: norms of
+  ``xs * inv_scale`` (``inv_scale`` a one-element fp32 tensor), nothing written.
+* ``multi_tensor_norm_out_cuda(chunk_size, noop_flag, [xs], out, alpha, beta, norm_type)``: blends each
+  tensor's norm ``n_i`` into ``out[i]``: ``sqrt(alpha*out² + beta*n²)`` for ``norm_type=2``,
+  ``alpha*out + beta*n`` for the max norm (``norm_type=0``). Returns nothing.
+
+Accumulation is fp32 for every input dtype. ``noop_flag`` is set when a norm is not finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+
+
+def _empty_result(device, n: int, per_tensor: bool):
+    return (torch.zeros(1, dtype=torch.float32, device=device),
+            torch.zeros(n if per_tensor else 0, dtype=torch.float32, device=device))
+
+
+def _torch_norms(xs, per_tensor: bool, ord: float = 2.0, inv_scale=None):
+    nonempty = [x for x in xs if x.numel() > 0]
+    per = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
+    if nonempty:
+        norms = torch._foreach_norm(nonempty, ord, dtype=torch.float32)
+        idx = [i for i, x in enumerate(xs) if x.numel() > 0]
+        per[idx] = torch.stack(norms)
+        if inv_scale is not None:
+            # ‖s·x‖ = |s|·‖x‖ for both norms; the fp32 accumulation cannot overflow before the scaling.
+            per = per * inv_scale.abs()
+    total = (per.max() if ord == float("inf") else torch.linalg.vector_norm(per)).reshape(1)
+    return total, per
+
+
+def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0, inv_scale=None,
+              skip_if_flagged=False, blend_into=None, alpha=1.0, beta=1.0):
+    device = xs[0].device
+    if _backend.select(xs) == "triton":
+        from apex._kernels import multi_tensor_l2norm as kernels
+
+        return kernels.norms(noop_flag, list(xs), per_tensor=per_tensor, outputs=outs, out_scale=scale,
+                             inv_scale=inv_scale, max_norm=ord == float("inf"),
+                             skip_if_flagged=skip_if_flagged, blend_into=blend_into, alpha=alpha, beta=beta)
+    if outs is not None:
+        from apex.ops.multi_tensor_scale import _scale_torch
+
+        scratch = torch.zeros_like(noop_flag)
+        _scale_torch(scratch, list(xs), list(outs), scale)
+    total, per = _torch_norms(list(xs), per_tensor, ord, inv_scale)
+    if skip_if_flagged:
+        keep = (noop_flag == 0).to(torch.float32)
+        total, per = total * keep, per * keep
+    mark_found_inf(noop_flag, ~torch.isfinite(total))
+    if blend_into is not None:
+        if ord == float("inf"):
+            blend_into.mul_(alpha).add_(per, alpha=beta)
+        else:
+            blend_into.copy_(torch.sqrt(alpha * blend_into * blend_into + beta * per * per))
+        return total, blend_into
+    return total, (per if per_tensor else per[:0])
+
+
+def _prologue(noop_flag, tensor_lists, n_lists):
+    device = check_tensor_lists(tensor_lists, n_lists)
+    check_noop_flag(noop_flag, device)
+    return device
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                        per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 1)
+    if device is None or not tensor_lists[0]:
+        return _empty_result(noop_flag.device, 0, bool(per_tensor))
+    return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor))
+
+
+def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                           per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 1)
+    if device is None or not tensor_lists[0]:
+        return _empty_result(noop_flag.device, 0, bool(per_tensor))
+    return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), skip_if_flagged=True)
+
+
+def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float,
+                              per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 2)
+    if device is None or not tensor_lists[0]:
+        return _empty_result(noop_flag.device, 0, bool(per_tensor))
+    return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), outs=tensor_lists[1], scale=float(scale))
+
+
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                                inv_scale: torch.Tensor,
+                                per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 1)
+    if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
+        raise TypeError("inv_scale must be a one-element tensor")
+    if device is None or not tensor_lists[0]:
+        return _empty_result(noop_flag.device, 0, bool(per_tensor))
+    inv = inv_scale.to(device=device, dtype=torch.float32).reshape(1)
+    return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), inv_scale=inv)
+
+
+def multi_tensor_norm_out_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, out: torch.Tensor,
+                               alpha: float, beta: float, norm_type: int) -> None:
+    device = _prologue(noop_flag, tensor_lists, 1)
+    if norm_type not in (0, 2):
+        raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or \
+            out.numel() != len(tensor_lists[0]) or (device is not None and out.device != device):
+        raise ValueError(f"out must be a float32 tensor of {len(tensor_lists[0])} elements on the tensors' device")
+    if device is None or not tensor_lists[0]:
+        return
+    _dispatch(noop_flag, tensor_lists[0], True, ord=float("inf") if norm_type == 0 else 2.0,
+              blend_into=out, alpha=float(alpha), beta=float(beta))
