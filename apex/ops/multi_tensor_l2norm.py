@@ -31,11 +31,14 @@ def _empty_result(device, n: int, per_tensor: bool):
 
 def _torch_norms(xs, per_tensor: bool, ord: float = 2.0, inv_scale=None):
     nonempty = [x for x in xs if x.numel() > 0]
-    per = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
+    if len(nonempty) == len(xs):
+        per = torch.stack(torch._foreach_norm(xs, ord, dtype=torch.float32))
+    else:
+        per = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
+        if nonempty:
+            idx = torch.tensor([i for i, x in enumerate(xs) if x.numel() > 0], device=xs[0].device)
+            per[idx] = torch.stack(torch._foreach_norm(nonempty, ord, dtype=torch.float32))
     if nonempty:
-        norms = torch._foreach_norm(nonempty, ord, dtype=torch.float32)
-        idx = [i for i, x in enumerate(xs) if x.numel() > 0]
-        per[idx] = torch.stack(norms)
         if inv_scale is not None:
             # ‖s·x‖ = |s|·‖x‖ for both norms; the fp32 accumulation cannot overflow before the scaling.
             per = per * inv_scale.abs()
@@ -45,7 +48,6 @@ def _torch_norms(xs, per_tensor: bool, ord: float = 2.0, inv_scale=None):
 
 def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0, inv_scale=None,
               skip_if_flagged=False, blend_into=None, alpha=1.0, beta=1.0):
-    device = xs[0].device
     if _backend.select(xs) == "triton":
         from apex._kernels import multi_tensor_l2norm as kernels
 

@@ -42,7 +42,7 @@ def _scale_torch(noop_flag, ins, outs, scale: float) -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(d_out, found_inf, scale_t)
     rest = [i for i in range(len(ins)) if i not in set(direct)]
     if rest:
-        tmp = [ins[i].float() for i in rest]
+        tmp = [ins[i].to(torch.float32, copy=True) for i in rest]
         torch._amp_foreach_non_finite_check_and_unscale_(tmp, found_inf, scale_t)
         torch._foreach_copy_([outs[i] for i in rest], tmp)
     mark_found_inf(noop_flag, found_inf)

@@ -48,7 +48,7 @@ class TritonTrace:
             if isinstance(t, torch.Tensor):
                 self._watched.append(_storage_range(t))
                 self._sorted = None
-            elif isinstance(t, Iterable):
+            elif isinstance(t, Iterable) and not isinstance(t, (str, bytes)):
                 self.watch(*t)
         return self
 

@@ -1,0 +1,148 @@
+"""Guards on the package's shape: one-way layering, a lean import, the public surface."""
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+APEX = ROOT / "apex"
+
+# Lower layers may never import higher ones. Index = layer; a module may import only its layer or lower.
+LAYERS = [
+    {"apex._backend", "apex._kernels"},
+    {"apex.ops"},
+    {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils"},
+    {"apex.amp", "apex.parallel", "apex.transformer"},
+    {"apex.contrib"},
+]
+
+
+def _layer(module: str) -> int | None:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def _modules():
+    for path in sorted(APEX.rglob("*.py")):
+        yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
+
+
+@pytest.mark.parametrize("module,path", list(_modules()), ids=lambda v: str(v) if isinstance(v, str) else "")
+def test_imports_go_down_the_layers_only(module, path):
+    own = _layer(module)
+    if own is None:
+        return
+    for imp in _imports(path):
+        if not imp.startswith("apex"):
+            continue
+        assert not imp.startswith("apex.testing"), f"{module} imports {imp}: apex.testing is for tests only"
+        other = _layer(imp)
+        if other is not None:
+            assert other <= own, f"{module} (layer {own}) imports {imp} (layer {other})"
+
+
+def test_kernels_import_only_triton_torch_and_kernels():
+    for path in sorted((APEX / "_kernels").glob("*.py")):
+        for imp in _imports(path):
+            if imp.startswith("apex"):
+                assert imp.startswith("apex._kernels"), f"{path.name} imports {imp}"
+            src = path.read_text()
+            assert "torch.autograd" not in src and "nn.Module" not in src, path.name
+
+
+def test_ops_import_their_kernels_lazily():
+    for path in sorted((APEX / "ops").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                for n in names:
+                    assert not n.startswith(("triton", "apex._kernels")), \
+                        f"{path.name} imports {n} at module level: import kernels inside the Triton branch"
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=ROOT).stdout
+
+
+def test_import_apex_is_lazy():
+    out = _run(
+        "import sys, json, apex, amp_C\n"
+        "print(json.dumps({'triton': any(m == 'triton' or m.startswith('triton.') for m in sys.modules),"
+        " 'sub': sorted(m for m in sys.modules if m.startswith('apex.'))}))")
+    info = json.loads(out)
+    assert not info["triton"], "import apex must not import triton"
+    assert info["sub"] == ["apex._backend"], info["sub"]
+
+
+def test_import_apex_does_not_touch_cuda():
+    out = _run("import torch, apex, amp_C\nprint(torch.cuda.is_initialized())")
+    assert out.strip() == "False"
+
+
+def test_import_apex_is_fast():
+    code = ("import time, torch\nt = time.perf_counter()\nimport apex\n"
+            "print(time.perf_counter() - t)")
+    best = min(float(_run(code)) for _ in range(3))
+    assert best < 0.5, f"import apex took {best:.3f} s on top of torch"
+
+
+@pytest.mark.parametrize("name", ["amp", "optimizers", "normalization", "parallel", "fp16_utils",
+                                  "multi_tensor_apply", "contrib", "transformer"])
+def test_subpackages_reachable_as_attributes(name):
+    out = _run(f"import apex\nm = apex.{name}\nprint(m.__name__)")
+    assert out.strip() == f"apex.{name}"
+
+
+def test_unknown_attribute_raises():
+    import apex
+
+    with pytest.raises(AttributeError):
+        apex.not_a_module  # noqa: B018
+
+
+def test_amp_c_names_resolve():
+    import amp_C
+
+    missing = []
+    for name in amp_C.__all__:
+        try:
+            getattr(amp_C, name)
+        except (AttributeError, ImportError):
+            missing.append(name)
+    assert not missing, f"amp_C names without an implementation: {missing}"
+
+
+def test_no_module_is_too_long():
+    long = [str(p.relative_to(ROOT)) for p in APEX.rglob("*.py") if len(p.read_text().splitlines()) > 600]
+    assert not long, f"split these modules: {long}"
+
+
+def test_public_names_importable_from_apex_locations():
+    importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier  # noqa: B018
