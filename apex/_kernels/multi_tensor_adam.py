@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from apex._kernels import multi_tensor as mt
+from apex._kernels._rounding import cast
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if CAPTURABLE:
             g = g * inv_scale
-            tl.store(g_ptr + idx, g.to(G_DT), mask=mask)
+            tl.store(g_ptr + idx, cast(g, G_DT), mask=mask)
         if MODE == 0:
             g = g + weight_decay * p
         m = beta1 * m + (1.0 - beta1) * g
@@ -67,11 +68,11 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         if MODE == 1:
             update = update + weight_decay * p
         p = p - lr * update
-        tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
+        tl.store(p_ptr + idx, cast(p, P_DT), mask=mask)
         if HAS_MASTER:
             tl.store(w_ptr + idx, p, mask=mask)
-        tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
-        tl.store(v_ptr + idx, v.to(V_DT), mask=mask)
+        tl.store(m_ptr + idx, cast(m, M_DT), mask=mask)
+        tl.store(v_ptr + idx, cast(v, V_DT), mask=mask)
 
 
 def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,
