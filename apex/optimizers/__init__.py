@@ -2,5 +2,6 @@
 fused/foreach operators on CPUs."""
 
 from apex.optimizers.fused_adam import FusedAdam
+from apex.optimizers.fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam"]
+__all__ = ["FusedAdam", "FusedSGD"]
