@@ -1,7 +1,8 @@
 """Apex's fused optimizers: one multi-tensor update per (device, dtype) group on GPUs (Triton), PyTorch's
 fused/foreach operators on CPUs."""
 
+from apex.optimizers.fused_adagrad import FusedAdagrad
 from apex.optimizers.fused_adam import FusedAdam
 from apex.optimizers.fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedSGD"]
