@@ -33,7 +33,8 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         g_norm = tl.load(grad_norms + t)
         w_norm = tl.load(param_norms + t)
         ok = (g_norm > 0.0) & (w_norm > 0.0)
-        ratio = tl.where(ok, trust_coefficient * w_norm / (g_norm + w_norm * wd + eps), 1.0)
+        denom = tl.where(ok, g_norm + w_norm * wd + eps, 1.0)
+        ratio = tl.where(ok, trust_coefficient * w_norm / denom, 1.0)
         lr = lr * ratio
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)

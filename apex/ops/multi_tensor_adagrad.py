@@ -38,14 +38,19 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     for key in dict.fromkeys(keys):
         idx = [i for i, k in enumerate(keys) if k == key]
         gs, ps, hs = [g[i] for i in idx], [p[i] for i in idx], [h[i] for i in idx]
-        work_p = ps if key[1] == key[2] else [x.to(key[2]) for x in ps]
-        work_g = gs if key[0] == key[2] else [x.to(key[2]) for x in gs]
+        # Work in the sums' dtype, or in fp32 when the decoupled pre-scaling of p would add a rounding.
+        work = torch.float32 if (mode == 1 and weight_decay != 0.0) else key[2]
+        work_p = ps if key[1] == work else [x.to(work) for x in ps]
+        work_g = gs if key[0] == work else [x.to(work) for x in gs]
+        work_h = hs if key[2] == work else [x.to(work) for x in hs]
         wd = weight_decay
         if mode == 1 and weight_decay != 0.0:
             torch._foreach_mul_(work_p, 1.0 - lr * weight_decay)
             wd = 0.0
         steps = [torch.ones((), dtype=torch.float32, device=device)] * len(idx)  # lr_decay=0: unused
-        torch._fused_adagrad_(work_p, work_g, hs, steps, lr=lr, lr_decay=0.0, weight_decay=wd, eps=epsilon,
+        torch._fused_adagrad_(work_p, work_g, work_h, steps, lr=lr, lr_decay=0.0, weight_decay=wd, eps=epsilon,
                               maximize=False)
         if work_p is not ps:
             torch._foreach_copy_(ps, work_p)
+        if work_h is not hs:
+            torch._foreach_copy_(hs, work_h)
