@@ -19,9 +19,12 @@ from apex.ops._checks import check_noop_flag, check_tensor_lists
 
 
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
-                         mode: int, weight_decay: float) -> None:
-    device = check_tensor_lists(tensor_lists, 3)
-    check_noop_flag(noop_flag, device)
+                         mode: int, weight_decay: float, *, validate: bool = True) -> None:
+    if validate:
+        device = check_tensor_lists(tensor_lists, 3)
+        check_noop_flag(noop_flag, device)
+    else:  # the caller (an apex optimizer) has checked every tensor
+        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
     if device is None or not tensor_lists[0]:

@@ -30,38 +30,43 @@ _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
-                      weight_decay: float) -> None:
+                      weight_decay: float, *, validate: bool = True) -> None:
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
-          inv_scale=None, capturable=False, n_lists=(4, 5))
+          inv_scale=None, capturable=False, n_lists=(4, 5), validate=validate)
 
 
 def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
                                  beta1: float, beta2: float, epsilon: float, step: torch.Tensor, mode: int,
-                                 bias_correction: int, weight_decay: float, inv_scale: torch.Tensor) -> None:
+                                 bias_correction: int, weight_decay: float, inv_scale: torch.Tensor, *,
+                                 validate: bool = True) -> None:
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
-          inv_scale=inv_scale, capturable=True, n_lists=4)
+          inv_scale=inv_scale, capturable=True, n_lists=4, validate=validate)
 
 
 def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                         lr: torch.Tensor, beta1: float, beta2: float, epsilon: float,
                                         step: torch.Tensor, mode: int, bias_correction: int,
-                                        weight_decay: float, inv_scale: torch.Tensor) -> None:
+                                        weight_decay: float, inv_scale: torch.Tensor, *,
+                                        validate: bool = True) -> None:
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
-          inv_scale=inv_scale, capturable=True, n_lists=5)
+          inv_scale=inv_scale, capturable=True, n_lists=5, validate=validate)
 
 
 def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay, *,
-          inv_scale, capturable: bool, n_lists) -> None:
-    device = check_tensor_lists(tensor_lists, n_lists, same_shape=False,
-                                list_dtypes={4: (torch.float32,)})
-    check_noop_flag(noop_flag, device)
+          inv_scale, capturable: bool, n_lists, validate: bool = True) -> None:
+    if validate:
+        device = check_tensor_lists(tensor_lists, n_lists, same_shape=False,
+                                    list_dtypes={4: (torch.float32,)})
+        check_noop_flag(noop_flag, device)
+    else:  # the caller (an apex optimizer) has checked every tensor
+        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (AdamW), got {mode!r}")
     if device is None or not tensor_lists[0]:
         return
     lists = [list(lst) for lst in tensor_lists]
     g, p = lists[0], lists[1]
-    for i in range(len(g)):
+    for i in range(len(g) if validate else 0):
         if lists[2][i].dtype != lists[3][i].dtype:
             raise TypeError(f"tensor_lists[2][{i}] and tensor_lists[3][{i}] (exp_avg, exp_avg_sq) must share "
                             f"a dtype, got {lists[2][i].dtype} and {lists[3][i].dtype}")

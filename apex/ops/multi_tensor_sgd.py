@@ -27,9 +27,12 @@ from apex.ops._checks import check_noop_flag, check_tensor_lists
 
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
                      dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
-                     scale: float = 1.0) -> None:
-    device = check_tensor_lists(tensor_lists, (3, 4))
-    check_noop_flag(noop_flag, device)
+                     scale: float = 1.0, *, validate: bool = True) -> None:
+    if validate:
+        device = check_tensor_lists(tensor_lists, (3, 4))
+        check_noop_flag(noop_flag, device)
+    else:  # the caller (an apex optimizer) has checked every tensor
+        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
     if device is None or not tensor_lists[0]:
         return
     lists = [list(lst) for lst in tensor_lists]

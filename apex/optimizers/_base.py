@@ -73,6 +73,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.master_weights = bool(master_weights)
         self._overflow_bufs: dict = {}
+        self._step_cache: dict = {}
 
     # -- Apex attributes --------------------------------------------------------------------------------
     @property
@@ -95,6 +96,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._overflow_bufs = {}
+        self._step_cache = {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -149,6 +151,41 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if m is None or m.shape != p.shape or m.device != p.device:
             m = state["master_param"] = p.detach().float().clone()
         return m
+
+    @staticmethod
+    def _trusted(op) -> dict:
+        """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an
+        op a subclass swapped in."""
+        return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
+
+    # -- step counters ---------------------------------------------------------------------------------------
+    def _increment_steps(self, steps: list[torch.Tensor]) -> list[float]:
+        """Add 1 to each (CPU) ``step`` tensor and return the new values without reading them back one by one.
+
+        Values are cached by tensor identity and version counter, so a step modified or replaced outside
+        the optimizer (``load_state_dict``, user code) is read again.
+        """
+        cache = self._step_cache
+        values: list = []
+        missing = []
+        for i, s in enumerate(steps):
+            hit = cache.get(id(s))
+            if hit is not None and hit[0] is s and hit[1] == s._version:
+                values.append(hit[2])
+            else:
+                values.append(None)
+                missing.append(i)
+        if missing:
+            read = torch.stack([steps[i].reshape(()) for i in missing]).tolist()
+            for i, v in zip(missing, read):
+                values[i] = v
+        torch._foreach_add_(steps, 1.0)
+        if len(cache) > 4 * len(steps) + 64:
+            cache.clear()
+        values = [v + 1.0 for v in values]
+        for s, v in zip(steps, values):
+            cache[id(s)] = (s, s._version, v)
+        return values
 
     # -- mixed-precision scaling --------------------------------------------------------------------------
     def _scaler_tensors(self, grad_scaler, device: torch.device):
@@ -225,6 +262,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
                     keep[(id(p), key)] = v
         super().load_state_dict(state_dict)
+        self._step_cache = {}
         for p in params:
             st = self.state.get(p)
             if not st:

@@ -60,5 +60,6 @@ class FusedAdagrad(FusedOptimizerBase):
                 ps = [params[i] for i in idx]
                 self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(device),
                                           [[p.grad for p in ps], ps, [self.state[p]["sum"] for p in ps]],
-                                          group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"])
+                                          group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"],
+                                          **self._trusted(self.multi_tensor_adagrad))
         return loss

@@ -145,9 +145,7 @@ class FusedAdam(FusedOptimizerBase):
             lr = group["lr"]
             keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
         else:
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            values = torch.stack(steps).tolist() if len(steps) > 1 else [steps[0].item()]
+            values = self._increment_steps([s["step"] for s in states])
             keys = [(p.dtype, m is not None, v) for p, m, v in zip(params, masters, values)]
         for key, idx in group_by(keys, len(params)).items():
             lists = [[params[i].grad for i in idx], [params[i] for i in idx],
@@ -159,8 +157,8 @@ class FusedAdam(FusedOptimizerBase):
                 op = (self.multi_tensor_adam_capturable_master if has_master
                       else self.multi_tensor_adam_capturable)
                 op(2048 * 32, noop, lists, lr, beta1, beta2, group["eps"], steps[idx[0]], self.adam_w_mode,
-                   bias_correction, group["weight_decay"], inv_scale)
+                   bias_correction, group["weight_decay"], inv_scale, **self._trusted(op))
             else:
                 self.multi_tensor_adam(2048 * 32, self._overflow_buf(device), lists, group["lr"], beta1,
                                        beta2, group["eps"], int(key[2]), self.adam_w_mode, bias_correction,
-                                       group["weight_decay"])
+                                       group["weight_decay"], **self._trusted(self.multi_tensor_adam))

@@ -82,7 +82,7 @@ class FusedSGD(FusedOptimizerBase):
             else:
                 sets = [[[p.grad for p in with_grads[gid]], with_grads[gid]]]
             for launch in sets:
-                self._launch(group, launch, scale)
+                self._launch(group, launch, scale, checked=not explicit_master)
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
@@ -100,7 +100,7 @@ class FusedSGD(FusedOptimizerBase):
             sets.append([[a for a, _, _ in pairs], [b for _, b, _ in pairs], [c for _, _, c in pairs]])
         return sets
 
-    def _launch(self, group, launch, scale: float) -> None:
+    def _launch(self, group, launch, scale: float, checked: bool) -> None:
         grads, params = launch[0], launch[1]
         copies = launch[2] if len(launch) == 3 else None
         if not params:
@@ -122,4 +122,5 @@ class FusedSGD(FusedOptimizerBase):
                 lists.append([copies[i] for i in idx])
             self.multi_tensor_sgd(2048 * 32, self._overflow_buf(device), lists, group["weight_decay"],
                                   momentum, group["dampening"], group["lr"], group["nesterov"], first_run,
-                                  self.wd_after_momentum, scale)
+                                  self.wd_after_momentum, scale,
+                                  **(self._trusted(self.multi_tensor_sgd) if checked else {}))
