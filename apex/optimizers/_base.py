@@ -49,6 +49,18 @@ def check_betas(betas, name: str = "betas") -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({name}[{i}] must be in [0, 1))")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory in some order."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 # -- helpers ----------------------------------------------------------------------------------------------
 def group_by(keys: Sequence, n: int) -> dict:
     """Indices ``0..n-1`` bucketed by ``keys[i]`` (insertion ordered)."""
@@ -110,6 +122,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _check_grads(self) -> list[list[torch.Tensor]]:
         """Check every gradient of every group before any state changes; return params with grads."""
         with_grads = []
+        relayout = []
         for gi, group in enumerate(self.param_groups):
             ps = []
             device = None
@@ -132,6 +145,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if g.device != p.device:
                     raise RuntimeError(f"{self._name}: the gradient of {where} is on {g.device} but the "
                                        f"parameter is on {p.device}")
+                if not _dense(p):
+                    raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
+                                       "optimize the tensor it views instead")
+                if g.stride() != p.stride() and p.numel() > 1:
+                    relayout.append(p)  # the kernels walk p, g and the state in one memory order
                 if device is None:
                     device = p.device
                 elif p.device != device:
@@ -139,6 +157,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                                        f"{where} is on {p.device}, the group's first parameter on {device}")
                 ps.append(p)
             with_grads.append(ps)
+        for p in relayout:  # only once every check has passed: a failed step changes nothing
+            p.grad = torch.empty_like(p).copy_(p.grad)
         return with_grads
 
     # -- master weights -----------------------------------------------------------------------------------

@@ -398,3 +398,17 @@ def test_deprecated_step_arguments_raise():
     opt = FusedAdam([torch.nn.Parameter(torch.randn(2))])
     with pytest.raises(RuntimeError, match="step\\(\\) with no arguments"):
         opt.step(scale=2.0)
+
+
+def test_channels_last_params_and_grads_of_another_layout(backend_name):
+    p = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, ref = FusedAdam([p], lr=0.1), torch.optim.AdamW([q], lr=0.1, weight_decay=0.0)
+    for s, layout in enumerate([torch.channels_last, torch.contiguous_format, torch.channels_last]):
+        g = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(s))
+        p.grad = g.clone().contiguous(memory_format=layout)
+        q.grad = g.clone()
+        ours.step()
+        ref.step()
+        assert _rel(p, q) <= 1e-6
+    assert ours.state[p]["exp_avg"].is_contiguous(memory_format=torch.channels_last)
