@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 REDUCED = (torch.float16, torch.bfloat16)
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+# float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # -- validation -----------------------------------------------------------------------------------------
@@ -134,8 +135,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if g.is_sparse:
                     raise RuntimeError(f"{self._name} does not support sparse gradients ({where})")
                 if p.dtype not in SUPPORTED:
-                    raise RuntimeError(f"{self._name} supports float32, float16 and bfloat16 parameters; "
-                                       f"{where} is {p.dtype}")
+                    raise RuntimeError(f"{self._name} supports float32, float16, bfloat16 and float64 "
+                                       f"parameters; {where} is {p.dtype}")
                 if g.dtype != p.dtype:
                     raise RuntimeError(f"{self._name}: the gradient of {where} has dtype {g.dtype} but the "
                                        f"parameter has dtype {p.dtype}")
@@ -153,7 +154,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if device is None:
                     device = p.device
                 elif p.device != device:
-                    raise RuntimeError(f"{self._name}: parameters of one group must be on one device; "
+                    raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
                                        f"{where} is on {p.device}, the group's first parameter on {device}")
                 ps.append(p)
             with_grads.append(ps)
