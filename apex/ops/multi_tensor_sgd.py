@@ -46,22 +46,24 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         return
     if bool(noop_flag.item()):
         return
-    sgd_torch(lists, **args)
+    sgd_torch(lists, **args, uniform=not validate)
 
 
-def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale) -> None:
+def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,
+              uniform: bool = False) -> None:
+    """``uniform``: the caller guarantees one dtype per list (an apex optimizer's bucket)."""
     g, w, buf = lists[:3]
     copies = lists[3] if len(lists) == 4 else None
     # torch._fused_sgd_ is only used for fp32: its CPU kernel loses ~5% relative accuracy on fp16/bf16
     # tensors of more than a few elements (torch 2.13), so reduced precision goes through fp32 copies.
-    same = all(a.dtype == b.dtype == c.dtype == torch.float32 for a, b, c in zip(g, w, buf))
-    if same and copies is None and scale == 1.0 and (wd == 0.0 or not wd_after_momentum):
-        for dt in {x.dtype for x in w}:
-            idx = [i for i, x in enumerate(w) if x.dtype == dt]
-            torch._fused_sgd_([w[i] for i in idx], [g[i] for i in idx],
-                              [buf[i] for i in idx] if momentum != 0.0 else [],
-                              weight_decay=wd, momentum=momentum, lr=lr, dampening=dampening,
-                              nesterov=nesterov, maximize=False, is_first_step=first_run)
+    def dtypes(xs):
+        return {xs[0].dtype} if uniform else {x.dtype for x in xs}
+
+    fp32 = {torch.float32}
+    if (copies is None and scale == 1.0 and (wd == 0.0 or not wd_after_momentum)
+            and dtypes(w) == fp32 and dtypes(g) == fp32 and (momentum == 0.0 or dtypes(buf) == fp32)):
+        torch._fused_sgd_(w, g, buf if momentum != 0.0 else [], weight_decay=wd, momentum=momentum, lr=lr,
+                          dampening=dampening, nesterov=nesterov, maximize=False, is_first_step=first_run)
         return
     # General case: fp32 working copies, one rounding per stored result.
     g32 = [x.float() * scale if scale != 1.0 else x.float().clone() for x in g]

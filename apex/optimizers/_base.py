@@ -86,7 +86,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.master_weights = bool(master_weights)
         self._overflow_bufs: dict = {}
-        self._step_cache: dict = {}
+        self._packed_steps: dict = {}
 
     # -- Apex attributes --------------------------------------------------------------------------------
     @property
@@ -109,7 +109,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._overflow_bufs = {}
-        self._step_cache = {}
+        self._packed_steps = {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -131,36 +131,47 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                where = f"param_groups[{gi}]['params'][{pi}]"
-                if g.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients ({where})")
-                if p.dtype not in SUPPORTED:
-                    raise RuntimeError(f"{self._name} supports float32, float16, bfloat16 and float64 "
-                                       f"parameters; {where} is {p.dtype}")
-                if g.dtype != p.dtype:
-                    raise RuntimeError(f"{self._name}: the gradient of {where} has dtype {g.dtype} but the "
-                                       f"parameter has dtype {p.dtype}")
-                if g.shape != p.shape:
-                    raise RuntimeError(f"{self._name}: the gradient of {where} has shape {tuple(g.shape)} "
-                                       f"but the parameter has shape {tuple(p.shape)}")
-                if g.device != p.device:
-                    raise RuntimeError(f"{self._name}: the gradient of {where} is on {g.device} but the "
-                                       f"parameter is on {p.device}")
-                if not _dense(p):
-                    raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
-                                       "optimize the tensor it views instead")
-                if g.stride() != p.stride() and p.numel() > 1:
-                    relayout.append(p)  # the kernels walk p, g and the state in one memory order
+                # One cheap test for the usual case; the detailed checks run only when it fails.
+                if (g.is_sparse or p.dtype not in SUPPORTED or g.dtype != p.dtype or g.shape != p.shape
+                        or g.device != p.device or not p.is_contiguous()):
+                    self._diagnose(gi, pi, p, g)
+                    if g.stride() != p.stride() and p.numel() > 1:
+                        relayout.append(p)  # the kernels walk p, g and the state in one memory order
+                elif not g.is_contiguous() and p.numel() > 1:
+                    relayout.append(p)
                 if device is None:
                     device = p.device
                 elif p.device != device:
                     raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
-                                       f"{where} is on {p.device}, the group's first parameter on {device}")
+                                       f"param_groups[{gi}]['params'][{pi}] is on {p.device}, the group's "
+                                       f"first parameter on {device}")
                 ps.append(p)
             with_grads.append(ps)
         for p in relayout:  # only once every check has passed: a failed step changes nothing
             p.grad = torch.empty_like(p).copy_(p.grad)
         return with_grads
+
+    def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
+        """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
+        non-contiguous parameter such as a channels_last one)."""
+        where = f"param_groups[{gi}]['params'][{pi}]"
+        if g.is_sparse:
+            raise RuntimeError(f"{self._name} does not support sparse gradients ({where})")
+        if p.dtype not in SUPPORTED:
+            raise RuntimeError(f"{self._name} supports float32, float16, bfloat16 and float64 "
+                               f"parameters; {where} is {p.dtype}")
+        if g.dtype != p.dtype:
+            raise RuntimeError(f"{self._name}: the gradient of {where} has dtype {g.dtype} but the "
+                               f"parameter has dtype {p.dtype}")
+        if g.shape != p.shape:
+            raise RuntimeError(f"{self._name}: the gradient of {where} has shape {tuple(g.shape)} "
+                               f"but the parameter has shape {tuple(p.shape)}")
+        if g.device != p.device:
+            raise RuntimeError(f"{self._name}: the gradient of {where} is on {g.device} but the "
+                               f"parameter is on {p.device}")
+        if not _dense(p):
+            raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
+                               "optimize the tensor it views instead")
 
     # -- master weights -----------------------------------------------------------------------------------
     def _master(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -180,32 +191,33 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
 
     # -- step counters ---------------------------------------------------------------------------------------
-    def _increment_steps(self, steps: list[torch.Tensor]) -> list[float]:
-        """Add 1 to each (CPU) ``step`` tensor and return the new values without reading them back one by one.
+    def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:
+        """Add 1 to the (CPU, fp32) ``state['step']`` of each of ``params`` and return the new values.
 
-        Values are cached by tensor identity and version counter, so a step modified or replaced outside
-        the optimizer (``load_state_dict``, user code) is read again.
+        The steps of a group are kept as 0-d views of one buffer, so the usual step (every parameter of
+        the group has a gradient) costs one ``add_`` and no read-back, instead of a foreach over one
+        scalar tensor per parameter. Each ``state['step']`` is still its own tensor, as in PyTorch.
+        Anything else (a subset of the group, steps loaded or modified from outside, detected through
+        the buffer's version counter) takes the general path and re-packs the steps.
         """
-        cache = self._step_cache
-        values: list = []
-        missing = []
-        for i, s in enumerate(steps):
-            hit = cache.get(id(s))
-            if hit is not None and hit[0] is s and hit[1] == s._version:
-                values.append(hit[2])
-            else:
-                values.append(None)
-                missing.append(i)
-        if missing:
-            read = torch.stack([steps[i].reshape(()) for i in missing]).tolist()
-            for i, v in zip(missing, read):
-                values[i] = v
-        torch._foreach_add_(steps, 1.0)
-        if len(cache) > 4 * len(steps) + 64:
-            cache.clear()
-        values = [v + 1.0 for v in values]
-        for s, v in zip(steps, values):
-            cache[id(s)] = (s, s._version, v)
+        key = id(group)
+        packed = self._packed_steps.get(key)
+        states = [self.state[p] for p in params]
+        if packed is not None:
+            buf, views, values, version = packed
+            if (buf._version == version and len(views) == len(states)
+                    and all(st["step"] is v for st, v in zip(states, views))):
+                buf.add_(1.0)
+                values = [v + 1.0 for v in values]
+                self._packed_steps[key] = (buf, views, values, buf._version)
+                return values
+        steps = [st["step"] for st in states]
+        values = [v + 1.0 for v in torch.stack([s.reshape(()).float().cpu() for s in steps]).tolist()]
+        buf = torch.tensor(values, dtype=torch.float32)
+        views = [buf[i] for i in range(len(values))]
+        for st, v in zip(states, views):
+            st["step"] = v
+        self._packed_steps[key] = (buf, views, values, buf._version)
         return values
 
     # -- mixed-precision scaling --------------------------------------------------------------------------
@@ -283,7 +295,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
                     keep[(id(p), key)] = v
         super().load_state_dict(state_dict)
-        self._step_cache = {}
+        self._packed_steps = {}
         for p in params:
             st = self.state.get(p)
             if not st:

@@ -54,7 +54,7 @@ class FusedAdagrad(FusedOptimizerBase):
                     state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+            self._increment_steps(group, params)
             keys = [(p.device, p.dtype) for p in params]
             for (device, _), idx in group_by(keys, len(params)).items():
                 ps = [params[i] for i in idx]

@@ -145,7 +145,7 @@ class FusedAdam(FusedOptimizerBase):
             lr = group["lr"]
             keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
         else:
-            values = self._increment_steps([s["step"] for s in states])
+            values = self._increment_steps(group, params)
             keys = [(p.dtype, m is not None, v) for p, m, v in zip(params, masters, values)]
         for key, idx in group_by(keys, len(params)).items():
             lists = [[params[i].grad for i in idx], [params[i] for i in idx],

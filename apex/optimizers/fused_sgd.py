@@ -106,17 +106,21 @@ class FusedSGD(FusedOptimizerBase):
         if not params:
             return
         momentum = group["momentum"]
+        state = self.state
         if momentum != 0:
-            fresh = [self.state[p].get("momentum_buffer") is None for p in params]
+            fresh = [state[p].get("momentum_buffer") is None for p in params]
         else:
             fresh = [False] * len(params)
-        keys = [(p.device, p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)]
-        for (device, _, _, first_run), idx in group_by(keys, len(params)).items():
+        keys = [(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)]
+        device = params[0].device
+        for (_, _, first_run), idx in group_by(keys, len(params)).items():
             ps = [params[i] for i in idx]
-            if momentum != 0:
+            if momentum == 0:
+                bufs = ps  # never read nor written without momentum
+            elif first_run:
                 bufs, _ = self.get_momentums(ps)
             else:
-                bufs = ps  # never read nor written without momentum
+                bufs = [state[p]["momentum_buffer"] for p in ps]
             lists = [[grads[i] for i in idx], ps, bufs]
             if copies is not None:
                 lists.append([copies[i] for i in idx])
