@@ -212,7 +212,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 self._packed_steps[key] = (buf, views, values, buf._version)
                 return values
         steps = [st["step"] for st in states]
-        values = [v + 1.0 for v in torch.stack([s.reshape(()).float().cpu() for s in steps]).tolist()]
+        # Steps may come from elsewhere as Python numbers or tensors of any dtype/device.
+        read = torch.stack([torch.as_tensor(s).detach().reshape(()).to("cpu", torch.float32) for s in steps])
+        values = [v + 1.0 for v in read.tolist()]
         buf = torch.tensor(values, dtype=torch.float32)
         views = [buf[i] for i in range(len(values))]
         for st, v in zip(states, views):
