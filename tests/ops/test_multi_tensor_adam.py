@@ -3,6 +3,8 @@ semantics, one launch and the minimum bytes on the Triton path."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import amp_C
 from apex.testing import TritonTrace, assert_rel_close
@@ -121,3 +123,17 @@ def test_triton_moves_the_minimum_bytes():
 def test_bad_lists(backend_name, lists, err, word):
     with pytest.raises(err, match=word):
         amp_C.multi_tensor_adam(2048, flag(), lists(), LR, B1, B2, EPS, 1, 1, 1, 0.0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=5), step=st.integers(1, 50),
+       mode=st.sampled_from([0, 1]), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_adam_random_shapes_and_steps(sizes, step, mode, dtype):
+    g, p = ragged(dtype, sizes, 11), ragged(dtype, sizes, 12)
+    m = [x.float() * 0.1 for x in ragged(torch.float32, sizes, 13)]
+    v = [x.float().abs() * 0.1 for x in ragged(torch.float32, sizes, 14)]
+    refs = [_ref(*t, mode, 1, step=step) for t in zip(g, p, m, v)]
+    amp_C.multi_tensor_adam(2048, flag(), [g, p, m, v], LR, B1, B2, EPS, step, mode, 1, WD)
+    for x, mm, (rp, rm, _) in zip(p, m, refs):
+        assert_rel_close(x, rp, baseline=rp.to(dtype))
+        assert_rel_close(mm, rm, torch.float32)
