@@ -16,6 +16,9 @@ variant, and accepted by ``multi_tensor_adam`` too). For every element, in fp32 
 copy). ``exp_avg``/``exp_avg_sq`` may be fp32 for fp16/bf16 parameters (Apex's layout). The capturable
 variants take ``lr`` and ``step`` as one-element device tensors and do nothing when ``noop_flag`` is set;
 ``multi_tensor_adam`` ignores ``noop_flag`` and propagates infs and NaNs, as Apex does.
+
+Every op also takes ``validate=False`` (keyword only), used by apex's optimizers, which check the tensors
+once per step themselves and pass lists of one dtype each.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import torch
 
 from apex import _backend
 from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists
-
-_STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
