@@ -16,6 +16,7 @@ def cast(x, DT: tl.constexpr):
     if DT == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-        return (bits & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        bits = (bits >> 16) << 16  # shifts keep uint32 (a 0xFFFF0000 literal would widen to int64)
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
         return x.to(DT)
