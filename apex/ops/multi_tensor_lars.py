@@ -73,19 +73,24 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
 def _lars_torch(lists, lrs, *, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale):
     g, w, buf = lists[:3]
     copies = lists[3] if len(lists) == 4 else None
-    g32 = [x.float() * scale if scale != 1.0 else x.float().clone() for x in g]
+    # fp32 tensors are used in place (gradients only read); others through fp32 copies.
+    g32 = [x.float() for x in g]
+    if scale != 1.0:
+        g32 = torch._foreach_mul(g32, scale)
     w32 = [x if x.dtype == torch.float32 else x.float() for x in w]
     if wd != 0.0 and not wd_after_momentum:
-        torch._foreach_add_(g32, w32, alpha=wd)
+        g32 = torch._foreach_add(g32, w32, alpha=wd)
     neg_lr_g = torch._foreach_mul(g32, [-v for v in lrs])
     if momentum != 0.0:
+        b32 = [x if x.dtype == torch.float32 else x.float() for x in buf]
         if first_run:
-            b32 = [x.clone() for x in neg_lr_g]
+            torch._foreach_copy_(b32, neg_lr_g)
         else:
-            b32 = [x.float() if x.dtype != torch.float32 else x.clone() for x in buf]
             torch._foreach_mul_(b32, momentum)
             torch._foreach_add_(b32, neg_lr_g, alpha=1.0 - dampening)
-        torch._foreach_copy_(buf, b32)
+        back = [i for i in range(len(buf)) if b32[i] is not buf[i]]
+        if back:
+            torch._foreach_copy_([buf[i] for i in back], [b32[i] for i in back])
         if nesterov:
             upd = torch._foreach_add(neg_lr_g, b32, alpha=momentum)
         else:
