@@ -8,7 +8,18 @@ from __future__ import annotations
 import importlib
 
 # name -> module holding it
-_OPS: dict[str, str] = {}
+_OPS: dict[str, str] = {
+    "forward": "apex.ops.layer_norm",
+    "forward_affine": "apex.ops.layer_norm",
+    "forward_affine_mixed_dtypes": "apex.ops.layer_norm",
+    "backward": "apex.ops.layer_norm",
+    "backward_affine": "apex.ops.layer_norm",
+    "rms_forward": "apex.ops.rms_norm",
+    "rms_forward_affine": "apex.ops.rms_norm",
+    "rms_forward_affine_mixed_dtypes": "apex.ops.rms_norm",
+    "rms_backward": "apex.ops.rms_norm",
+    "rms_backward_affine": "apex.ops.rms_norm",
+}
 
 __all__ = sorted(_OPS)
 

@@ -24,7 +24,6 @@ _SUBMODULES = (
     "optimizers",
     "parallel",
     "testing",
-    "transformer",
 )
 
 __all__ = ["backend", "current_backend", "__version__", *_SUBMODULES]
@@ -39,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
         optimizers,
         parallel,
         testing,
-        transformer,
     )
 
 

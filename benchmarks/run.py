@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list case names and exit")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from apex.testing import speed_up_interpreter
+        from apex.testing import prepare_interpreter
 
-        speed_up_interpreter()
+        prepare_interpreter()
 
     cases = [(m, c) for m, c in discover() if args.k in c.name or args.k in m]
     if args.list:

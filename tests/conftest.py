@@ -16,9 +16,9 @@ import torch  # noqa: E402
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
-    from apex.testing import speed_up_interpreter  # noqa: E402
+    from apex.testing import prepare_interpreter  # noqa: E402
 
-    speed_up_interpreter()
+    prepare_interpreter()
 
 BACKENDS = ["torch", "triton"] if HAS_TRITON else ["torch"]
 

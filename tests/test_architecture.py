@@ -17,7 +17,7 @@ LAYERS = [
     {"apex._backend", "apex._kernels"},
     {"apex.ops"},
     {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils"},
-    {"apex.amp", "apex.parallel", "apex.transformer"},
+    {"apex.amp", "apex.parallel"},
     {"apex.contrib"},
 ]
 
@@ -114,7 +114,7 @@ def test_import_apex_is_fast():
 
 
 @pytest.mark.parametrize("name", ["amp", "optimizers", "normalization", "parallel", "fp16_utils",
-                                  "multi_tensor_apply", "contrib", "transformer"])
+                                  "multi_tensor_apply", "contrib"])
 def test_subpackages_reachable_as_attributes(name):
     out = _run(f"import apex\nm = apex.{name}\nprint(m.__name__)")
     assert out.strip() == f"apex.{name}"

@@ -3,6 +3,9 @@
 Math in fp32 whatever the storage dtypes (fp32/fp16/bf16 in any combination), one rounding to the output
 dtype. ``noop_flag`` is set to 1 when any *input* element is inf or NaN; the outputs are written anyway
 (Apex propagates infs and NaNs so the caller can decide to skip the step).
+
+``scale`` may be a Python number or a one-element tensor; a tensor (a clipping coefficient computed on the
+GPU, say) is read on the device, without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -10,26 +13,28 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, mark_found_inf
 
 
-def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                       scale: float | torch.Tensor) -> None:
     device = check_tensor_lists(tensor_lists, 2)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:
         return
+    scale_t = as_scalar_tensor(scale, device, "scale")
     ins, outs = tensor_lists
     if _backend.select(ins) == "triton":
         from apex._kernels import multi_tensor_scale as kernels
 
-        kernels.scale(noop_flag, list(ins), list(outs), float(scale))
+        kernels.scale(noop_flag, list(ins), list(outs), scale_t if isinstance(scale, torch.Tensor) else scale)
         return
-    _scale_torch(noop_flag, list(ins), list(outs), float(scale))
+    _scale_torch(noop_flag, list(ins), list(outs), scale_t)
 
 
-def _scale_torch(noop_flag, ins, outs, scale: float) -> None:
+def _scale_torch(noop_flag, ins, outs, scale: float | torch.Tensor) -> None:
     found_inf = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
-    scale_t = torch.full((1,), scale, dtype=torch.float32, device=noop_flag.device)
+    scale_t = as_scalar_tensor(scale, noop_flag.device, "scale")
     # Same dtype or an exact upcast: copy, then scale in place (PyTorch's op computes in fp32 and checks
     # the values before scaling). A downcast scales in fp32 first so there is only one rounding.
     direct = [i for i, (x, o) in enumerate(zip(ins, outs))
@@ -40,7 +45,8 @@ def _scale_torch(noop_flag, ins, outs, scale: float) -> None:
             if o.data_ptr() != x.data_ptr():
                 o.copy_(x)
         torch._amp_foreach_non_finite_check_and_unscale_(d_out, found_inf, scale_t)
-    rest = [i for i in range(len(ins)) if i not in set(direct)]
+    direct_set = set(direct)
+    rest = [i for i in range(len(ins)) if i not in direct_set]
     if rest:
         tmp = [ins[i].to(torch.float32, copy=True) for i in rest]
         torch._amp_foreach_non_finite_check_and_unscale_(tmp, found_inf, scale_t)

@@ -11,7 +11,13 @@ from apex.testing.numerics import (
     rel_error,
     to_float64,
 )
-from apex.testing.triton_trace import TritonTrace, count_eager, speed_up_interpreter
+from apex.testing.triton_trace import (
+    TritonTrace,
+    count_eager,
+    prepare_interpreter,
+    round_bf16_to_nearest_even,
+    speed_up_interpreter,
+)
 
 __all__ = [
     "DTYPES",
@@ -22,6 +28,8 @@ __all__ = [
     "inject_nonfinite",
     "rand",
     "rel_error",
+    "prepare_interpreter",
+    "round_bf16_to_nearest_even",
     "run_distributed",
     "speed_up_interpreter",
     "to_float64",

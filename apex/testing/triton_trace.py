@@ -257,3 +257,33 @@ def speed_up_interpreter() -> None:
     itp.GridExecutor.__call__ = grid_call
     itp.InterpretedFunction.__call__ = device_call
     itp.InterpretedFunction._apex_patched_once = True
+
+
+def round_bf16_to_nearest_even() -> None:
+    """Make the interpreter's fp32 → bf16 cast round to nearest even, as GPUs and PyTorch do.
+
+    Triton 3.x's interpreter truncates instead, so about half the bf16 results of an interpreted kernel
+    are one ulp off PyTorch's. Idempotent; affects only interpreted runs.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter as itp
+
+    if getattr(itp.InterpreterBuilder, "_apex_bf16_rne", False):
+        return
+    cast = itp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.ascontiguousarray(src.data, dtype=np.float32)
+            bits = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return itp.TensorHandle(bits.reshape(data.shape), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    itp.InterpreterBuilder.cast_impl = cast_impl
+    itp.InterpreterBuilder._apex_bf16_rne = True
+
+
+def prepare_interpreter() -> None:
+    """Everything tests and benchmarks want from the interpreter: speed and GPU-like bf16 rounding."""
+    speed_up_interpreter()
+    round_bf16_to_nearest_even()

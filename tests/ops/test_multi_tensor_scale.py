@@ -90,3 +90,27 @@ def test_empty_list_and_empty_tensor(backend_name):
     amp_C.multi_tensor_scale(2048, flag(), [[], []], 2.0)
     x, o = torch.empty(0), torch.empty(0)
     amp_C.multi_tensor_scale(2048, flag(), [[x], [o]], 2.0)
+
+
+def test_bf16_outputs_round_like_pytorch(backend_name):
+    ins = ragged(torch.float32, sizes=(4097,), seed=3)
+    outs = [torch.empty(x.shape, dtype=torch.bfloat16) for x in ins]
+    _run(backend_name, 2048 * 32, flag(), ins, outs, 1.0)
+    assert torch.equal(outs[0], ins[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.25), torch.tensor([0.25]), torch.tensor([0.25], dtype=torch.float64)])
+def test_scale_given_as_a_tensor(backend_name, scale):
+    ins = ragged(torch.float16)
+    outs = [torch.empty(x.shape, dtype=torch.float32) for x in ins]
+    _run(backend_name, 2048 * 32, flag(), ins, outs, scale)
+    for x, o in zip(ins, outs):
+        assert torch.equal(o, x.float() * 0.25)
+
+
+def test_scale_rejects_a_bad_scale():
+    ins = ragged(torch.float32, sizes=(3,))
+    with pytest.raises(ValueError, match="scale"):
+        amp_C.multi_tensor_scale(2048, flag(), [ins, ins], torch.ones(2))
+    with pytest.raises(TypeError, match="scale"):
+        amp_C.multi_tensor_scale(2048, flag(), [ins, ins], "2")

@@ -1,0 +1,245 @@
+"""One-pass LayerNorm / RMSNorm kernels shared by ``_kernels/layer_norm.py`` and ``_kernels/rms_norm.py``.
+
+Rows are processed in tiles of ``BLOCK_M`` rows by ``BLOCK_N >= N`` columns, so a row is read once and
+written once. Each program walks ``tiles_per_prog`` consecutive tiles.
+
+* forward: ``y = (x - mean) * rstd * w + b`` (LayerNorm) or ``y = x * rstd * w`` (RMSNorm), statistics in
+  fp32, one rounding to the output dtype; per-row ``mean`` (LayerNorm only) and ``rstd`` in fp32. With a
+  residual, ``h = x + r`` is stored (rounded to its dtype) and normalised.
+* backward: ``x̂`` from the saved input (or from the saved output when memory-efficient),
+  ``dx = rstd * (w·dy − mean(w·dy) − x̂ · mean(w·dy·x̂))`` (RMSNorm drops the middle term); each program
+  writes its partial ``Σ dy·x̂`` and ``Σ dy`` over its rows, and a second launch sums those partials in a
+  fixed order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, tiles_per_prog,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_B:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    for t in range(0, tiles_per_prog):
+        rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(H.dtype.element_ty)
+            tl.store(H + rows64[:, None] * N + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            var = tl.sum(x * x, axis=1) / N
+            rstd = 1.0 / tl.sqrt(var + eps)
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            var = tl.sum(xc * xc, axis=1) / N
+            rstd = 1.0 / tl.sqrt(var + eps)
+            xhat = xc * rstd[:, None]
+            tl.store(Mean + rows, mean, mask=rmask)
+        tl.store(Rstd + rows, rstd, mask=rmask)
+        y = xhat
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stride_v, stride_dr,
+                tiles_per_prog,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MEM_EFF: tl.constexpr,
+                HAS_DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
+    if MEM_EFF:
+        if HAS_B:  # the bias is only needed to undo the affine transform
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    for t in range(0, tiles_per_prog):
+        rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(V + rows64[:, None] * stride_v + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+        if MEM_EFF:
+            # v is the forward output: undo the affine transform to get x̂ back.
+            xhat = v
+            if HAS_B:
+                xhat = xhat - b[None, :]
+            if HAS_W:
+                xhat = xhat / w[None, :]
+        else:
+            if IS_RMS:
+                xhat = v * rstd[:, None]
+            else:
+                mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+                xhat = (v - mean[:, None]) * rstd[:, None]
+        xhat = tl.where(mask, xhat, 0.0)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        if IS_RMS:
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DR:
+            dr = tl.load(DR + rows64[:, None] * stride_dr + cols[None, :], mask=mask, other=0.0)
+            dx += dr.to(tl.float32)
+        tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+    if HAS_W:
+        tl.store(DWp + pid * N + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(DBp + pid * N + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def _reduce_kernel(DWp, DBp, DW, DB, P, N, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column sums of the ``P × N`` partials, in a fixed order."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc_w = tl.full([BLOCK_N], 0.0, tl.float32)
+    acc_b = tl.full([BLOCK_N], 0.0, tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        prow = p0 + tl.arange(0, BLOCK_P)
+        mask = (prow < P)[:, None] & cmask[None, :]
+        offs = prow[:, None].to(tl.int64) * N + cols[None, :]
+        acc_w += tl.sum(tl.load(DWp + offs, mask=mask, other=0.0), axis=0)
+        if HAS_B:
+            acc_b += tl.sum(tl.load(DBp + offs, mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=cmask)
+    if HAS_B:
+        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=cmask)
+
+
+def _tiling(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps) for rows of length ``n``."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    if _interpreting():
+        # The interpreter pays per operation, not per element: big tiles.
+        block_m = max(1, min(triton.next_power_of_2(max(m, 1)), 65536 // block_n))
+        return block_n, block_m, 1
+    block_m = max(1, min(16, 4096 // block_n))
+    num_warps = max(1, min(16, block_m * block_n // 256))
+    return block_n, block_m, num_warps
+
+
+def _grid(n_tiles: int, max_programs: int) -> tuple[int, int]:
+    """(programs, tiles per program) covering ``n_tiles`` with at most ``max_programs`` programs."""
+    progs = max(1, min(n_tiles, max_programs))
+    per = triton.cdiv(n_tiles, progs)
+    return triton.cdiv(n_tiles, per), per
+
+
+def _max_programs(device: torch.device, backward: bool) -> int:
+    if _interpreting() or device.type != "cuda":
+        return 100
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # The backward writes one fp32 partial row per program and parameter: one wave of programs keeps
+    # that buffer (and its second read) small next to the 3 passes over x, dy and dx.
+    return sms if backward else 1 << 30
+
+
+def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, is_rms: bool,
+            residual: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None):
+    """``x``, ``residual``: 2-D ``(M, N)`` with unit column stride. Returns ``(y, mean, rstd, h)``."""
+    m, n = x.shape
+    dev = x.device
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+    mean = rstd if is_rms else torch.empty((m,), dtype=torch.float32, device=dev)
+    h = None
+    if residual is not None:
+        h = torch.empty((m, n), dtype=residual_dtype or x.dtype, device=dev)
+    if m == 0 or n == 0:
+        if n == 0:
+            rstd.fill_(float("nan"))
+        return y, (None if is_rms else mean), rstd, h
+    block_n, block_m, warps = _tiling(m, n)
+    progs, per = _grid(triton.cdiv(m, block_m), _max_programs(dev, False))
+    _fwd_kernel[(progs,)](
+        x, residual if residual is not None else x, h if h is not None else y, y,
+        weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), per,
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return y, (None if is_rms else mean), rstd, h
+
+
+def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory_efficient: bool,
+             is_rms: bool, dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None):
+    """``dy``, ``v`` (input, or output when memory-efficient), ``dresidual``: 2-D ``(M, N)``.
+
+    Returns ``(dx, dweight, dbias)``; ``dweight``/``dbias`` are None without weight/bias.
+    """
+    m, n = v.shape
+    dev = v.device
+    dx = torch.empty((m, n), dtype=dx_dtype, device=dev)
+    dw = torch.empty_like(weight) if weight is not None else None
+    db = torch.empty_like(bias) if bias is not None else None
+    if m == 0 or n == 0:
+        for g in (dw, db):
+            if g is not None:
+                g.zero_()
+        if dresidual is not None:
+            dx.copy_(dresidual)
+        return dx, dw, db
+    block_n, block_m, warps = _tiling(m, n)
+    progs, per = _grid(triton.cdiv(m, block_m), _max_programs(dev, True))
+    has_w, has_b = weight is not None, bias is not None
+    dwp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_w else dx
+    dbp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_b else dx
+    _bwd_kernel[(progs,)](
+        dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
+        dresidual if dresidual is not None else dy, dx, dwp, dbp,
+        m, n, dy.stride(0), v.stride(0), dresidual.stride(0) if dresidual is not None else 0, per,
+        IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, MEM_EFF=memory_efficient, HAS_DR=dresidual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    if has_w:
+        if _interpreting():
+            rn = min(block_n, 4096)
+            rp = max(1, min(triton.next_power_of_2(progs), 65536 // rn))
+        else:
+            rn, rp = 128, 32
+        _reduce_kernel[(triton.cdiv(n, rn),)](dwp, dbp, dw, db if has_b else dw, progs, n,
+                                             HAS_B=has_b, BLOCK_P=rp, BLOCK_N=rn)
+    elif has_b:  # bias without weight: reduce the bias partials alone
+        _reduce_kernel[(triton.cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False,
+                                               BLOCK_P=32, BLOCK_N=128)
+    return dx, dw, db

@@ -1,0 +1,283 @@
+"""LAMB over lists of tensors: Adam-style moments, then a per-tensor trust ratio.
+
+Passes per (device, dtype) group, with the global gradient norm already computed by the caller:
+
+* trust ratio off (``weight_decay == 0`` and not nvlamb): one launch reads g, p, m, v and writes p, m, v
+  (the minimum traffic);
+* trust ratio on: the moments launch reads g, m, v, p, writes m, v and one partial sum of the update's
+  and of the parameter's squares per chunk; a small launch reduces the partials to per-tensor norms; the
+  apply launch reads m, v, p, recomputes the (bit-identical) update from the stored moments and writes p.
+  The update is never stored, so the gradients are left untouched (Apex's kernel overwrites them).
+
+Math in fp32 for every storage dtype; bias corrections of a device-side ``step`` are computed in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+from apex._kernels._chunk_reduce import reduce_rows
+
+
+@triton.jit
+def _pow_int(base, s):
+    """``base ** s`` in fp64 by repeated squaring (s: a non-negative int32 < 2**31)."""
+    r = tl.full([], 1.0, tl.float64)
+    b = base.to(tl.float64)
+    for _ in range(0, 31):
+        r = tl.where((s & 1) != 0, r * b, r)
+        b = b * b
+        s = s >> 1
+    return r
+
+
+@triton.jit
+def _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2, step_ptr, betas64,
+             SKIP: tl.constexpr, MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
+             BIAS_CORR: tl.constexpr):
+    live = 1
+    if SKIP:
+        live = (tl.load(noop_flag) == 0).to(tl.int32)
+    gn = tl.load(grad_norm).to(tl.float32)
+    if MAXN_PTR:
+        mx = tl.load(max_norm_ptr).to(tl.float32)
+    else:
+        mx = max_norm
+    clip = tl.where(gn > mx, gn / mx, 1.0)
+    if LR_PTR:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    if STEP_PTR:
+        if BIAS_CORR:
+            s = tl.load(step_ptr).to(tl.int32)
+            bc1 = (1.0 - _pow_int(tl.load(betas64), s)).to(tl.float32)
+            bc2 = (1.0 - _pow_int(tl.load(betas64 + 1), s)).to(tl.float32)
+    return live, clip, lr, bc1, bc2
+
+
+@triton.jit
+def _direction(m, v, p, bc1, bc2, eps, decay, ADAM_W: tl.constexpr):
+    u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+    if ADAM_W:
+        u = u + decay * p
+    return u
+
+
+@triton.jit
+def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
+                    partials, n_chunks, noop_flag, grad_norm, max_norm, max_norm_ptr, inv_scale,
+                    lr, lr_ptr, bc1, bc2, step_ptr, betas64,
+                    beta1, beta2, beta3, one_m_b2, eps, decay,
+                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                    O_DT: tl.constexpr, ADAM_W: tl.constexpr, NEED_P: tl.constexpr, TRUST: tl.constexpr,
+                    HAS_OUT: tl.constexpr, SKIP: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
+                    BIAS_CORR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
+                                        step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
+    n = n * live  # a skipped step touches no memory
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
+    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(inv_scale).to(tl.float32)
+    acc_u = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_p = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * scale
+        p = tl.zeros([BLOCK], dtype=tl.float32)
+        if NEED_P:
+            p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        sg = g / clip
+        if not ADAM_W:
+            sg = sg + decay * p
+        m = m * beta1 + beta3 * sg
+        v = v * beta2 + one_m_b2 * sg * sg
+        m_s = m.to(M_DT)
+        v_s = v.to(V_DT)
+        tl.store(m_ptr + idx, m_s, mask=mask)
+        tl.store(v_ptr + idx, v_s, mask=mask)
+        if TRUST:
+            # The apply pass recomputes the update from the stored moments: use the same values here.
+            u = _direction(m_s.to(tl.float32), v_s.to(tl.float32), p, bc1, bc2, eps, decay, ADAM_W)
+            acc_u += tl.where(mask, u * u, 0.0)
+            acc_p += p * p
+        else:
+            if not NEED_P:
+                p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            u = _direction(m, v, p, bc1, bc2, eps, decay, ADAM_W)
+            p = p - lr * u
+            tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
+            if HAS_OUT:
+                tl.store(o_ptr + idx, p.to(O_DT), mask=mask)
+    if TRUST:
+        pid = tl.program_id(0)
+        tl.store(partials + pid, tl.sum(acc_u, axis=0))
+        tl.store(partials + n_chunks + pid, tl.sum(acc_p, axis=0))
+
+
+@triton.jit
+def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
+                  norms, noop_flag, grad_norm, max_norm, max_norm_ptr,
+                  lr, lr_ptr, bc1, bc2, step_ptr, betas64, eps, decay,
+                  M_DT: tl.constexpr, V_DT: tl.constexpr, P_DT: tl.constexpr, O_DT: tl.constexpr,
+                  ADAM_W: tl.constexpr, HAS_OUT: tl.constexpr, SKIP: tl.constexpr,
+                  MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
+                  BIAS_CORR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
+                                        step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
+    n = n * live  # a skipped step touches no memory
+    u_norm = tl.load(norms + t)
+    p_norm = tl.load(norms + n_tensors + t)
+    safe = tl.where(u_norm != 0.0, u_norm, 1.0)  # both branches are evaluated: avoid 0/0
+    ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * (p_norm / safe), lr)
+    m_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, V_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, P_DT)
+    o_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, O_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        p = p - ratio * _direction(m, v, p, bc1, bc2, eps, decay, ADAM_W)
+        tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
+        if HAS_OUT:
+            tl.store(o_ptr + idx, p.to(O_DT), mask=mask)
+
+
+_betas_cache: dict = {}
+
+
+def _betas64(beta1: float, beta2: float, device) -> torch.Tensor:
+    key = (float(beta1), float(beta2), device)
+    t = _betas_cache.get(key)
+    if t is None:
+        if len(_betas_cache) > 32:
+            _betas_cache.clear()
+        t = torch.tensor([beta1, beta2], dtype=torch.float64).to(device)
+        _betas_cache[key] = t
+    return t
+
+
+def lamb(noop_flag: torch.Tensor, g: list, p: list, m: list, v: list, out: list | None, *,
+         lr, beta1: float, beta2: float, eps: float, step, bias_correction: bool, weight_decay: float,
+         beta3: float, adam_w: bool, grad_norm: torch.Tensor, max_grad_norm, use_nvlamb: bool,
+         inv_scale: torch.Tensor | None = None, skip_on_noop: bool = False) -> None:
+    """One LAMB step. ``lr``, ``step`` and ``max_grad_norm`` are Python numbers or one-element device
+    tensors; ``out`` (optional) receives a reduced-precision copy of the updated ``p``."""
+    device = p[0].device
+    lr_ptr = lr if isinstance(lr, torch.Tensor) else None
+    step_ptr = step if isinstance(step, torch.Tensor) else None
+    maxn_ptr = max_grad_norm if isinstance(max_grad_norm, torch.Tensor) else None
+    lr_f = 0.0 if lr_ptr is not None else float(lr)
+    maxn_f = 0.0 if maxn_ptr is not None else float(max_grad_norm)
+    bc1 = bc2 = 1.0
+    if bias_correction and step_ptr is None:
+        bc1, bc2 = 1.0 - beta1 ** int(step), 1.0 - beta2 ** int(step)
+    betas = _betas64(beta1, beta2, device) if step_ptr is not None else grad_norm
+    trust = bool(use_nvlamb) or weight_decay != 0.0
+    has_out = out is not None
+    lists = [g, p, m, v, out if has_out else p]
+    common = dict(SKIP=bool(skip_on_noop), MAXN_PTR=maxn_ptr is not None, LR_PTR=lr_ptr is not None,
+                  STEP_PTR=step_ptr is not None, BIAS_CORR=bool(bias_correction))
+    for _, (gs, ps, ms, vs, os_) in mt.group(lists):
+        tab = mt.table([gs, ps, ms, vs, os_])
+        partials = torch.empty(2 * tab.n_chunks if trust else 1, dtype=torch.float32, device=device)
+        mt.launch(_moments_kernel, tab, partials, tab.n_chunks, noop_flag, grad_norm, maxn_f,
+                  maxn_ptr if maxn_ptr is not None else grad_norm,
+                  inv_scale if inv_scale is not None else grad_norm,
+                  lr_f, lr_ptr if lr_ptr is not None else grad_norm, bc1, bc2,
+                  step_ptr if step_ptr is not None else noop_flag, betas,
+                  float(beta1), float(beta2), float(beta3), 1.0 - float(beta2), float(eps),
+                  float(weight_decay),
+                  ADAM_W=bool(adam_w), NEED_P=trust or weight_decay != 0.0, TRUST=trust, HAS_OUT=has_out,
+                  HAS_SCALE=inv_scale is not None, **common)
+        if not trust:
+            continue
+        norms = torch.empty(2 * tab.n_tensors, dtype=torch.float32, device=device)
+        reduce_rows(partials, tab, norms, 2)
+        tab2 = mt.table([ms, vs, ps, os_])
+        mt.launch(_apply_kernel, tab2, norms, noop_flag, grad_norm, maxn_f,
+                  maxn_ptr if maxn_ptr is not None else grad_norm,
+                  lr_f, lr_ptr if lr_ptr is not None else grad_norm, bc1, bc2,
+                  step_ptr if step_ptr is not None else noop_flag, betas, float(eps), float(weight_decay),
+                  ADAM_W=bool(adam_w), HAS_OUT=has_out, **common)
+
+
+@triton.jit
+def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, grad_norm, max_norm,
+                   beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, eps,
+                   G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                   U_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    gn = tl.load(grad_norm).to(tl.float32)
+    clip = tl.where(gn > max_norm, gn / max_norm, 1.0)
+    decay = tl.load(decays + t).to(tl.float32)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
+    u_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, U_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        sg = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) / clip
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta1 + one_m_b1 * sg
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta2 + one_m_b2 * sg * sg
+        u = _direction(m, v, p, bc1, bc2, eps, decay, True)
+        tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
+        tl.store(v_ptr + idx, v.to(V_DT), mask=mask)
+        tl.store(u_ptr + idx, u.to(U_DT), mask=mask)
+
+
+@triton.jit
+def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u_norms, lr,
+                   P_DT: tl.constexpr, U_DT: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    ratio = lr
+    if TRUST:
+        pn = tl.load(p_norms + t).to(tl.float32)
+        un = tl.load(u_norms + t).to(tl.float32)
+        ratio = tl.where((un != 0.0) & (pn != 0.0), lr * (pn / tl.where(un != 0.0, un, 1.0)), lr)
+    p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT)
+    u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_ptr + idx, (p - ratio * u).to(P_DT), mask=mask)
+
+
+def stage1(lists: list, decays: torch.Tensor, grad_norm: torch.Tensor, max_norm: float, beta1: float,
+           beta2: float, bc1: float, bc2: float, eps: float) -> None:
+    """Apex's LAMB stage 1 on ``[g, p, m, v, update]``; ``decays``: fp32, one weight decay per tensor."""
+    for idx, subs in mt.group(lists):
+        sel = decays[idx] if idx != list(range(len(lists[0]))) else decays
+        mt.launch(_stage1_kernel, mt.table(subs), sel.contiguous(), grad_norm, float(max_norm), float(beta1),
+                  float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps))
+
+
+def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float, trust: bool) -> None:
+    """Apex's LAMB stage 2 on ``[p, update]`` with per-tensor norms (fp32)."""
+    for idx, subs in mt.group(lists):
+        whole = idx == list(range(len(lists[0])))
+        mt.launch(_stage2_kernel, mt.table(subs), p_norms if whole else p_norms[idx].contiguous(),
+                  u_norms if whole else u_norms[idx].contiguous(), float(lr), TRUST=bool(trust))

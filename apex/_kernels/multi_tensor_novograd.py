@@ -1,0 +1,83 @@
+"""NovoGrad over lists of tensors: per-tensor gradient norms blended into a running norm, then the update.
+
+Per (device, dtype) group: one launch writes per-chunk partial norms of the gradients (sum of squares, or
+max |g|), one small launch reduces them per tensor and blends them into the running norms in place (one
+writer per tensor, so no race), one launch reads g, p, m and writes p, m. Math in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+from apex._kernels._chunk_reduce import reduce_rows
+
+
+@triton.jit
+def _norm_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials, noop_flag,
+                          G_DT: tl.constexpr, MAX: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if MAX:
+            acc = tl.maximum(acc, tl.abs(g))
+        else:
+            acc += g * g
+    if MAX:
+        total = tl.max(acc, axis=0)
+    else:
+        total = tl.sum(acc, axis=0)
+    bad = mt.nonfinite(total)
+    tl.store(noop_flag, bad.to(tl.int32), mask=bad)
+    tl.store(partials + tl.program_id(0), total)
+
+
+@triton.jit
+def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
+                   lr, beta1, beta3, bc1, bc2, eps, decay,
+                   G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, REG_INSIDE: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    denom = tl.load(norms + t) / bc2 + eps
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if REG_INSIDE:
+            g = g / denom + decay * p
+            m = beta1 * m + beta3 * g
+            p = p - lr * (m / bc1)
+        else:
+            m = beta1 * m + beta3 * g
+            p = p - lr * ((m / bc1) / denom + decay * p)
+        tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
+        tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
+
+
+def blend_norms(noop_flag: torch.Tensor, grads: list, norms: torch.Tensor, alpha: float, beta: float,
+                max_norm: bool) -> None:
+    """``norms[i] = sqrt(alpha * norms[i]^2 + beta * ‖g_i‖^2)`` (or ``alpha * norms[i] + beta * max|g_i|``)
+    for grads of one (device, dtype) group, every tensor non-empty."""
+    tab = mt.table([grads])
+    partials = torch.empty(tab.n_chunks, dtype=torch.float32, device=grads[0].device)
+    mt.launch(_norm_partials_kernel, tab, partials, noop_flag, MAX=bool(max_norm))
+    reduce_rows(partials, tab, norms, 1, use_max=bool(max_norm), blend=(alpha, beta))
+
+
+def update(g: list, p: list, m: list, norms: torch.Tensor, *, lr: float, beta1: float, beta3: float,
+           bc1: float, bc2: float, eps: float, weight_decay: float, reg_inside_moment: bool) -> None:
+    """The NovoGrad update of one (device, dtype) group with its running norms ``norms``."""
+    tab = mt.table([g, p, m])
+    mt.launch(_update_kernel, tab, norms, float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
+              float(eps), float(weight_decay), REG_INSIDE=bool(reg_inside_moment))

@@ -1,0 +1,247 @@
+"""Give an optimizer what ``amp`` needs: gradient unscaling around backward, a skippable ``step``, and
+(O2) fp32 master copies of the half parameters.
+
+With master weights, every half parameter in ``param_groups`` is replaced by an fp32 copy: the optimizer
+(any ``torch.optim.Optimizer`` or ``apex.optimizers`` optimizer) only ever sees fp32 tensors and keeps its
+state in fp32. After each ``step`` the masters are written back to the half model parameters. The masters
+are created when ``amp.initialize`` runs, so an ``optimizer.load_state_dict`` right after ``initialize``
+lands on them without passing through the half type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+from apex import _backend
+from apex.amp._amp_state import maybe_print
+from apex.amp.scaler import scale_into
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AmpOptimizerState:
+    pass
+
+
+def _master_params_to_model_params(self) -> None:
+    stash = self._amp_stash
+    if not stash.all_fp16_params:
+        return
+    if _backend.select(stash.all_fp16_params) == "torch":
+        # A plain rounding copy: no scale and no check needed (the masters are finite after a taken step).
+        with torch.no_grad():
+            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
+    else:
+        scale_into(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params, 1.0)
+
+
+def lazy_init_with_master_weights(self) -> None:
+    stash = self._amp_stash
+    stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
+    stash.model_to_master = {}
+    for param_group in self.param_groups:
+        fp16_this_group, fp32_this_group, master_this_group = [], [], []
+        for i, param in enumerate(param_group["params"]):
+            if not param.requires_grad:
+                continue
+            if param.dtype in HALF_DTYPES:
+                fp16_this_group.append(param)
+                master = param.detach().clone().float()
+                master.requires_grad = True
+                param_group["params"][i] = master
+                master_this_group.append(master)
+                stash.model_to_master[id(param)] = (param, master)
+                if param in self.state:
+                    self.state[master] = self.state.pop(param)
+            elif param.dtype == torch.float32:
+                fp32_this_group.append(param)
+            else:
+                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                                f"Received {param.type()}")
+        stash.fp16_groups.append(fp16_this_group)
+        stash.fp32_from_fp16_groups.append(master_this_group)
+        stash.fp32_from_fp32_groups.append(fp32_this_group)
+    stash.all_fp16_params = [p for g in stash.fp16_groups for p in g]
+    stash.all_fp32_from_fp16_params = [p for g in stash.fp32_from_fp16_groups for p in g]
+    stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
+    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
+    stash.all_fp32_from_fp32_grad_stash = [None for _ in stash.all_fp32_from_fp32_params]
+    for param in stash.all_fp32_from_fp16_params:
+        param.grad = None
+    device = next((p.device for p in stash.all_fp16_params), torch.device("cpu"))
+    stash.dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+    # Recast any per-parameter state that existed before initialize to the masters' dtype.
+    self.load_state_dict(self.state_dict())
+
+
+def post_backward_models_are_masters(scaler, params, stashed_grads) -> None:
+    grads_needing_unscale, grads_with_stash, stashed = [], [], []
+    for i, (param, stashed_grad) in enumerate(zip(params, stashed_grads)):
+        if param.grad is None and stashed_grad is not None:
+            param.grad = stashed_grad
+        elif param.grad is not None and stashed_grad is None:
+            grads_needing_unscale.append(param.grad)
+        elif param.grad is not None and stashed_grad is not None:
+            grads_with_stash.append(param.grad)
+            stashed.append(stashed_grad)
+        stashed_grads[i] = None
+    if grads_needing_unscale:
+        scaler.unscale(grads_needing_unscale, grads_needing_unscale, scaler.loss_scale(),
+                       models_are_masters=True)
+    if grads_with_stash:
+        scaler.unscale_with_stashed(grads_with_stash, stashed, grads_with_stash)
+
+
+def prepare_backward_with_master_weights(self) -> None:
+    stash = self._amp_stash
+    self._amp_lazy_init()
+    for param in stash.all_fp16_params:
+        param.grad = None  # the backward writes fresh half grads; the fp32 masters keep what came before
+    for i, param in enumerate(stash.all_fp32_from_fp32_params):
+        stash.all_fp32_from_fp32_grad_stash[i] = param.grad
+        param.grad = None
+
+
+def post_backward_with_master_weights(self, scaler) -> None:
+    stash = self._amp_stash
+    self._amp_lazy_init()
+    new_in, new_out, acc_in, acc_out = [], [], [], []
+    for half, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
+        if half.grad is None:
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+            new_in.append(half.grad)
+            new_out.append(master.grad)
+        else:
+            acc_in.append(half.grad)
+            acc_out.append(master.grad)
+    if new_in:
+        scaler.unscale(new_in, new_out, scaler.loss_scale(), models_are_masters=False)
+    if acc_in:
+        scaler.unscale_with_stashed(acc_in, acc_out, acc_out)
+    post_backward_models_are_masters(scaler, stash.all_fp32_from_fp32_params,
+                                     stash.all_fp32_from_fp32_grad_stash)
+
+
+def lazy_init_no_master_weights(self) -> None:
+    stash = self._amp_stash
+    stash.all_fp16_params, stash.all_fp32_params = [], []
+    for param_group in self.param_groups:
+        for param in param_group["params"]:
+            if param.dtype in HALF_DTYPES:
+                stash.all_fp16_params.append(param)
+            elif param.dtype == torch.float32:
+                stash.all_fp32_params.append(param)
+            else:
+                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                                f"Received {param.type()}")
+    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
+    stash.all_fp32_grad_stash = [None for _ in stash.all_fp32_params]
+
+
+def prepare_backward_no_master_weights(self) -> None:
+    stash = self._amp_stash
+    self._amp_lazy_init()
+    for params, grad_stash in ((stash.all_fp16_params, stash.all_fp16_grad_stash),
+                               (stash.all_fp32_params, stash.all_fp32_grad_stash)):
+        for i, param in enumerate(params):
+            grad_stash[i] = param.grad
+            param.grad = None
+
+
+def post_backward_no_master_weights(self, scaler) -> None:
+    stash = self._amp_stash
+    self._amp_lazy_init()
+    for params, grad_stash in ((stash.all_fp16_params, stash.all_fp16_grad_stash),
+                               (stash.all_fp32_params, stash.all_fp32_grad_stash)):
+        post_backward_models_are_masters(scaler, params, grad_stash)
+
+
+def _amp_lazy_init(self) -> None:
+    stash = self._amp_stash
+    if not stash.lazy_init_called:
+        self._lazy_init_maybe_master_weights()
+        stash.lazy_init_called = True
+
+
+def _skip_step(self, closure) -> None:
+    stash = self._amp_stash
+    if closure is not None:
+        raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+    loss_id, scaler = stash.skip_pending
+    maybe_print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
+                f"{scaler.loss_scale()}")
+    # Master grads are not cleared by model.zero_grad(); drop them so the next step starts clean.
+    for param in getattr(stash, "all_fp32_from_fp16_params", ()):
+        param.grad = None
+    if hasattr(self, "most_recent_scale"):
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+    stash.skip_pending = None
+    stash.already_patched = False
+
+
+def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcontext):
+    """Attach amp's stash and methods to ``optimizer`` (in place) and return it."""
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+    for name in ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
+                 "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init"):
+        if hasattr(optimizer, name):
+            raise RuntimeError(f"Incoming optimizer already has {name} defined.")
+    stash = optimizer._amp_stash = AmpOptimizerState()
+    stash.lazy_init_called = False
+    stash.already_patched = False
+    stash.params_have_scaled_gradients = False
+    stash.skip_pending = None
+    stash.master_weights = bool(properties.master_weights)
+    bind = lambda fn: types.MethodType(fn, optimizer)
+    if properties.master_weights:
+        optimizer._lazy_init_maybe_master_weights = bind(lazy_init_with_master_weights)
+        optimizer._master_params_to_model_params = bind(_master_params_to_model_params)
+        optimizer._prepare_amp_backward = bind(prepare_backward_with_master_weights)
+        optimizer._post_amp_backward = bind(post_backward_with_master_weights)
+    else:
+        optimizer._lazy_init_maybe_master_weights = bind(lazy_init_no_master_weights)
+        optimizer._prepare_amp_backward = bind(prepare_backward_no_master_weights)
+        optimizer._post_amp_backward = bind(post_backward_no_master_weights)
+    optimizer._amp_lazy_init = bind(_amp_lazy_init)
+    optimizer._amp_lazy_init()
+
+    old_step = optimizer.step
+
+    def new_step(self, closure=None, *args, **kwargs):
+        if self._amp_stash.skip_pending is not None:
+            return _skip_step(self, closure)
+        with casts_disabled():
+            retval = old_step(closure, *args, **kwargs) if (closure is not None or args or kwargs) \
+                else old_step()
+        if self._amp_stash.master_weights:
+            self._master_params_to_model_params()
+            for param in self._amp_stash.all_fp32_from_fp16_params:
+                param.grad = None
+        return retval
+
+    optimizer.step = bind(new_step)
+
+    if properties.master_weights:
+        def new_zero_grad(self, set_to_none: bool = True):
+            stash = self._amp_stash
+            self._amp_lazy_init()
+            for param in stash.all_fp16_params + stash.all_fp32_from_fp32_params:
+                if param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_()
+                    param.grad.zero_()
+            for param in stash.all_fp32_from_fp16_params:
+                param.grad = None
+
+        optimizer.zero_grad = bind(new_zero_grad)
+    return optimizer

@@ -1,0 +1,302 @@
+"""Apex's ``apex.normalization.fused_layer_norm``: modules, functional forms and autograd Functions.
+
+Every entry runs on any device: the Triton kernels on CUDA/ROCm tensors, PyTorch's operators on CPU
+tensors (see ``apex.ops.layer_norm`` and ``apex.ops.rms_norm`` for the math and the dtype policy).
+
+Output dtypes: ``FusedLayerNorm``/``FusedRMSNorm`` and the plain functional forms return the input dtype;
+the ``Mixed*`` modules and ``mixed_dtype_*`` functions return the parameter dtype (Megatron-style fp32
+weights with fp16/bf16 activations give fp32 outputs). Under autocast the functional forms first cast
+their floating-point arguments to the autocast dtype and then run with autocast off, as Apex does.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import torch
+from torch.nn import init
+from torch.nn.parameter import Parameter
+
+from apex.ops._norm import as_shape, autocast_args
+from apex.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
+from apex.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
+
+Tensor = torch.Tensor
+
+
+def _autocast_call(fn, input, *args):
+    """Run ``fn(input, *args)`` the way Apex's functional forms do under autocast."""
+    device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        cast = autocast_args(device_type, input, *args)
+        with torch.autocast(device_type=device_type, enabled=False):
+            return fn(*cast)
+    return fn(input, *args)
+
+
+# Reference implementation from Hugging Face, kept with Apex's name and behaviour.
+def manual_rms_norm(input: Tensor, normalized_shape, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm in plain PyTorch: statistics in fp32; with a half-precision weight the normalised input is
+    cast to the weight dtype before the scale, otherwise the result keeps the promoted dtype."""
+    shape = as_shape(normalized_shape)
+    dims = tuple(range(-1, -len(shape) - 1, -1))
+    variance = input.to(torch.float32).pow(2).mean(dims, keepdim=True)
+    input = input * torch.rsqrt(variance + eps)
+    if weight is None:
+        return input
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        input = input.to(weight.dtype)
+    return weight * input
+
+
+# ------------------------------------------------------------------------------------ functional forms
+def fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normalized_shape, eps: float = 1e-6,
+                            memory_efficient: bool = False) -> Tensor:
+    return _autocast_call(lambda x, w, b: layer_norm(x, normalized_shape, w, b, eps, memory_efficient),
+                          input, weight, bias)
+
+
+def fused_layer_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
+                     ) -> Tensor:
+    return _autocast_call(lambda x: layer_norm(x, normalized_shape, None, None, eps, memory_efficient), input)
+
+
+def mixed_dtype_fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normalized_shape,
+                                        eps: float = 1e-6, memory_efficient: bool = False) -> Tensor:
+    return _autocast_call(
+        lambda x, w, b: layer_norm(x, normalized_shape, w, b, eps, memory_efficient, out_dtype=w.dtype),
+        input, weight, bias)
+
+
+def fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: float = 1e-6,
+                          memory_efficient: bool = False) -> Tensor:
+    return _autocast_call(lambda x, w: rms_norm(x, normalized_shape, w, eps, memory_efficient), input, weight)
+
+
+def fused_rms_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
+                   ) -> Tensor:
+    return _autocast_call(lambda x: rms_norm(x, normalized_shape, None, eps, memory_efficient), input)
+
+
+def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: float = 1e-6,
+                                      memory_efficient: bool = False) -> Tensor:
+    return _autocast_call(
+        lambda x, w: rms_norm(x, normalized_shape, w, eps, memory_efficient, out_dtype=w.dtype),
+        input, weight)
+
+
+# ------------------------------------------------------------------------------- autograd Functions
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``."""
+
+    _mixed = False
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        mixed = ctx._forward_cls._mixed
+        output, mean, invvar = layer_norm_forward(input, normalized_shape, weight, bias, eps,
+                                                  weight.dtype if mixed else None)
+        ctx.normalized_shape, ctx.eps, ctx.memory_efficient = normalized_shape, eps, memory_efficient
+        ctx.input_dtype = input.dtype
+        if memory_efficient:
+            ctx.save_for_backward(output, weight, bias, None, invvar)
+        else:
+            ctx.save_for_backward(input, weight, bias, mean, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        v, weight, bias, mean, invvar = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(grad_output, mean, invvar, v, ctx.normalized_shape, weight, bias,
+                                         ctx.memory_efficient, ctx.input_dtype)
+        return dx, dw, db, None, None, None
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    """As :class:`FusedLayerNormAffineFunction`, with the output in the weight dtype."""
+
+    _mixed = True
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        output, mean, invvar = layer_norm_forward(input, normalized_shape, None, None, eps)
+        ctx.normalized_shape, ctx.eps, ctx.memory_efficient = normalized_shape, eps, memory_efficient
+        if memory_efficient:
+            ctx.save_for_backward(output, None, invvar)
+        else:
+            ctx.save_for_backward(input, mean, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        v, mean, invvar = ctx.saved_tensors
+        dx, _, _ = layer_norm_backward(grad_output, mean, invvar, v, ctx.normalized_shape, None, None,
+                                       ctx.memory_efficient)
+        return dx, None, None, None
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``."""
+
+    _mixed = False
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        mixed = ctx._forward_cls._mixed
+        output, invvar = rms_norm_forward(input, normalized_shape, weight, eps,
+                                          weight.dtype if mixed else None)
+        ctx.normalized_shape, ctx.eps, ctx.memory_efficient = normalized_shape, eps, memory_efficient
+        ctx.input_dtype = input.dtype
+        ctx.save_for_backward(output if memory_efficient else input, weight, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        v, weight, invvar = ctx.saved_tensors
+        dx, dw = rms_norm_backward(grad_output, invvar, v, ctx.normalized_shape, weight, ctx.memory_efficient,
+                                   ctx.input_dtype)
+        return dx, dw, None, None, None
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    """As :class:`FusedRMSNormAffineFunction`, with the output in the weight dtype."""
+
+    _mixed = True
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        output, invvar = rms_norm_forward(input, normalized_shape, None, eps)
+        ctx.normalized_shape, ctx.eps, ctx.memory_efficient = normalized_shape, eps, memory_efficient
+        ctx.save_for_backward(output if memory_efficient else input, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        v, invvar = ctx.saved_tensors
+        dx, _ = rms_norm_backward(grad_output, invvar, v, ctx.normalized_shape, None, ctx.memory_efficient)
+        return dx, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------- modules
+_REPR = "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
+
+class FusedLayerNorm(torch.nn.Module):
+    r"""Layer normalisation over the trailing ``normalized_shape`` dimensions.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    ``weight`` (γ, ones) and ``bias`` (β, zeros) have shape ``normalized_shape`` when
+    ``elementwise_affine``. The output has the input dtype. ``memory_efficient=True`` saves the output
+    instead of the input for the backward.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = torch.Size(as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(*self.normalized_shape))
+            self.bias = Parameter(torch.empty(*self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.elementwise_affine:
+            return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape, self.eps,
+                                           self.memory_efficient)
+        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return _REPR.format(**self.__dict__)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    r"""RMS normalisation over the trailing ``normalized_shape`` dimensions.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot \gamma
+
+    ``weight`` (γ, ones) has shape ``normalized_shape`` when ``elementwise_affine``. The output has the
+    input dtype. ``memory_efficient=True`` saves the output instead of the input for the backward.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = torch.Size(as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(*self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.elementwise_affine:
+            return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
+                                         self.memory_efficient)
+        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return _REPR.format(**self.__dict__)
+
+
+def _mixed_affine_kwargs(cls_name: str, kwargs: dict) -> None:
+    if "elementwise_affine" in kwargs:
+        warnings.warn(f"{cls_name} does not support `elementwise_affine` argument", stacklevel=3)
+        if not kwargs.pop("elementwise_affine"):
+            raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """:class:`FusedLayerNorm` whose output has the parameters' dtype (fp32 weights, half inputs)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+        _mixed_affine_kwargs("MixedFusedLayerNorm", kwargs)
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
+                                                   self.eps, self.memory_efficient)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """:class:`FusedRMSNorm` whose output has the parameter's dtype (fp32 weight, half inputs)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+        _mixed_affine_kwargs("MixedFusedRMSNorm", kwargs)
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
+                                                 self.memory_efficient)

@@ -1,0 +1,109 @@
+"""Argument checks and small helpers shared by the LayerNorm and RMSNorm operations."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from apex import _backend
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Widest row the one-pass kernels hold in one block; wider rows take the PyTorch operator.
+MAX_FUSED_N = 65536
+
+
+def as_shape(normalized_shape: object) -> tuple[int, ...]:
+    """``normalized_shape`` (an int, a sequence of ints or a ``torch.Size``) as a tuple of ints."""
+    if isinstance(normalized_shape, numbers.Integral):
+        shape = (int(normalized_shape),)
+    elif isinstance(normalized_shape, Sequence) and all(isinstance(s, numbers.Integral)
+                                                        for s in normalized_shape):
+        shape = tuple(int(s) for s in normalized_shape)
+    else:
+        raise TypeError("normalized_shape must be an int or a sequence of ints, got "
+                        f"{normalized_shape!r}")
+    if not shape:
+        raise ValueError("normalized_shape must have at least one dimension, got []")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"normalized_shape must hold non-negative sizes, got {list(shape)}")
+    return shape
+
+
+def check_args(input: object, normalized_shape: object, weight: object = None, bias: object = None
+               ) -> tuple[tuple[int, ...], int, int]:
+    """Validate a normalisation call; return ``(normalized_shape, rows, row_length)``."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError("input must be a floating-point tensor (float32, float16, bfloat16 or float64), "
+                        f"got {input.dtype}")
+    shape = as_shape(normalized_shape)
+    k = len(shape)
+    if input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
+        raise ValueError(f"normalized_shape={list(shape)} expects an input of shape "
+                         f"[*, {', '.join(map(str, shape))}], got input of shape {list(input.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+        if not p.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (the normalized_shape), "
+                             f"got {list(p.shape)}")
+        if p.device != input.device:
+            raise ValueError(f"{name} is on {p.device} but input is on {input.device}")
+    n = math.prod(shape)
+    m = math.prod(input.shape[:input.dim() - k])
+    return shape, m, n
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the saved mean / inverse standard deviation (Apex: fp32 for half inputs)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _select_for_device(device_type: str) -> str:
+    return _backend.select(torch.empty(0, device=device_type))
+
+
+# The backend override lives in a context variable, which torch.compile cannot trace: the choice is made
+# once while tracing and baked into the graph. This is what ``torch.compiler.assume_constant_result``
+# does, without importing torch._dynamo (and with it Triton) when apex.normalization is imported.
+_select_for_device._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def select(input: torch.Tensor) -> str:
+    """``apex._backend.select`` for one tensor, usable inside ``torch.compile``-traced code."""
+    return _select_for_device(input.device.type)
+
+
+def use_kernel(input: torch.Tensor, out_dtype: torch.dtype, n: int, *params) -> bool:
+    """True when the Triton kernels run this call (backend choice, dtypes and row length they cover)."""
+    if select(input) != "triton":
+        return False
+    dtypes = [input.dtype, out_dtype] + [p.dtype for p in params if p is not None]
+    return all(d in KERNEL_DTYPES for d in dtypes) and n <= MAX_FUSED_N
+
+
+def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as a 2-D ``(rows, n)`` tensor with unit column stride, a view whenever strides allow."""
+    t2 = t.reshape(-1, n) if n > 0 else t.reshape(-1, 0)
+    if t2.stride(-1) != 1 and n > 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def autocast_args(device_type: str, *args):
+    """Apex's ``_cast_if_autocast_enabled``: cast floating tensors to the autocast dtype of the device.
+
+    The normalisation then runs with autocast off, so its output dtype follows the (cast) arguments.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return args
+    dt = torch.get_autocast_dtype(device_type)
+    return tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)

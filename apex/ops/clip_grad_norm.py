@@ -1,0 +1,50 @@
+"""``clip_grad_norm_``: clip the global gradient norm of many parameters with two multi-tensor passes.
+
+Same contract as ``torch.nn.utils.clip_grad_norm_``: the total norm ``‖g‖`` of all gradients (as if
+concatenated) is returned as a 0-d fp32 tensor, and every gradient is multiplied in place by
+``min(1, max_norm / (‖g‖ + 1e-6))``. For the L2 norm of dense fp32/fp16/bf16 gradients on one device, the
+norm is one ``multi_tensor_l2norm`` (fp32 accumulation for every dtype, unlike PyTorch, which takes each
+half-precision gradient's norm in its own dtype) and the scaling one ``multi_tensor_scale`` whose
+coefficient stays on the device, so nothing waits for the host unless ``error_if_nonfinite`` asks for a
+check. Other norms and layouts are handed to ``torch.nn.utils.clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from apex.ops._checks import FLOAT_DTYPES
+from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from apex.ops.multi_tensor_scale import multi_tensor_scale
+
+_CHUNK = 2048 * 32
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not params:
+        return torch.tensor(0.0)
+    grads = [p.grad.detach() for p in params]
+    fused = (norm_type == 2.0 and len({g.device for g in grads}) == 1
+             and all(g.dtype in FLOAT_DTYPES and g.is_contiguous() and not g.is_sparse for g in grads))
+    if not fused:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+    noop = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
+    total, _ = multi_tensor_l2norm(_CHUNK, noop, [grads], False)
+    total = total.reshape(())
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the "
+                           "non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    multi_tensor_scale(_CHUNK, noop, [grads, grads], coef)
+    return total

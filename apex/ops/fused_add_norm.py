@@ -1,0 +1,145 @@
+"""Residual add fused with RMSNorm / LayerNorm: ``h = input + residual``, ``y = norm(h)``; returns ``(y, h)``.
+
+Pre-norm transformer blocks do ``residual = x + residual; x = norm(residual)`` twice per layer; fusing the
+add into the normalisation kernel saves a full write and read of ``h``. ``h`` has the promoted dtype of
+``input`` and ``residual`` and is rounded to it before being normalised, so the result equals the unfused
+``norm(input + residual)`` in that dtype; ``y`` has the input dtype. The gradient reaching ``input`` and
+``residual`` is ``dnorm(dy) + dh`` (``dh``: the gradient of the returned ``h``).
+
+Triton path: one forward launch (reads input and residual, writes ``y`` and ``h``) and the normalisation's
+backward with ``dh`` added in the same pass, through the ``apex::fused_add_norm_fwd``/``_bwd`` custom ops.
+PyTorch path: ``input + residual`` followed by the normalisation's PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops import layer_norm as _ln
+from apex.ops import rms_norm as _rms
+from apex.ops._norm import check_args, rows_view, stats_dtype, use_kernel
+
+Tensor = torch.Tensor
+
+
+def _check_residual(input, residual) -> None:
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if not residual.is_floating_point():
+        raise TypeError(f"residual must be a floating-point tensor, got {residual.dtype}")
+    if residual.shape != input.shape:
+        raise ValueError(f"residual must have the input's shape {list(input.shape)}, "
+                         f"got {list(residual.shape)}")
+    if residual.device != input.device:
+        raise ValueError(f"residual is on {residual.device} but input is on {input.device}")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@torch.library.custom_op("apex::fused_add_norm_fwd", mutates_args=())
+def _fwd_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+            normalized_shape: list[int], eps: float, is_rms: bool, memory_efficient: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from apex._kernels import _norm as kernels
+
+    n = _numel(normalized_shape)
+    h_dtype = torch.promote_types(input.dtype, residual.dtype)
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    y, mean, rstd, h = kernels.forward(rows_view(input, n), w, b, eps, input.dtype, is_rms,
+                                       rows_view(residual, n), h_dtype)
+    if mean is None:
+        mean = rstd.new_empty((0,))
+    return y.view(input.shape), h.view(input.shape), mean, rstd
+
+
+@_fwd_op.register_fake
+def _(input, residual, weight, bias, normalized_shape, eps, is_rms, memory_efficient):
+    m = _numel(input.shape[:input.dim() - len(normalized_shape)])
+    sd = stats_dtype(input.dtype)
+    h = input.new_empty(input.shape, dtype=torch.promote_types(input.dtype, residual.dtype))
+    return input.new_empty(input.shape), h, input.new_empty((0 if is_rms else m,), dtype=sd), \
+        input.new_empty((m,), dtype=sd)
+
+
+@torch.library.custom_op("apex::fused_add_norm_bwd", mutates_args=())
+def _bwd_op(grad_y: Tensor, grad_h: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
+            weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int], is_rms: bool,
+            memory_efficient: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    from apex._kernels import _norm as kernels
+
+    n = _numel(normalized_shape)
+    dx, dw, db = kernels.backward(rows_view(grad_y, n), rows_view(input_or_output, n),
+                                  weight.contiguous() if weight is not None else None,
+                                  bias.contiguous() if bias is not None else None,
+                                  mean if mean is not None and not is_rms else None, rstd, memory_efficient,
+                                  is_rms, dx_dtype, rows_view(grad_h, n))
+    empty = grad_y.new_empty((0,))
+    return (dx.view(input_or_output.shape), dw if dw is not None else empty,
+            db if db is not None else empty.clone())
+
+
+@_bwd_op.register_fake
+def _(grad_y, grad_h, mean, rstd, input_or_output, weight, bias, normalized_shape, is_rms, memory_efficient,
+      dx_dtype):
+    return (input_or_output.new_empty(input_or_output.shape, dtype=dx_dtype),
+            torch.empty_like(weight) if weight is not None else grad_y.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else grad_y.new_empty((0,)))
+
+
+def _setup(ctx, inputs, output):
+    input, residual, weight, bias, normalized_shape, eps, is_rms, memory_efficient = inputs
+    y, h, mean, rstd = output
+    ctx.args = (normalized_shape, is_rms, memory_efficient, input.dtype, residual.dtype, h.dtype)
+    ctx.save_for_backward(y if memory_efficient else h, weight, bias, mean, rstd)
+
+
+def _backward(ctx, grad_y, grad_h, grad_mean, grad_rstd):
+    v, weight, bias, mean, rstd = ctx.saved_tensors
+    normalized_shape, is_rms, memory_efficient, in_dtype, res_dtype, h_dtype = ctx.args
+    if grad_h is None:
+        grad_h = torch.zeros_like(v, dtype=h_dtype)
+    dh, dw, db = torch.ops.apex.fused_add_norm_bwd(grad_y, grad_h, mean, rstd, v, weight, bias,
+                                                   normalized_shape, is_rms, memory_efficient, h_dtype)
+    return (dh.to(in_dtype), dh.to(res_dtype), dw if weight is not None else None,
+            db if bias is not None else None, None, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, memory_efficient):
+    shape, _, n = check_args(input, normalized_shape, weight, bias)
+    _check_residual(input, residual)
+    h_dtype = torch.promote_types(input.dtype, residual.dtype)
+    if use_kernel(input, h_dtype, n, weight, bias, residual):
+        y, h, _, _ = torch.ops.apex.fused_add_norm_fwd(input, residual, weight, bias, list(shape), float(eps),
+                                                       is_rms, bool(memory_efficient))
+        return y, h
+    h = input + residual
+    if is_rms:
+        y = _rms.rms_norm(h, shape, weight, eps, memory_efficient, out_dtype=input.dtype)
+    else:
+        y = _ln.layer_norm(h, shape, weight, bias, eps, memory_efficient, out_dtype=input.dtype)
+    return y, h
+
+
+def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, normalized_shape,
+                       eps: float = 1e-6, memory_efficient: bool = False) -> tuple[Tensor, Tensor]:
+    """``h = input + residual``; returns ``(rms_norm(h) · weight, h)``."""
+    return _fused_add(input, residual, weight, None, normalized_shape, eps, True, memory_efficient)
+
+
+def fused_add_layer_norm(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                         normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
+                         ) -> tuple[Tensor, Tensor]:
+    """``h = input + residual``; returns ``(layer_norm(h) · weight + bias, h)``."""
+    return _fused_add(input, residual, weight, bias, normalized_shape, eps, False, memory_efficient)
+
+
+__all__ = ["fused_add_layer_norm", "fused_add_rms_norm"]

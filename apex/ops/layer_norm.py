@@ -1,0 +1,240 @@
+"""LayerNorm: ``y = (x − mean) / sqrt(var + eps) · weight + bias`` over the trailing ``normalized_shape``.
+
+Dtype policy: statistics and arithmetic in fp32 (fp64 for fp64 inputs), one rounding to the output dtype,
+which is the input dtype by default and the weight dtype for the mixed-dtype variant. The saved ``mean``
+and ``rstd`` (Apex's ``invvar``) are fp32 for fp16/bf16 inputs and the input dtype otherwise, one value per
+row. ``memory_efficient=True`` saves the output instead of the input and rebuilds
+``x̂ = (y − bias) / weight`` in the backward (as Apex does; a zero weight then gives non-finite gradients).
+
+Paths: CUDA/ROCm tensors run the one-pass Triton kernels of ``apex._kernels.layer_norm`` through the
+``apex::layer_norm_fwd`` / ``apex::layer_norm_bwd`` custom ops (traceable by ``torch.compile``); CPU
+tensors run ``F.layer_norm`` (PyTorch's fused kernel, its own autograd), or ``torch.native_layer_norm`` and
+its backward inside the same custom ops when the memory-efficient backward is asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from apex.ops._norm import check_args, rows_view, select, stats_dtype, use_kernel
+
+Tensor = torch.Tensor
+
+
+def _promote(*dtypes) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        if d is not None:
+            out = torch.promote_types(out, d)
+    return out
+
+
+def _native_ok(x_dtype, weight, bias) -> bool:
+    """PyTorch's CPU kernel takes same-dtype parameters, or fp32 parameters with a half input."""
+    dts = {p.dtype for p in (weight, bias) if p is not None}
+    return not dts or dts == {x_dtype} or (dts == {torch.float32} and x_dtype in (torch.float16,
+                                                                                  torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def _forward_torch(x, shape, weight, bias, eps, out_dtype):
+    if out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
+        y, mean, rstd = torch.native_layer_norm(x, list(shape), weight, bias, eps)
+    else:
+        ct = _promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
+        cast = (lambda p: p.to(ct) if p is not None else None)
+        y, mean, rstd = torch.native_layer_norm(x.to(ct), list(shape), cast(weight), cast(bias), eps)
+        y = y.to(out_dtype)
+    sd = stats_dtype(x.dtype)
+    return y, mean.reshape(-1).to(sd), rstd.reshape(-1).to(sd)
+
+
+def _backward_torch(dy, mean, rstd, v, shape, weight, bias, memory_efficient, dx_dtype):
+    k = len(shape)
+    lead = v.shape[:v.dim() - k]
+    stat_shape = tuple(lead) + (1,) * k
+    ct = _promote(torch.float32 if memory_efficient else v.dtype, dy.dtype,
+                  *(p.dtype if p is not None else None for p in (weight, bias)))
+    cast = (lambda p: p.to(ct) if p is not None else None)
+    rstd_c = rstd.reshape(stat_shape).to(stats_dtype(ct))
+    if memory_efficient:
+        # Rebuild x̂ from the output; hand PyTorch an input whose normalisation with mean 0 and the
+        # saved rstd is exactly that x̂.
+        x = v.to(ct)
+        if bias is not None:
+            x = x - bias.to(ct)
+        if weight is not None:
+            x = x / weight.to(ct)
+        x = x / rstd_c.to(ct)
+        mean_c = torch.zeros_like(rstd_c)
+    else:
+        x = v.to(ct)
+        mean_c = mean.reshape(stat_shape).to(stats_dtype(ct))
+    mask = [True, weight is not None, bias is not None]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy.to(ct), x, list(shape), mean_c, rstd_c,
+                                                           cast(weight), cast(bias), mask)
+    dx = dx.to(dx_dtype)
+    dw = dw.to(weight.dtype) if weight is not None else None
+    db = db.to(bias.dtype) if bias is not None else None
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------------- dispatch (no autograd)
+def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = None,
+                       bias: Tensor | None = None, eps: float = 1e-5, out_dtype: torch.dtype | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(output, mean, rstd)`` without autograd; ``mean``/``rstd`` have one entry per row."""
+    shape, m, n = check_args(input, normalized_shape, weight, bias)
+    out_dtype = out_dtype or input.dtype
+    if use_kernel(input, out_dtype, n, weight, bias):
+        from apex._kernels import layer_norm as kernels
+
+        y, mean, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None
+                                           else None, bias.contiguous() if bias is not None else None,
+                                           eps, out_dtype)
+        return y.view(input.shape), mean, rstd
+    return _forward_torch(input, shape, weight, bias, eps, out_dtype)
+
+
+def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
+                        normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+                        memory_efficient: bool = False, dx_dtype: torch.dtype | None = None
+                        ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(grad_input, grad_weight, grad_bias)`` from the saved statistics and input (or output)."""
+    shape, m, n = check_args(input_or_output, normalized_shape, weight, bias)
+    if tuple(grad_output.shape) != tuple(input_or_output.shape):
+        raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
+                         f"{list(input_or_output.shape)}")
+    if not memory_efficient and mean is None:
+        raise ValueError("mean is required unless memory_efficient=True")
+    dx_dtype = dx_dtype or input_or_output.dtype
+    if use_kernel(input_or_output, dx_dtype, n, weight, bias, grad_output):
+        from apex._kernels import layer_norm as kernels
+
+        dx, dw, db = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
+                                      weight.contiguous() if weight is not None else None,
+                                      bias.contiguous() if bias is not None else None,
+                                      mean.reshape(-1) if mean is not None else None,
+                                      rstd.reshape(-1).float(), memory_efficient, dx_dtype)
+        return dx.view(input_or_output.shape), dw, db
+    return _backward_torch(grad_output, mean, rstd, input_or_output, shape, weight, bias,
+                           memory_efficient, dx_dtype)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("apex::layer_norm_fwd", mutates_args=())
+def _fwd_op(input: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
+            eps: float, memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = layer_norm_forward(input, normalized_shape, weight, bias, eps, out_dtype)
+    return y, mean, rstd
+
+
+@_fwd_op.register_fake
+def _(input, weight, bias, normalized_shape, eps, memory_efficient, out_dtype):
+    m = _numel(input.shape[:input.dim() - len(normalized_shape)])
+    sd = stats_dtype(input.dtype)
+    return (input.new_empty(input.shape, dtype=out_dtype), input.new_empty((m,), dtype=sd),
+            input.new_empty((m,), dtype=sd))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@torch.library.custom_op("apex::layer_norm_bwd", mutates_args=())
+def _bwd_op(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
+            weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int], memory_efficient: bool,
+            dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = layer_norm_backward(grad_output, mean, rstd, input_or_output, normalized_shape, weight,
+                                     bias, memory_efficient, dx_dtype)
+    empty = grad_output.new_empty((0,))
+    return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
+
+
+@_bwd_op.register_fake
+def _(grad_output, mean, rstd, input_or_output, weight, bias, normalized_shape, memory_efficient, dx_dtype):
+    return (input_or_output.new_empty(input_or_output.shape, dtype=dx_dtype),
+            torch.empty_like(weight) if weight is not None else grad_output.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else grad_output.new_empty((0,)))
+
+
+def _setup(ctx, inputs, output):
+    input, weight, bias, normalized_shape, eps, memory_efficient, out_dtype = inputs
+    y, mean, rstd = output
+    ctx.normalized_shape = normalized_shape
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    if memory_efficient:
+        ctx.save_for_backward(y, weight, bias, None, rstd)
+    else:
+        ctx.save_for_backward(input, weight, bias, mean, rstd)
+
+
+def _backward(ctx, grad_y, grad_mean, grad_rstd):
+    v, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.apex.layer_norm_bwd(grad_y, mean, rstd, v, weight, bias, ctx.normalized_shape,
+                                               ctx.memory_efficient, ctx.input_dtype)
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------- autograd entry
+def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, memory_efficient: bool = False, out_dtype: torch.dtype | None = None
+               ) -> Tensor:
+    """Differentiable LayerNorm; ``out_dtype`` defaults to the input dtype (Apex's mixed variant passes
+    the weight dtype)."""
+    shape, _, _ = check_args(input, normalized_shape, weight, bias)
+    out_dtype = out_dtype or input.dtype
+    if not memory_efficient and select(input) == "torch":
+        return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
+    return torch.ops.apex.layer_norm_fwd(input, weight, bias, list(shape), float(eps), bool(memory_efficient),
+                                         out_dtype)[0]
+
+
+def _layer_norm_torch(x, shape, weight, bias, eps, out_dtype):
+    if out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    ct = _promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
+    cast = (lambda p: p.to(ct) if p is not None else None)
+    return F.layer_norm(x.to(ct), shape, cast(weight), cast(bias), eps).to(out_dtype)
+
+
+# ------------------------------------------------------------- Apex's ``fused_layer_norm_cuda`` entry points
+def forward(input: Tensor, normalized_shape, epsilon: float) -> list[Tensor]:
+    """``fused_layer_norm_cuda.forward``: ``[output, mean, invvar]``."""
+    return list(layer_norm_forward(input, normalized_shape, None, None, epsilon))
+
+
+def forward_affine(input: Tensor, normalized_shape, gamma: Tensor, beta: Tensor, epsilon: float
+                   ) -> list[Tensor]:
+    """``fused_layer_norm_cuda.forward_affine``: ``[output, mean, invvar]``, output in the input dtype."""
+    return list(layer_norm_forward(input, normalized_shape, gamma, beta, epsilon))
+
+
+def forward_affine_mixed_dtypes(input: Tensor, normalized_shape, gamma: Tensor, beta: Tensor,
+                                epsilon: float) -> list[Tensor]:
+    """``fused_layer_norm_cuda.forward_affine_mixed_dtypes``: output in the dtype of ``gamma``."""
+    return list(layer_norm_forward(input, normalized_shape, gamma, beta, epsilon, gamma.dtype))
+
+
+def backward(dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor, normalized_shape,
+             epsilon: float, memory_efficient: bool = False) -> Tensor:
+    """``fused_layer_norm_cuda.backward``: ``grad_input``."""
+    return layer_norm_backward(dout, mean, invvar, input_or_output, normalized_shape, None, None,
+                               memory_efficient)[0]
+
+
+def backward_affine(dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor,
+                    normalized_shape, gamma: Tensor, beta: Tensor, epsilon: float,
+                    memory_efficient: bool = False) -> list[Tensor]:
+    """``fused_layer_norm_cuda.backward_affine``: ``[grad_input, grad_gamma, grad_beta]``."""
+    return list(layer_norm_backward(dout, mean, invvar, input_or_output, normalized_shape, gamma, beta,
+                                    memory_efficient))

@@ -1,0 +1,322 @@
+"""Apex's LAMB multi-tensor ops: ``multi_tensor_lamb``, ``multi_tensor_lamb_mp``,
+``multi_tensor_lamb_stage1_cuda`` and ``multi_tensor_lamb_stage2_cuda``.
+
+The update, per tensor ``i`` (all math in fp32, whatever the storage dtypes)::
+
+    clip   = ‖g‖_global / max_grad_norm   if ‖g‖_global > max_grad_norm else 1
+    ĝ      = g * inv_scale / clip  (+ weight_decay * p  in L2 mode, mode=0)
+    m      = beta1 * m + beta3 * ĝ            beta3 = 1 - beta1 if grad_averaging else 1
+    v      = beta2 * v + (1 - beta2) * ĝ²
+    u      = (m / bc1) / (sqrt(v / bc2) + eps)  (+ weight_decay * p  in AdamW mode, mode=1)
+    ratio  = lr * ‖p_i‖ / ‖u_i‖  if (use_nvlamb or weight_decay != 0) and both norms are non-zero, else lr
+    p      = p - ratio * u
+
+with ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step`` (1 without bias correction). Unlike Apex's CUDA
+kernels the gradients are not overwritten with the update. ``multi_tensor_lamb`` propagates infs/NaNs
+like Apex; ``multi_tensor_lamb_mp`` skips the whole update when ``noop_flag`` is set (fp32 master
+weights in list 1, the reduced-precision model copy in the optional list 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists
+
+
+def _check(noop_flag, tensor_lists, n_lists):
+    device = check_tensor_lists(tensor_lists, n_lists, same_shape=True)
+    check_noop_flag(noop_flag, device)
+    return device
+
+
+def _as_float(x, name: str) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got {x.numel()} elements")
+        return float(x.item())
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    return float(x)
+
+
+def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.numel() < 1 or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor holding the global gradient norm")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the tensors are on {device}")
+    return t.reshape(-1)[:1].float()
+
+
+def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
+                      beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
+                      grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
+                      use_nvlamb: bool | None = False, *, workspace: list | None = None) -> None:
+    """LAMB step on ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` (one dtype per tensor
+    index; fp32/fp16/bf16). ``mode``: 0 = L2 regularisation, 1 = decoupled weight decay (AdamW).
+
+    ``workspace`` (apex's addition): fp32 tensors shaped like the parameters that the PyTorch path may
+    use for the update instead of allocating it every call."""
+    device = _check(noop_flag, tensor_lists, 4)
+    if device is None or not tensor_lists[0]:
+        return
+    gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
+    _run(noop_flag, *[list(x) for x in tensor_lists], None, lr=float(lr), beta1=float(beta1),
+         beta2=float(beta2), eps=float(epsilon), step=int(step), bias_correction=bool(bias_correction),
+         weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
+         adam_w=bool(mode), grad_norm=gn, max_grad_norm=float(max_grad_norm), use_nvlamb=bool(use_nvlamb),
+         inv_scale=None, skip_on_noop=False, workspace=workspace)
+
+
+def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
+                         beta1: float, beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int,
+                         weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
+                         max_grad_norm: torch.Tensor, use_nvlamb: bool | None, found_inf: torch.Tensor,
+                         inv_scale: torch.Tensor, *, workspace: list | None = None,
+                         grad_workspace: list | None = None) -> None:
+    """Mixed-precision LAMB: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 master
+    weights, ``[grads, masters, exp_avgs, exp_avg_sqs, model_params]``. ``lr``, ``step``, ``max_grad_norm``
+    and ``inv_scale`` are device tensors (no host synchronisation on the Triton path); gradients are
+    multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero. ``workspace`` and
+    ``grad_workspace`` (apex's additions): reusable fp32 buffers shaped like the masters for the PyTorch
+    path's update and fp32 gradients."""
+    device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
+    check_noop_flag(noop_flag, device)
+    if device is None or not tensor_lists[0]:
+        return
+    lists = [list(x) for x in tensor_lists]
+    for i, (a, b) in enumerate(zip(lists[0], lists[1])):
+        if a.shape != b.shape:
+            raise ValueError(f"tensor_lists[0][{i}] has shape {tuple(a.shape)} but tensor_lists[1][{i}] has "
+                             f"shape {tuple(b.shape)}")
+    gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
+    tensors = {}
+    named = (("lr", lr), ("step", step), ("max_grad_norm", max_grad_norm), ("inv_scale", inv_scale))
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"{name} must be a one-element tensor, got {value.numel()} elements")
+            value = value.reshape(1).to(device)
+        else:
+            value = torch.full((1,), value, device=device,
+                               dtype=torch.int32 if name == "step" else torch.float32)
+        tensors[name] = value
+    del found_inf  # Apex takes it but acts on noop_flag (which the optimizer fills from found_inf)
+    out = lists[4] if len(lists) == 5 else None
+    _run(noop_flag, *lists[:4], out, lr=tensors["lr"].float(), beta1=float(beta1), beta2=float(beta2),
+         eps=float(epsilon), step=tensors["step"], bias_correction=bool(bias_correction),
+         weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
+         adam_w=bool(mode), grad_norm=gn, max_grad_norm=tensors["max_grad_norm"].float(),
+         use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True,
+         workspace=workspace, grad_workspace=grad_workspace)
+
+
+def _run(noop_flag, g, p, m, v, out, workspace=None, grad_workspace=None, **kw) -> None:
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        kernels.lamb(noop_flag, g, p, m, v, out, **kw)
+        return
+    if _fusable(g, p, m, v, kw):
+        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, grad_workspace=grad_workspace,
+                          **kw)
+        return
+    lamb_torch(noop_flag, g, p, m, v, out, **kw)
+
+
+def _fusable(g, p, m, v, kw) -> bool:
+    """Whether ``torch._fused_adamw_`` computes this step's moments and Adam direction exactly as LAMB
+    does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging."""
+    return (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]
+            and all(t.device.type == "cpu" for t in g)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for lst in (p, m, v) for t in lst))
+
+
+def _host(x) -> float:
+    return float(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, grad_workspace, lr, beta1, beta2, eps, step,
+                      bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
+                      skip_on_noop=False, **_) -> None:
+    """CPU LAMB in four multi-threaded passes: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
+    leaves ``u = m̂ / (sqrt(v̂) + eps)`` in it (and updates m and v); then the decay term, the two norms
+    and ``p -= ratio * u``. Scalars are read on the host (cheap on a CPU). fp32 gradients are divided in
+    place by the clip factor (and multiplied by ``inv_scale``) when those are not 1 (Apex's kernel
+    overwrites them with the update); other gradients are first copied into fp32 buffers."""
+    if skip_on_noop and bool(noop_flag.item()):
+        return
+    u = workspace if workspace is not None else [torch.empty_like(t) for t in p]
+    torch._foreach_zero_(u)
+    if any(t.dtype != torch.float32 for t in g):
+        g32 = grad_workspace if grad_workspace is not None else [torch.empty_like(t) for t in p]
+        torch._foreach_copy_(g32, g)
+        g = g32
+    gn, maxn = _host(grad_norm), _host(max_grad_norm)
+    # Apex: ĝ = (g * inv_scale) / clip, i.e. g divided by clip / inv_scale.
+    divisor = (gn / maxn if gn > maxn else 1.0) / (_host(inv_scale) if inv_scale is not None else 1.0)
+    # Without bias correction: a step so large that beta**step is 0, i.e. corrections of exactly 1.
+    step_t = torch.tensor(_host(step) if bias_correction else 2.0 ** 60)
+    torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
+                        weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+                        grad_scale=torch.tensor(divisor) if divisor != 1.0 else None, found_inf=None)
+    if weight_decay != 0.0:
+        torch._foreach_add_(u, p, alpha=weight_decay)
+    lr = _host(lr)
+    if use_nvlamb or weight_decay != 0.0:
+        un = torch.stack(torch._foreach_norm(u))
+        pn = torch.stack(torch._foreach_norm(p))
+        ratio = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, 1.0), 1.0) * lr
+        torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
+    else:
+        torch._foreach_add_(p, u, alpha=-lr)
+    if out is not None:
+        torch._foreach_copy_(out, p)
+
+
+def _f32(ts: list) -> list:
+    return [t if t.dtype == torch.float32 else t.float() for t in ts]
+
+
+def _write_back(dst: list, src: list) -> None:
+    pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay,
+               beta3, adam_w, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
+               skip_on_noop=False) -> None:
+    """The PyTorch path: ``torch._foreach_*`` ops in fp32 over the whole list (no per-tensor Python loop
+    beyond dtype conversions)."""
+    if skip_on_noop and bool(noop_flag.item()):
+        return
+    gn = grad_norm.reshape(()).float()
+    maxn = max_grad_norm.reshape(()).float() if isinstance(max_grad_norm, torch.Tensor) else max_grad_norm
+    clip = torch.where(gn > maxn, gn / maxn, torch.ones((), device=gn.device))
+    if bias_correction:
+        if isinstance(step, torch.Tensor):
+            s = step.reshape(()).double()
+            bc1 = (1.0 - torch.pow(beta1, s)).float()
+            bc2 = (1.0 - torch.pow(beta2, s)).float()
+        else:
+            bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    else:
+        bc1 = bc2 = 1.0
+    sg = _f32(g)
+    sg = [t.clone() if t is s else t for t, s in zip(sg, g)]  # never modify the gradients
+    if inv_scale is not None:
+        torch._foreach_mul_(sg, inv_scale.reshape(()))
+    torch._foreach_div_(sg, clip)
+    pf = _f32(p)
+    if not adam_w and weight_decay != 0.0:
+        torch._foreach_add_(sg, pf, alpha=weight_decay)
+    mf, vf = _f32(m), _f32(v)
+    torch._foreach_mul_(mf, beta1)
+    torch._foreach_add_(mf, sg, alpha=beta3)
+    torch._foreach_mul_(vf, beta2)
+    torch._foreach_addcmul_(vf, sg, sg, value=1.0 - beta2)
+    _write_back(m, mf)
+    _write_back(v, vf)
+    trust = use_nvlamb or weight_decay != 0.0
+    if trust:  # the update is computed from the stored (possibly rounded) moments, as on the Triton path
+        mf, vf = _f32(m), _f32(v)
+    del sg
+    denom = torch._foreach_div(vf, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    u = torch._foreach_div(mf, bc1)
+    torch._foreach_div_(u, denom)
+    del denom
+    if adam_w and weight_decay != 0.0:
+        torch._foreach_add_(u, pf, alpha=weight_decay)
+    if trust:
+        un = torch.stack(torch._foreach_norm(u))
+        pn = torch.stack(torch._foreach_norm(pf))
+        ratio = torch.where((un != 0) & (pn != 0), lr * (pn / un), lr * torch.ones_like(un))
+        torch._foreach_mul_(u, list(ratio.unbind()))
+    else:
+        torch._foreach_mul_(u, lr.reshape(()) if isinstance(lr, torch.Tensor) else lr)
+    torch._foreach_sub_(pf, u)
+    _write_back(p, pf)
+    if out is not None:
+        torch._foreach_copy_(out, pf)
+
+
+def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                                  per_tensor_decay: torch.Tensor, step: int, beta1: float, beta2: float,
+                                  epsilon: float, global_grad_norm: torch.Tensor,
+                                  max_global_grad_norm: float) -> None:
+    """Stage 1 of Apex's two-stage LAMB on ``[grads, params, exp_avgs, exp_avg_sqs, updates]``: updates the
+    moments and writes ``update = m̂ / (sqrt(v̂) + eps) + per_tensor_decay[i] * p`` (bias corrections of
+    ``step + 1``; grads divided by the clip factor of ``global_grad_norm``)."""
+    device = check_tensor_lists(tensor_lists, 5)
+    check_noop_flag(noop_flag, device)
+    if device is None or not tensor_lists[0]:
+        return
+    n = len(tensor_lists[0])
+    if not isinstance(per_tensor_decay, torch.Tensor) or per_tensor_decay.numel() < n:
+        raise ValueError(f"per_tensor_decay must be a tensor with one weight decay per tensor ({n})")
+    gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
+    g, p, m, v, upd = [list(x) for x in tensor_lists]
+    maxn = float(max_global_grad_norm)
+    s = int(step) + 1
+    bc1, bc2 = 1.0 - float(beta1) ** s, 1.0 - float(beta2) ** s
+    decay = per_tensor_decay.reshape(-1)[:n].to(device=device, dtype=torch.float32)
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        kernels.stage1([g, p, m, v, upd], decay.contiguous(), gn, maxn, float(beta1), float(beta2), bc1, bc2,
+                       float(epsilon))
+        return
+    clip = torch.where(gn[0] > maxn, gn[0] / maxn, torch.ones((), device=device))
+    sg = [t.float() for t in g]
+    torch._foreach_div_(sg, clip)
+    mf, vf, pf = _f32(m), _f32(v), _f32(p)
+    torch._foreach_mul_(mf, beta1)
+    torch._foreach_add_(mf, sg, alpha=1.0 - beta1)
+    torch._foreach_mul_(vf, beta2)
+    torch._foreach_addcmul_(vf, sg, sg, value=1.0 - beta2)
+    denom = torch._foreach_div(vf, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, epsilon)
+    u = torch._foreach_div(mf, bc1)
+    torch._foreach_div_(u, denom)
+    torch._foreach_addcmul_(u, pf, list(decay.unbind()))
+    _write_back(m, mf)
+    _write_back(v, vf)
+    torch._foreach_copy_(upd, u)
+
+
+def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                                  per_tensor_param_norm: torch.Tensor, per_tensor_update_norm: torch.Tensor,
+                                  lr: float, weight_decay: float, use_nvlamb: bool | None = False) -> None:
+    """Stage 2 on ``[params, updates]``: ``p -= ratio_i * update`` with the trust ratio of stage 1's norms
+    (applied when ``use_nvlamb`` or ``weight_decay != 0`` and both norms are non-zero, else ``lr``)."""
+    device = check_tensor_lists(tensor_lists, 2)
+    check_noop_flag(noop_flag, device)
+    if device is None or not tensor_lists[0]:
+        return
+    p, upd = [list(x) for x in tensor_lists]
+    n = len(p)
+    for name, t in (("per_tensor_param_norm", per_tensor_param_norm),
+                    ("per_tensor_update_norm", per_tensor_update_norm)):
+        if not isinstance(t, torch.Tensor) or t.numel() < n:
+            raise ValueError(f"{name} must be a tensor with one norm per tensor ({n})")
+    lr = float(lr)
+    trust = bool(use_nvlamb) or float(weight_decay) != 0.0
+    pn = per_tensor_param_norm.reshape(-1)[:n].float().to(device)
+    un = per_tensor_update_norm.reshape(-1)[:n].float().to(device)
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        kernels.stage2([p, upd], pn.contiguous(), un.contiguous(), lr, trust)
+        return
+    pf, uf = _f32(p), _f32(upd)
+    if trust:
+        ratio = torch.where((un != 0) & (pn != 0), lr * (pn / un), torch.full_like(un, lr))
+        torch._foreach_addcmul_(pf, uf, list(ratio.unbind()), value=-1.0)
+    else:
+        torch._foreach_add_(pf, uf, alpha=-lr)
+    _write_back(p, pf)

@@ -1,0 +1,124 @@
+"""Apex's ``multi_tensor_novograd``: NovoGrad with a per-tensor running gradient norm.
+
+For every tensor ``i`` (fp32 math), with ``n_i`` the L2 norm (``norm_type=2``) or max-norm
+(``norm_type=0``) of its gradient::
+
+    norms[i] = sqrt(beta2 * norms[i]^2 + (1 - beta2) * n_i^2)      (norm_type=2)
+    norms[i] = beta2 * norms[i] + (1 - beta2) * n_i                 (norm_type=0)
+    denom    = norms[i] / bc2 + eps              bc2 = sqrt(1 - beta2**step), bc1 = 1 - beta1**step
+    moment_mode 0 (regularisation inside the moment):
+        m = beta1 * m + beta3 * (g / denom + weight_decay * p);   p -= lr * m / bc1
+    moment_mode 1 (decoupled):
+        m = beta1 * m + beta3 * g;   p -= lr * ((m / bc1) / denom + weight_decay * p)
+
+``beta3 = 1 - beta1`` with ``grad_averaging`` else 1; bias corrections are 1 without ``bias_correction``.
+``grad_norms`` (fp32, one entry per tensor) is updated in place; ``noop_flag`` is set when a gradient
+norm is not finite (the update still runs, as in Apex).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+
+
+def _check_norms(grad_norms, n: int, device) -> None:
+    if not isinstance(grad_norms, torch.Tensor) or grad_norms.dtype != torch.float32 or \
+            grad_norms.numel() != n or not grad_norms.is_contiguous():
+        raise ValueError(f"grad_norms must be a contiguous float32 tensor with one norm per tensor ({n})")
+    if grad_norms.device != device:
+        raise ValueError(f"grad_norms is on {grad_norms.device} but the tensors are on {device}")
+
+
+def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
+                          lr: float, beta1: float, beta2: float, epsilon: float, step: int,
+                          bias_correction: int, weight_decay: float, grad_averaging: int, moment_mode: int,
+                          norm_type: int) -> None:
+    """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16)."""
+    device = check_tensor_lists(tensor_lists, 3, same_shape=True)
+    check_noop_flag(noop_flag, device)
+    if norm_type not in (0, 2):
+        raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
+    if moment_mode not in (0, 1):
+        raise ValueError(f"moment_mode must be 0 (regularisation inside the moment) or 1, "
+                         f"got {moment_mode!r}")
+    if device is None or not tensor_lists[0]:
+        return
+    g, p, m = [list(x) for x in tensor_lists]
+    _check_norms(grad_norms, len(g), device)
+    step = int(step)
+    bc1, bc2 = 1.0, 1.0
+    if bias_correction:
+        bc1 = 1.0 - beta1 ** step
+        bc2 = math.sqrt(1.0 - beta2 ** step)
+    kw = dict(lr=float(lr), beta1=float(beta1), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
+              bc1=bc1, bc2=bc2, eps=float(epsilon), weight_decay=float(weight_decay),
+              reg_inside_moment=moment_mode == 0)
+    alpha, beta = float(beta2), 1.0 - float(beta2)
+    if _backend.select(p) == "triton":
+        from apex._kernels import multi_tensor as mt
+        from apex._kernels import multi_tensor_novograd as kernels
+
+        for idx, (gs, ps, ms) in mt.group([g, p, m]):
+            whole = idx == list(range(len(g)))
+            norms = grad_norms if whole else grad_norms[idx].contiguous()
+            kernels.blend_norms(noop_flag, gs, norms, alpha, beta, norm_type == 0)
+            kernels.update(gs, ps, ms, norms, **kw)
+            if not whole:
+                grad_norms[idx] = norms
+        empty = [i for i, t in enumerate(g) if t.numel() == 0]
+        if empty:  # no chunks: the blend sees a zero norm
+            _blend(grad_norms, empty, torch.zeros(len(empty), device=device), alpha, beta, norm_type)
+        return
+    novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type, **kw)
+
+
+def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> None:
+    old = norms[idx]
+    if norm_type == 0:
+        norms[idx] = alpha * old + beta * new
+    else:
+        norms[idx] = torch.sqrt(alpha * old * old + beta * new * new)
+
+
+def _f32(ts: list) -> list:
+    return [t if t.dtype == torch.float32 else t.float() for t in ts]
+
+
+def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
+                   weight_decay, reg_inside_moment) -> None:
+    """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
+    size (the per-tensor factors are folded into 0-dim scalars)::
+
+        decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - (lr / (bc1*d_i)) * m
+        inside:     m = beta1*m + (beta3/d_i)*g + beta3*wd*p;  p = p - (lr/bc1) * m
+    """
+    ord_ = float("inf") if norm_type == 0 else 2.0
+    new = torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32))
+    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())
+    _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
+    denom = grad_norms / bc2 + eps
+    gf, pf, mf = _f32(g), _f32(p), _f32(m)
+    if reg_inside_moment:
+        torch._foreach_mul_(mf, beta1)
+        torch._foreach_addcmul_(mf, gf, list((beta3 / denom).unbind()))
+        if weight_decay != 0.0:
+            torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
+        torch._foreach_add_(pf, mf, alpha=-lr / bc1)
+    else:
+        if beta3 == 1.0 - beta1:
+            torch._foreach_lerp_(mf, gf, beta3)
+        else:
+            torch._foreach_mul_(mf, beta1)
+            torch._foreach_add_(mf, gf, alpha=beta3)
+        if weight_decay != 0.0:
+            torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
+        torch._foreach_addcmul_(pf, mf, list((lr / (bc1 * denom)).unbind()), value=-1.0)
+    for dst, src in ((p, pf), (m, mf)):
+        pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])

@@ -1,0 +1,204 @@
+"""RMSNorm: ``y = x / sqrt(mean(x²) + eps) · weight`` over the trailing ``normalized_shape``.
+
+Dtype policy: statistics and arithmetic in fp32 (fp64 for fp64 inputs), one rounding to the output dtype
+(the input dtype, or the weight dtype for the mixed-dtype variant). The saved ``rstd`` (Apex's ``invvar``)
+is fp32 for fp16/bf16 inputs and the input dtype otherwise, one value per row. ``memory_efficient=True``
+saves the output and rebuilds ``x̂ = y / weight`` in the backward.
+
+Paths, both behind the ``apex::rms_norm_fwd`` / ``apex::rms_norm_bwd`` custom ops: CUDA/ROCm tensors run
+the one-pass Triton kernels of ``apex._kernels.rms_norm``; CPU tensors run a short sequence of PyTorch
+operators (``vector_norm`` for the statistics and two multiplies forward; PyTorch's fused LayerNorm
+backward with a zero mean plus one correction term backward). PyTorch's ``F.rms_norm`` on CPU is not a
+fused kernel (it decomposes into ~5 operators forward and ~14 backward) and measured slower.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops._norm import check_args, rows_view, stats_dtype, use_kernel
+
+Tensor = torch.Tensor
+
+
+def _promote(*dtypes) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        if d is not None:
+            out = torch.promote_types(out, d)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def _forward_torch(x, n, weight, eps, out_dtype):
+    sd = stats_dtype(x.dtype)
+    x2 = x.reshape(-1, n)
+    ms = torch.linalg.vector_norm(x2, dim=-1, dtype=sd).square_().div_(max(n, 1))
+    rstd = ms.add_(eps).rsqrt_()
+    y = torch.mul(x2, rstd.unsqueeze(-1))  # promotes half inputs to fp32
+    if weight is not None:
+        w = weight.reshape(-1)
+        y = y.mul_(w) if _promote(y.dtype, w.dtype) == y.dtype else y * w
+    return y.to(out_dtype).reshape(x.shape), rstd
+
+
+def _backward_torch(dy, rstd, v, n, weight, memory_efficient, dx_dtype):
+    # PyTorch's fused LayerNorm backward with mean 0 gives rstd·(g − mean(g) − x̂·mean(g·x̂)) for
+    # g = weight·dy, and Σ dy·x̂ for the weight; RMSNorm's dx lacks the −mean(g) term, so it is added
+    # back: three passes over the data instead of the six of an operator-by-operator backward.
+    ct = _promote(torch.float32, v.dtype, dy.dtype, weight.dtype if weight is not None else None)
+    v2 = v.reshape(-1, n).to(ct)
+    dy2 = dy.reshape(-1, n).to(ct)
+    r = rstd.reshape(-1, 1).to(ct)
+    w = weight.reshape(-1).to(ct) if weight is not None else None
+    if n < 64:
+        # Short rows: adding mean(g) back cancels too much of dx (all of it for one element); use the
+        # operator-by-operator form, whose cost does not matter at this size.
+        xhat = (v2 / w if w is not None else v2) if memory_efficient else v2 * r
+        g = dy2 * w if w is not None else dy2
+        c = torch.linalg.vecdot(g, xhat).div_(max(n, 1)).unsqueeze(-1)
+        dx = torch.addcmul(g, xhat, c, value=-1).mul_(r)
+        dw = torch.linalg.vecdot(dy2, xhat, dim=0) if w is not None else None
+    else:
+        dx, dw = _backward_long_rows(dy2, v2, r, w, n, memory_efficient)
+    dw = dw.to(weight.dtype).reshape(weight.shape) if weight is not None else None
+    return dx.to(dx_dtype).reshape(v.shape), dw
+
+
+def _backward_long_rows(dy2, v2, r, w, n, memory_efficient):
+    if memory_efficient:  # an input whose normalisation by the saved rstd is x̂ = y / weight
+        x = (v2 / w if w is not None else v2) / r
+    else:
+        x = v2
+    g_mean = (torch.mv(dy2, w) if w is not None else dy2.sum(-1)).div_(max(n, 1)).unsqueeze(-1)
+    dx, dw, _ = torch.ops.aten.native_layer_norm_backward(dy2, x, [n], torch.zeros_like(r), r, w, None,
+                                                          [True, w is not None, False])
+    return dx.add_(g_mean.mul_(r)), dw
+
+
+# --------------------------------------------------------------------------------- dispatch (no autograd)
+def rms_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float = 1e-5,
+                     out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``(output, rstd)`` without autograd; ``rstd`` has one entry per row."""
+    shape, m, n = check_args(input, normalized_shape, weight)
+    out_dtype = out_dtype or input.dtype
+    if use_kernel(input, out_dtype, n, weight):
+        from apex._kernels import rms_norm as kernels
+
+        y, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
+                                     eps, out_dtype)
+        return y.view(input.shape), rstd
+    return _forward_torch(input, n, weight, eps, out_dtype)
+
+
+def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, normalized_shape,
+                      weight: Tensor | None = None, memory_efficient: bool = False,
+                      dx_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """``(grad_input, grad_weight)`` from the saved ``rstd`` and input (or output)."""
+    shape, m, n = check_args(input_or_output, normalized_shape, weight)
+    if tuple(grad_output.shape) != tuple(input_or_output.shape):
+        raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
+                         f"{list(input_or_output.shape)}")
+    dx_dtype = dx_dtype or input_or_output.dtype
+    if use_kernel(input_or_output, dx_dtype, n, weight, grad_output):
+        from apex._kernels import rms_norm as kernels
+
+        dx, dw = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
+                                  weight.contiguous() if weight is not None else None,
+                                  rstd.reshape(-1).float(), memory_efficient, dx_dtype)
+        return dx.view(input_or_output.shape), dw
+    return _backward_torch(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@torch.library.custom_op("apex::rms_norm_fwd", mutates_args=())
+def _fwd_op(input: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
+            memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    y, rstd = rms_norm_forward(input, normalized_shape, weight, eps, out_dtype)
+    return y, rstd
+
+
+@_fwd_op.register_fake
+def _(input, weight, normalized_shape, eps, memory_efficient, out_dtype):
+    m = _numel(input.shape[:input.dim() - len(normalized_shape)])
+    sd = stats_dtype(input.dtype)
+    return input.new_empty(input.shape, dtype=out_dtype), input.new_empty((m,), dtype=sd)
+
+
+@torch.library.custom_op("apex::rms_norm_bwd", mutates_args=())
+def _bwd_op(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, weight: Tensor | None,
+            normalized_shape: list[int], memory_efficient: bool, dx_dtype: torch.dtype
+            ) -> tuple[Tensor, Tensor]:
+    dx, dw = rms_norm_backward(grad_output, rstd, input_or_output, normalized_shape, weight,
+                               memory_efficient, dx_dtype)
+    return dx, dw if dw is not None else grad_output.new_empty((0,))
+
+
+@_bwd_op.register_fake
+def _(grad_output, rstd, input_or_output, weight, normalized_shape, memory_efficient, dx_dtype):
+    return (input_or_output.new_empty(input_or_output.shape, dtype=dx_dtype),
+            torch.empty_like(weight) if weight is not None else grad_output.new_empty((0,)))
+
+
+def _setup(ctx, inputs, output):
+    input, weight, normalized_shape, eps, memory_efficient, out_dtype = inputs
+    y, rstd = output
+    ctx.normalized_shape = normalized_shape
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
+
+
+def _backward(ctx, grad_y, grad_rstd):
+    v, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.apex.rms_norm_bwd(grad_y, rstd, v, weight, ctx.normalized_shape, ctx.memory_efficient,
+                                         ctx.input_dtype)
+    return dx, dw if weight is not None else None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------- autograd entry
+def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float = 1e-5,
+             memory_efficient: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Differentiable RMSNorm; ``out_dtype`` defaults to the input dtype."""
+    shape, _, _ = check_args(input, normalized_shape, weight)
+    return torch.ops.apex.rms_norm_fwd(input, weight, list(shape), float(eps), bool(memory_efficient),
+                                       out_dtype or input.dtype)[0]
+
+
+# ------------------------------------------------------------- Apex's ``fused_layer_norm_cuda`` entry points
+def rms_forward(input: Tensor, normalized_shape, epsilon: float) -> list[Tensor]:
+    """``fused_layer_norm_cuda.rms_forward``: ``[output, invvar]``."""
+    return list(rms_norm_forward(input, normalized_shape, None, epsilon))
+
+
+def rms_forward_affine(input: Tensor, normalized_shape, gamma: Tensor, epsilon: float) -> list[Tensor]:
+    """``fused_layer_norm_cuda.rms_forward_affine``: ``[output, invvar]``, output in the input dtype."""
+    return list(rms_norm_forward(input, normalized_shape, gamma, epsilon))
+
+
+def rms_forward_affine_mixed_dtypes(input: Tensor, normalized_shape, gamma: Tensor, epsilon: float
+                                   ) -> list[Tensor]:
+    """``fused_layer_norm_cuda.rms_forward_affine_mixed_dtypes``: output in the dtype of ``gamma``."""
+    return list(rms_norm_forward(input, normalized_shape, gamma, epsilon, gamma.dtype))
+
+
+def rms_backward(dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape, epsilon: float,
+                 memory_efficient: bool = False) -> Tensor:
+    """``fused_layer_norm_cuda.rms_backward``: ``grad_input``."""
+    return rms_norm_backward(dout, invvar, input_or_output, normalized_shape, None, memory_efficient)[0]
+
+
+def rms_backward_affine(dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape,
+                        gamma: Tensor, epsilon: float, memory_efficient: bool = False) -> list[Tensor]:
+    """``fused_layer_norm_cuda.rms_backward_affine``: ``[grad_input, grad_gamma]``."""
+    return list(rms_norm_backward(dout, invvar, input_or_output, normalized_shape, gamma, memory_efficient))

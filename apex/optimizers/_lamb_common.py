@@ -1,0 +1,95 @@
+"""Checks shared by FusedLAMB, FusedMixedPrecisionLamb and FusedNovoGrad.
+
+Every check of a step runs before anything is modified, so a failed step leaves parameters, state and
+step counters as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ParamMismatchError(RuntimeError, ValueError):
+    """A gradient that does not fit its parameter, or a parameter group spread over devices.
+
+    Both a ``RuntimeError`` (what PyTorch raises for such tensors) and a ``ValueError`` (bad input)."""
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_hyperparameters(*, lr, betas, eps, weight_decay, max_grad_norm=None, amsgrad=False,
+                          name: str = "FusedLAMB") -> None:
+    if amsgrad:
+        raise RuntimeError(f"{name} does not support the AMSGrad variant.")
+    if not 0.0 <= _number(lr, "lr"):
+        raise ValueError(f"Invalid lr: {lr} (expected lr >= 0)")
+    if not 0.0 <= _number(eps, "eps"):
+        raise ValueError(f"Invalid eps: {eps} (expected eps >= 0)")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _number(b, f"betas[{i}]") < 1.0:
+            raise ValueError(f"Invalid betas[{i}]: {b} (expected 0 <= betas[{i}] < 1)")
+    if not 0.0 <= _number(weight_decay, "weight_decay"):
+        raise ValueError(f"Invalid weight_decay: {weight_decay} (expected weight_decay >= 0)")
+    if max_grad_norm is not None and not 0.0 < _number(max_grad_norm, "max_grad_norm"):
+        raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected max_grad_norm > 0)")
+
+
+def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
+                      dtypes=SUPPORTED_DTYPES) -> list[list[torch.Tensor]]:
+    """For each param group, its parameters that have a gradient, after checking every one of them."""
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        device = None
+        ps = []
+        for pi, p in enumerate(group["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            if p.dtype not in dtypes:
+                raise RuntimeError(f"{name} supports {', '.join(map(str, dtypes))} parameters; {where} is "
+                                   f"{p.dtype}")
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ParamMismatchError(f"{name}: {where} is on {p.device} but the group's first parameter "
+                                         f"is on {device}; a parameter group must live on one device")
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam "
+                                   "instead")
+            if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
+                raise ParamMismatchError(
+                    f"{name}: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device} but the "
+                    f"parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
+            ps.append(p)
+        out.append(ps)
+    return out
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` in the contiguous layout the multi-tensor ops need (a copy only when it is strided)."""
+    g = p.grad
+    return g if g.is_contiguous() else g.contiguous()
+
+
+def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
+    if set_to_none is None:
+        set_to_none = optimizer.set_grad_none
+    if set_to_none:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+    else:
+        torch.optim.Optimizer.zero_grad(optimizer, set_to_none=False)

@@ -1,0 +1,133 @@
+"""``FusedLAMB``: Apex's LAMB optimizer (layer-wise adaptive moments for large-batch training)."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from apex.ops.multi_tensor_lamb import multi_tensor_lamb
+from apex.optimizers._lamb_common import check_hyperparameters, grad_of, params_with_grads, zero_grad
+
+_CHUNK_SIZE = 2048 * 32
+
+
+class FusedLAMB(torch.optim.Optimizer):
+    """Implements the LAMB algorithm (`Large Batch Optimization for Deep Learning: Training BERT in 76
+    minutes <https://arxiv.org/abs/1904.00962>`_), as Apex's ``FusedLAMB``, on CPUs and GPUs.
+
+    One step, with ``‖g‖`` the L2 norm of **all** gradients of **all** groups (clipped to
+    ``max_grad_norm``, taken from the constructor's defaults as in Apex) and, per parameter tensor::
+
+        ĝ = g / max(1, ‖g‖ / max_grad_norm)      (+ weight_decay * p when adam_w_mode=False)
+        m = beta1 * m + beta3 * ĝ                 beta3 = 1 - beta1 if grad_averaging else 1
+        v = beta2 * v + (1 - beta2) * ĝ²
+        u = (m / bc1) / (sqrt(v / bc2) + eps)    (+ weight_decay * p when adam_w_mode=True)
+        p = p - lr * (‖p‖ / ‖u‖) * u              trust ratio only if weight_decay != 0 or use_nvlamb,
+                                                  and both norms are non-zero; else p = p - lr * u
+
+    ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step`` with ``bias_correction`` (else 1); ``step`` is kept
+    per group (``param_groups[i]["step"]``). State per parameter: ``exp_avg`` and ``exp_avg_sq``, of the
+    parameter's dtype (fp32, fp16 or bf16; math in fp32). The Triton path leaves the gradients as they
+    are; the CPU path may divide them in place by the clip factor (Apex's kernel overwrites them with the
+    update) and keeps one fp32 work buffer per fp32 parameter, outside the state dict.
+
+    Arguments:
+        params: iterable of parameters or dicts defining parameter groups.
+        lr: learning rate (default 1e-3).
+        bias_correction: apply Adam's bias correction (default True).
+        betas: coefficients of the running averages of the gradient and its square (default (0.9, 0.999)).
+        eps: added to the denominator for numerical stability (default 1e-6).
+        weight_decay: weight decay (default 0.01).
+        amsgrad: not supported; True raises RuntimeError.
+        adam_w_mode: decoupled weight decay (True, default) or L2 regularisation (False).
+        grad_averaging: multiply the gradient by (1 - beta1) in the first moment (default True).
+        set_grad_none: ``zero_grad()`` sets gradients to None (default True).
+        max_grad_norm: clip the global gradient norm to this value (default 1.0).
+        use_nvlamb: apply the trust ratio also to parameters with zero weight decay (default False).
+
+    Paths: a Triton multi-tensor kernel on GPUs (the global norm, then per (device, dtype) group one
+    launch without the trust ratio, or three with it: moments + per-chunk norms, per-tensor reduction,
+    apply); ``torch._foreach_*`` ops on CPUs.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
+                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False):
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              max_grad_norm=max_grad_norm, amsgrad=amsgrad, name="FusedLAMB")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        self.multi_tensor_l2norm = multi_tensor_l2norm
+        self.multi_tensor_lamb = multi_tensor_lamb
+        device = self.param_groups[0]["params"][0].device
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.set_grad_none = set_grad_none
+        self.use_nvlamb = use_nvlamb
+        self._workspace: dict = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
+                              betas=param_group.get("betas", self.defaults["betas"]),
+                              eps=param_group.get("eps", self.defaults["eps"]),
+                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` option)."""
+        zero_grad(self, set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        per_group = params_with_grads(self, "FusedLAMB")
+        grads = [grad_of(p) for ps in per_group for p in ps]
+        if grads:
+            device = grads[0].device
+            if self._dummy_overflow_buf.device != device:
+                self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+            global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
+                                                        False)[0]
+        max_grad_norm = self.defaults["max_grad_norm"]
+        for group, ps in zip(self.param_groups, per_group):
+            group["step"] = group.get("step", 0) + 1
+            if not ps:
+                continue
+            beta1, beta2 = group["betas"]
+            g, p, m, v = [], [], [], []
+            for param in ps:
+                state = self.state[param]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                g.append(grad_of(param))
+                p.append(param)
+                m.append(state["exp_avg"])
+                v.append(state["exp_avg_sq"])
+            args = (_CHUNK_SIZE, self._dummy_overflow_buf, [g, p, m, v], group["lr"], beta1, beta2,
+                    group["eps"], group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                    1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
+                    self.use_nvlamb)
+            if self.multi_tensor_lamb is multi_tensor_lamb:
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(p))
+            else:  # a subclass's own op, called the Apex way
+                self.multi_tensor_lamb(*args)
+        return loss
+
+    def _workspace_for(self, params: list) -> list | None:
+        """Reused fp32 buffers for the CPU path's update (allocating them every step costs more than the
+        step's arithmetic)."""
+        if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+            return None
+        out = []
+        for p in params:
+            buf = self._workspace.get(p)
+            if buf is None or buf.shape != p.shape:
+                buf = self._workspace[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            out.append(buf)
+        return out

@@ -1,0 +1,219 @@
+"""``FusedMixedPrecisionLamb``: LAMB with fp32 master weights, device-side lr/step and GradScaler support."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
+from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
+from apex.optimizers._lamb_common import check_hyperparameters, grad_of, params_with_grads, zero_grad
+
+_CHUNK_SIZE = 2048 * 32
+
+
+class FusedMixedPrecisionLamb(torch.optim.Optimizer):
+    """Apex's ``FusedMixedPrecisionLamb``: the LAMB update of :class:`FusedLAMB` for models whose
+    parameters are in a reduced precision.
+
+    * Parameters of dtype ``reduced_precision_dtype`` (fp16 or bf16) get an fp32 master copy, made at the
+      first step (so that a DDP broadcast after construction is picked up); the update runs on the
+      master and is rounded once into the model parameter. The masters are also kept in the state as
+      ``master_param`` so that a checkpoint resumes exactly. ``exp_avg``/``exp_avg_sq`` are fp32 for these
+      parameters and of the parameter's dtype otherwise.
+    * ``lr`` and ``step`` are one-element tensors on the parameters' device (``param_groups[i]["lr"]``,
+      ``["step"]``), so a step needs no host synchronisation on GPUs.
+    * ``step(grad_scaler=scaler)`` (what ``torch.amp.GradScaler.step`` calls, since the optimizer sets
+      ``_step_supports_amp_scaling``) unscales the gradients inside the update and, when the scaler found
+      an inf/NaN, skips the whole update: parameters, moments and ``step`` are left untouched. A non-finite
+      gradient norm skips the step too.
+    * The global gradient norm is clipped to ``max_grad_norm`` (the constructor's value, for every group).
+
+    Arguments (Apex's): params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+    weight_decay=0.01, amsgrad=False (True raises RuntimeError), adam_w_mode=True, grad_averaging=True,
+    max_grad_norm=1.0, use_nvlamb=False, reduced_precision_dtype=None.
+    """
+
+    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
+                 use_nvlamb=False, reduced_precision_dtype=None):
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              max_grad_norm=max_grad_norm, amsgrad=amsgrad, name="FusedLAMB")
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError("reduced_precision_dtype must be None, torch.float16 or torch.bfloat16, got "
+                             f"{reduced_precision_dtype!r}")
+        defaults = dict(lr=torch.tensor(float(lr), dtype=torch.float32),
+                        step=torch.tensor([int(step)], dtype=torch.int),
+                        bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        device = self.param_groups[0]["params"][0].device
+        for group in self.param_groups:
+            self._tensorize(group, device)
+        self.multi_tensor_l2norm = multi_tensor_l2norm_mp
+        self.multi_tensor_lamb = multi_tensor_lamb_mp
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self.param_groups_full_precision = []
+        self._step_supports_amp_scaling = True
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
+        self._workspace: dict = {}
+
+    @staticmethod
+    def _tensorize(group: dict, device) -> None:
+        lr = group["lr"]
+        group["lr"] = (lr.detach().to(device=device, dtype=torch.float32) if isinstance(lr, torch.Tensor)
+                       else torch.tensor(float(lr), dtype=torch.float32, device=device))
+        step = group["step"]
+        group["step"] = (step.detach().reshape(1).to(device=device, dtype=torch.int)
+                         if isinstance(step, torch.Tensor)
+                         else torch.tensor([int(step)], dtype=torch.int, device=device))
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Tensor defaults are cloned so that groups never share (and jointly mutate) one lr/step tensor.
+        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
+                              betas=param_group.get("betas", self.defaults["betas"]),
+                              eps=param_group.get("eps", self.defaults["eps"]),
+                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for name, default in self.defaults.items():
+            if isinstance(default, torch.Tensor) and group[name] is default:
+                group[name] = default.clone()
+        if hasattr(self, "param_groups_full_precision"):
+            self._tensorize(group, group["params"][0].device)
+            if self.param_groups_full_precision:
+                self.param_groups_full_precision.append({"params": self._masters(group)})
+
+    def zero_grad(self, set_to_none: bool | None = True) -> None:
+        zero_grad(self, True if set_to_none is None else set_to_none)
+
+    @property
+    def set_grad_none(self) -> bool:
+        return True
+
+    def _is_reduced(self, p: torch.Tensor) -> bool:
+        return self.reduced_precision_dtype is not None and p.dtype == self.reduced_precision_dtype
+
+    def _masters(self, group: dict) -> list:
+        out = []
+        for p in group["params"]:
+            if not self._is_reduced(p):
+                out.append(None)
+                continue
+            state = self.state[p]
+            if "master_param" not in state:
+                state["master_param"] = p.detach().clone().to(torch.float32)
+            out.append(state["master_param"])
+        return out
+
+    def _setup_full_precision_params(self) -> None:
+        self.param_groups_full_precision = [{"params": self._masters(g)} for g in self.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict, keeping the saved dtypes (fp32 moments and masters of reduced-precision
+        parameters are not cast to the parameters' dtype, unlike ``torch.optim.Optimizer``)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in zip(ids, params):
+            if key in saved:
+                for name, value in saved[key].items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[p][name] = value.detach().clone().to(device=p.device)
+        for group in self.param_groups:
+            self._tensorize(group, group["params"][0].device)
+        self.param_groups_full_precision = []
+
+    @torch.no_grad()
+    def step(self, closure=None, **kwargs):
+        """One step. ``grad_scaler=scaler`` (Apex's keyword): a ``torch.amp.GradScaler`` whose scale the
+        gradients carry. ``GradScaler.step`` itself passes the scale and its inf check as the attributes
+        ``grad_scale`` and ``found_inf`` (PyTorch's current contract); both are honoured."""
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        per_group = params_with_grads(self, "FusedMixedPrecisionLamb")
+        for gi, group in enumerate(self.param_groups):
+            if len({p.dtype for p in group["params"]}) > 1:
+                raise RuntimeError(f"FusedMixedPrecisionLamb: the parameters of param_groups[{gi}] are "
+                                   "not all of one dtype")
+        if not self.param_groups_full_precision:
+            self._setup_full_precision_params()
+        device = self.param_groups[0]["params"][0].device
+        grads = [grad_of(p) for ps in per_group for p in ps]
+        if grad_scaler is not None:
+            found_inf = grad_scaler._check_inf_per_device(self)[device]
+            scale = grad_scaler._get_scale_async().reshape(1).float()
+            inv_scale = scale.double().reciprocal().float()
+        elif getattr(self, "grad_scale", None) is not None:
+            found_inf = getattr(self, "found_inf", None)
+            found_inf = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device)
+            scale = self.grad_scale.reshape(1).float().to(device)
+            inv_scale = scale.double().reciprocal().float()
+        else:
+            found_inf = torch.zeros(1, device=device)
+            scale = torch.ones(1, device=device)
+            inv_scale = torch.ones(1, device=device)
+        self._dummy_overflow_buf.copy_(found_inf.reshape(1))
+        if not grads:
+            return loss
+        # The norm is of the scaled gradients, so the threshold is scaled too.
+        max_grad_norm = self.defaults["max_grad_norm"] * scale
+        grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False)[0]
+        for group, full, ps in zip(self.param_groups, self.param_groups_full_precision, per_group):
+            if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
+                self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
+            group["step"] += (self._dummy_overflow_buf != 1).to(torch.int)
+            if not ps:
+                continue
+            with_grad = {id(p) for p in ps}
+            beta1, beta2 = group["betas"]
+            mixed = [[], [], [], [], []]
+            plain = [[], [], [], []]
+            for p, master in zip(group["params"], full["params"]):
+                if id(p) not in with_grad:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    dtype = torch.float32 if master is not None else p.dtype
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+                if master is not None:
+                    for lst, t in zip(mixed, (grad_of(p), master, state["exp_avg"], state["exp_avg_sq"], p)):
+                        lst.append(t)
+                else:
+                    for lst, t in zip(plain, (grad_of(p), p, state["exp_avg"], state["exp_avg_sq"])):
+                        lst.append(t)
+            for lists in (mixed, plain):
+                if not lists[0]:
+                    continue
+                args = (_CHUNK_SIZE, self._dummy_overflow_buf, lists, group["lr"], beta1, beta2, group["eps"],
+                        group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                        1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
+                        self.use_nvlamb, found_inf, inv_scale)
+                if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].device.type == "cpu":
+                    self.multi_tensor_lamb(*args, workspace=self._buffers(lists[1], "update"),
+                                           grad_workspace=self._buffers(lists[1], "grad"))
+                else:
+                    self.multi_tensor_lamb(*args)
+        return loss
+
+    def _buffers(self, params: list, kind: str) -> list | None:
+        """Reused fp32 buffers for the CPU path (allocating them every step costs more than the step's
+        arithmetic); kept outside the state dict."""
+        if any(p.dtype != torch.float32 for p in params):
+            return None
+        out = []
+        for p in params:
+            buf = self._workspace.get((id(p), kind))
+            if buf is None or buf.shape != p.shape:
+                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+                self._workspace[(id(p), kind)] = buf
+            out.append(buf)
+        return out

@@ -1,0 +1,133 @@
+"""``FusedNovoGrad``: Apex's NovoGrad optimizer (per-layer normalised gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops.multi_tensor_novograd import multi_tensor_novograd
+from apex.optimizers._lamb_common import (
+    ParamMismatchError,
+    check_hyperparameters,
+    grad_of,
+    params_with_grads,
+    zero_grad,
+)
+
+_CHUNK_SIZE = 2048 * 32
+# Slots of group["exp_avg_sq"]: Apex's [fp16 norms, fp32 norms], plus bf16 norms when the group has any.
+_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
+
+
+class FusedNovoGrad(torch.optim.Optimizer):
+    """Implements NovoGrad (`Jasper: An End-to-End Convolutional Neural Acoustic Model
+    <https://arxiv.org/abs/1904.03288>`_) as Apex's ``FusedNovoGrad``, on CPUs and GPUs.
+
+    The second moment is one number per parameter tensor: the running norm of its gradient, kept in the
+    param group as in Apex: ``group["exp_avg_sq"] = [norms of the fp16 params, norms of the fp32 params]``
+    (plus a third tensor for bf16 params, which Apex does not support), fp32 tensors in the order of the
+    group's parameters that had gradients at the first step. Per tensor, with ``n`` the L2 norm of its
+    gradient (``norm_type=2``) or its max-norm (``norm_type=0``)::
+
+        first step: v = 0 if init_zero else n            (then blended like any step)
+        v = sqrt(beta2 * v² + (1 - beta2) * n²)           (norm_type=2)
+        v = beta2 * v + (1 - beta2) * n                   (norm_type=0)
+        d = v / sqrt(1 - beta2**step) + eps               (no correction without bias_correction)
+        reg_inside_moment=True:  m = beta1 * m + beta3 * (g / d + weight_decay * p); p -= lr * m / bc1
+        reg_inside_moment=False: m = beta1 * m + beta3 * g; p -= lr * ((m / bc1) / d + weight_decay * p)
+
+    with ``beta3 = 1 - beta1`` if ``grad_averaging`` else 1 and ``bc1 = 1 - beta1**step``. Per-parameter
+    state: ``exp_avg`` (the parameter's dtype); ``step`` is kept per group.
+
+    Arguments (Apex's): params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0., amsgrad=False (True raises RuntimeError), reg_inside_moment=False, grad_averaging=True,
+    norm_type=2 (2 or 0), init_zero=False, set_grad_none=True.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2,
+                 init_zero=False, set_grad_none=True):
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                              name="FusedNovoGrad")
+        if norm_type not in (0, 2):
+            raise ValueError(f"Invalid norm_type: {norm_type!r} (FusedNovoGrad supports 2 (L2 norm) and "
+                             "0 (infinity norm))")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging, norm_type=norm_type,
+                        init_zero=init_zero)
+        super().__init__(params, defaults)
+        self.multi_tensor_novograd = multi_tensor_novograd
+        device = self.param_groups[0]["params"][0].device
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self.moment_mode = 0 if reg_inside_moment else 1
+        self.set_grad_none = set_grad_none
+
+    def add_param_group(self, param_group: dict) -> None:
+        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
+                              betas=param_group.get("betas", self.defaults["betas"]),
+                              eps=param_group.get("eps", self.defaults["eps"]),
+                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        if param_group.get("norm_type", self.defaults["norm_type"]) not in (0, 2):
+            raise ValueError(f"Invalid norm_type: {param_group['norm_type']!r} (expected 2 or 0)")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` option)."""
+        zero_grad(self, set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        per_group = params_with_grads(self, "FusedNovoGrad")
+        # Check the stored norms against this step's parameters before changing anything.
+        for gi, (group, ps) in enumerate(zip(self.param_groups, per_group)):
+            if "exp_avg_sq" not in group:
+                continue
+            norms = group["exp_avg_sq"]
+            for slot, dt in enumerate(_SLOTS):
+                count = sum(1 for p in ps if p.dtype == dt)
+                have = norms[slot].numel() if slot < len(norms) and norms[slot] is not None else 0
+                if count != have:
+                    raise ParamMismatchError(
+                        f"FusedNovoGrad: param_groups[{gi}] has {count} {dt} parameters with gradients but "
+                        f"{have} running norms; the set of parameters with gradients must not change "
+                        "between steps")
+        for group, ps in zip(self.param_groups, per_group):
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            by_dtype = {dt: [p for p in ps if p.dtype == dt] for dt in _SLOTS}
+            device = ps[0].device if ps else self._dummy_overflow_buf.device
+            if self._dummy_overflow_buf.device != device:
+                self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+            if "exp_avg_sq" not in group:
+                norms = []
+                for dt in _SLOTS:
+                    if dt is torch.bfloat16 and not by_dtype[dt]:
+                        continue
+                    grads = [grad_of(p) for p in by_dtype[dt]]
+                    if group["init_zero"] or not grads:
+                        norms.append(torch.zeros(len(grads), dtype=torch.float32, device=device))
+                    else:  # start from the first step's norms, so the first blend changes nothing
+                        ord_ = float("inf") if group["norm_type"] == 0 else 2.0
+                        norms.append(torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float32)))
+                group["exp_avg_sq"] = norms
+            for slot, dt in enumerate(_SLOTS):
+                params = by_dtype[dt]
+                if not params:
+                    continue
+                g, m = [], []
+                for p in params:
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    g.append(grad_of(p))
+                    m.append(state["exp_avg"])
+                self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [g, params, m],
+                                           group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
+                                           group["step"], 1 if group["bias_correction"] else 0,
+                                           group["weight_decay"], 1 if group["grad_averaging"] else 0,
+                                           self.moment_mode, group["norm_type"])
+        return loss

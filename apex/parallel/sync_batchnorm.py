@@ -1,0 +1,243 @@
+"""``SyncBatchNorm``: batch normalisation whose statistics cover the batch of every rank of a group.
+
+Forward: each rank computes its per-channel ``(count, mean, biased var)``; one ``all_gather`` shares them
+and a parallel Welford merge gives the group's statistics, exact for unequal per-rank batch sizes::
+
+    n = Σ n_i,  mean = Σ n_i mean_i / n,  var = Σ n_i (var_i + (mean_i - mean)²) / n
+
+Backward: one ``all_reduce`` of the two per-channel sums ``[Σ dy, Σ dy (x - mean)]``; ``grad_weight`` and
+``grad_bias`` stay local (DistributedDataParallel averages them like any other gradient).
+
+Running statistics use the unbiased variance ``var * n / (n - 1)`` of the whole group and
+``momentum`` (``None``: cumulative average over the batches seen). Statistics and the elementwise passes
+run in fp32 whatever the input dtype; the output has the input's dtype. On GPUs they are Triton kernels,
+on the CPU PyTorch ops (``apex.ops.sync_batch_norm``); collectives use ``torch.distributed`` (Gloo/NCCL).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from apex.ops import sync_batch_norm as ops
+from apex.parallel.distributed import require_process_group
+
+
+def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
+    """All-gather ``(count, mean, var)`` over ``group`` and merge them (parallel Welford, in fp64)."""
+    C = mean.numel()
+    mine = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
+                      mean.double(), var.double()])
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    allstats = torch.stack(gathered)
+    n_i = allstats[:, :1]
+    mean_i = allstats[:, 1:1 + C]
+    var_i = allstats[:, 1 + C:]
+    n = n_i.sum()
+    if n == 0:
+        raise ValueError("SyncBatchNorm got an empty batch on every rank")
+    gmean = (n_i * mean_i).sum(0) / n
+    gvar = (n_i * (var_i + (mean_i - gmean) ** 2)).sum(0) / n
+    return int(n.item()), gmean.float(), gvar.float()
+
+
+class SyncBatchnormFunction(torch.autograd.Function):
+    """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``)."""
+
+    @staticmethod
+    def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
+                process_group, channel_last, fuse_relu, distributed):
+        x = ops.as_ncl(input, channel_last)
+        zz = ops.as_ncl(z, channel_last).to(x.dtype) if z is not None else None
+        C = x.shape[1]
+        if use_batch_stats:
+            count = x.shape[0] * x.shape[2]
+            if count > 0:
+                mean, var = ops.batch_norm_stats(x)
+            else:
+                mean = var = torch.zeros(C, dtype=torch.float32, device=x.device)
+            if distributed:
+                count, mean, var = _merge_stats(count, mean, var, process_group)
+            if count <= 1:
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                                 f"{tuple(input.shape)}")
+            invstd = torch.rsqrt(var + eps)
+            if running_mean is not None and momentum > 0:
+                with torch.no_grad():
+                    unbiased = var * (count / (count - 1))
+                    running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                    running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        else:
+            count = 0
+            mean = running_mean.float()
+            invstd = torch.rsqrt(running_var.float() + eps)
+        y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu) if x.numel() else x.clone()
+        ctx.save_for_backward(x, zz, weight, bias, mean, invstd)
+        ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, z is not None)
+        return y.reshape(input.contiguous().shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, zz, weight, bias, mean, invstd = ctx.saved_tensors
+        count, use_batch_stats, group, distributed, fuse_relu, shape, has_z = ctx.meta
+        dy = grad_output.contiguous().reshape(x.shape)
+        C = x.shape[1]
+        if x.numel():
+            sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz,
+                                                                fuse_relu)
+        else:
+            sum_dy = sum_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
+        need_x, need_z, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                          ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        grad_input = grad_z = grad_weight = grad_bias = None
+        if weight is not None and need_w:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+        if bias is not None and need_b:
+            grad_bias = sum_dy.to(bias.dtype)
+        if need_x or need_z:
+            if use_batch_stats:
+                sums = torch.cat([sum_dy, sum_dy_xmu])
+                if distributed:
+                    dist.all_reduce(sums, group=group)
+                mean_dy, mean_dy_xmu = (sums / count).split(C)
+            else:
+                mean_dy = mean_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
+            if x.numel():
+                dx, dz = ops.batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy,
+                                                       mean_dy_xmu, zz, fuse_relu, need_dz=need_z)
+            else:
+                dx, dz = dy.clone(), dy.clone()
+            grad_input = dx.reshape(shape) if need_x else None
+            grad_z = dz.reshape(shape) if need_z else None
+        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation with statistics reduced over a process group (Apex's ``SyncBatchNorm``).
+
+    In training mode the mean and variance cover the concatenated batch of every rank of
+    ``process_group`` (the default group when ``None``); in eval mode the running statistics are used
+    (plain batch norm). Without an initialised process group and with ``process_group=None`` it is plain
+    ``BatchNorm`` on the local batch; with a ``process_group`` but no initialised process group, training
+    raises RuntimeError. Initialise with ``torch.distributed.init_process_group(..., timeout=...)``: the
+    timeout makes a dead rank fail the others instead of hanging them.
+
+    Args:
+        num_features: ``C`` of an input ``(N, C, *)`` (or ``(*, C)`` with ``channel_last``).
+        eps: added to the variance. momentum: running-stats factor (``None``: cumulative average).
+        affine: learnable ``weight`` and ``bias``. track_running_stats: keep running statistics (else
+            batch statistics are used in eval mode too).
+        process_group: the group to synchronise over. channel_last: the channel is the last dimension
+            (2-D inputs ``(N, C)`` are the same in both layouts).
+        fuse_relu: apply ReLU to the output (after the residual ``z``).
+
+    ``forward(input, z=None)``: ``out = relu?(batch_norm(input) + z)``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 channel_last: bool = False, fuse_relu: bool = False):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def _specify_process_group(self, process_group) -> None:
+        self.process_group = process_group
+
+    def _specify_channel_last(self, channel_last: bool) -> None:
+        self.channel_last = channel_last
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected an input with at least 2 dimensions, got {input.dim()}")
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}")
+
+    def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_input_dim(input)
+        channel_last = self.channel_last or input.dim() == 2
+        c_dim = input.dim() - 1 if channel_last else 1
+        if input.shape[c_dim] != self.num_features:
+            raise ValueError(f"expected {self.num_features} channels in dimension {c_dim} of the input, got "
+                             f"shape {tuple(input.shape)}")
+        if z is not None and z.shape != input.shape:
+            raise ValueError(f"z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}")
+        use_batch_stats = self.training or not self.track_running_stats
+        if (not use_batch_stats and not channel_last and z is None and not self.fuse_relu):
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False,
+                                0.0, self.eps)
+        distributed = False
+        if use_batch_stats:
+            if dist.is_available() and dist.is_initialized():
+                distributed = dist.get_world_size(self.process_group) > 1
+            elif self.process_group is not None:
+                require_process_group("apex.parallel.SyncBatchNorm with a process_group in training mode")
+        factor = 0.0
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        running_mean = self.running_mean if self.track_running_stats else None
+        running_var = self.running_var if self.track_running_stats else None
+        return SyncBatchnormFunction.apply(input, z, self.weight, self.bias, running_mean, running_var,
+                                           self.eps, use_batch_stats, factor if self.training else 0.0,
+                                           self.process_group, channel_last, self.fuse_relu, distributed)
+
+
+def convert_syncbn_model(module: torch.nn.Module, process_group=None, channel_last: bool = False):
+    """Replace every ``torch.nn.modules.batchnorm._BatchNorm`` in ``module`` by :class:`SyncBatchNorm`.
+
+    Parameters are copied, running statistics and ``num_batches_tracked`` are kept (the same tensors),
+    and device, dtype and training mode carry over; instance norms are left alone. Returns the new
+    module (``module`` itself when it is not a batch norm).
+    """
+    mod = module
+    if isinstance(module, _BatchNorm):
+        mod = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group, channel_last=channel_last,
+                            fuse_relu=getattr(module, "fuse_relu", False))
+        if module.track_running_stats:
+            mod.running_mean = module.running_mean
+            mod.running_var = module.running_var
+            mod.num_batches_tracked = module.num_batches_tracked
+        if module.affine:
+            with torch.no_grad():
+                mod.weight = torch.nn.Parameter(module.weight.detach().clone(),
+                                                requires_grad=module.weight.requires_grad)
+                mod.bias = torch.nn.Parameter(module.bias.detach().clone(),
+                                              requires_grad=module.bias.requires_grad)
+        mod.train(module.training)
+    for name, child in module.named_children():
+        mod.add_module(name, convert_syncbn_model(child, process_group=process_group,
+                                                  channel_last=channel_last))
+    return mod
+
+
+def create_syncbn_process_group(group_size: int):
+    """Split the world into consecutive groups of ``group_size`` ranks; return the caller's group.
+
+    ``group_size=0`` means the whole world (returns None, i.e. the default group). Every rank must call
+    this (creating groups is collective). ``group_size`` must divide the world size (ValueError).
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size must be a non-negative int, got {group_size!r}")
+    if group_size == 0:
+        return None
+    require_process_group("apex.parallel.create_syncbn_process_group")
+    world_size = dist.get_world_size()
+    if group_size > world_size or world_size % group_size != 0:
+        raise ValueError(f"group_size ({group_size}) must divide the world size ({world_size})")
+    group = None
+    rank = dist.get_rank()
+    for g in range(world_size // group_size):
+        ranks = list(range(g * group_size, (g + 1) * group_size))
+        pg = dist.new_group(ranks=ranks)  # every rank creates every group (collective)
+        if rank // group_size == g:
+            group = pg
+    return group

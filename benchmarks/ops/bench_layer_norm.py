@@ -1,0 +1,89 @@
+"""LayerNorm forward and backward: CPU time against ``F.layer_norm``; Triton bytes and launches.
+
+Counted under the interpreter at (256 × 1024) and (32 × 8192) fp32 (same row lengths as the timed shapes,
+fewer rows). Minimum bytes: forward reads x, weight, bias and writes y, mean, rstd; backward reads dy, x,
+weight, mean, rstd and writes dx, dweight, dbias. The Triton backward also writes and reads one fp32 row
+of partial dweight/dbias per program (deterministic reduction); the note gives the ratio without them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import Case, Counted
+
+TIMED = [(4096, 1024), (1024, 8192)]
+COUNTED = {(4096, 1024): (256, 1024), (1024, 8192): (32, 8192)}
+
+
+def _inputs(m, n, grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=g)
+    w = 1 + 0.1 * torch.randn(n, generator=g)
+    b = 0.1 * torch.randn(n, generator=g)
+    dy = torch.randn(m, n, generator=g)
+    if grad:
+        x.requires_grad_()
+        w.requires_grad_()
+        b.requires_grad_()
+    return x, w, b, dy
+
+
+def _fwd_timed(m, n):
+    from apex.ops.layer_norm import layer_norm
+
+    x, w, b, _ = _inputs(m, n)
+    return (lambda: layer_norm(x, (n,), w, b, 1e-5)), (lambda: F.layer_norm(x, (n,), w, b, 1e-5))
+
+
+def _bwd_timed(m, n):
+    from apex.ops.layer_norm import layer_norm
+
+    x, w, b, dy = _inputs(m, n, grad=True)
+    ours_y = layer_norm(x, (n,), w, b, 1e-5)
+    ref_y = F.layer_norm(x, (n,), w, b, 1e-5)
+    return (lambda: torch.autograd.grad(ours_y, (x, w, b), dy, retain_graph=True),
+            lambda: torch.autograd.grad(ref_y, (x, w, b), dy, retain_graph=True))
+
+
+def _fwd_counted(m, n):
+    from apex.ops.layer_norm import layer_norm
+
+    x, w, b, _ = _inputs(m, n)
+    minimum = 2 * x.nbytes + w.nbytes + b.nbytes + 2 * 4 * m
+    return Counted(triton=lambda: layer_norm(x, (n,), w, b, 1e-5),
+                   eager=lambda: F.layer_norm(x, (n,), w, b, 1e-5), bytes_min=minimum,
+                   note=f"x-proportional minimum 2*x = {2 * x.nbytes} B")
+
+
+def _bwd_counted(m, n):
+    import apex
+    from apex.ops.layer_norm import layer_norm
+
+    x, w, b, dy = _inputs(m, n, grad=True)
+    with apex.backend("triton"):
+        y = layer_norm(x, (n,), w, b, 1e-5)
+    y_eager = F.layer_norm(x, (n,), w, b, 1e-5)
+    minimum = 3 * x.nbytes + 3 * w.nbytes + 2 * 4 * m  # dy, x, dx; w, dw, db; mean, rstd
+    from apex._kernels._norm import _grid, _tiling
+
+    bn, bm, _ = _tiling(m, n)
+    progs, _ = _grid(-(-m // bm), 100)
+    partials = 2 * progs * n * 4  # distinct bytes of the dweight and dbias partials (written, then read)
+    return Counted(triton=lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
+                   eager=lambda: torch.autograd.grad(y_eager, (x, w, b), dy, retain_graph=True),
+                   bytes_min=minimum,
+                   note=f"{progs} programs; per-program partials: {partials} distinct B, counted in triton bytes")
+
+
+def cases() -> list[Case]:
+    out = []
+    for m, n in TIMED:
+        cm, cn = COUNTED[(m, n)]
+        out.append(Case(f"layer_norm_fwd_{m}x{n}", timed=lambda m=m, n=n: _fwd_timed(m, n),
+                        counted=lambda cm=cm, cn=cn: _fwd_counted(cm, cn), torch_label="F.layer_norm"))
+        out.append(Case(f"layer_norm_bwd_{m}x{n}", timed=lambda m=m, n=n: _bwd_timed(m, n),
+                        counted=lambda cm=cm, cn=cn: _bwd_counted(cm, cn),
+                        torch_label="F.layer_norm backward"))
+    return out

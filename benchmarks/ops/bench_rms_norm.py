@@ -1,0 +1,93 @@
+"""RMSNorm forward and backward: CPU time against ``F.rms_norm`` and a plain-PyTorch RMSNorm; Triton
+bytes and launches.
+
+Counted under the interpreter at (256 × 1024) and (32 × 8192) fp32. Minimum bytes: forward reads x and
+weight and writes y and rstd; backward reads dy, x, weight, rstd and writes dx and dweight. The Triton
+backward also writes and reads one fp32 row of partial dweight per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import Case, Counted
+
+TIMED = [(4096, 1024), (1024, 8192)]
+COUNTED = {(4096, 1024): (256, 1024), (1024, 8192): (32, 8192)}
+
+
+def _plain_rms(x, w, eps=1e-5):
+    """The usual hand-written RMSNorm (Hugging Face / Megatron style)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _inputs(m, n, grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=g)
+    w = 1 + 0.1 * torch.randn(n, generator=g)
+    dy = torch.randn(m, n, generator=g)
+    if grad:
+        x.requires_grad_()
+        w.requires_grad_()
+    return x, w, dy
+
+
+def _fwd_timed(m, n, plain=False):
+    from apex.ops.rms_norm import rms_norm
+
+    x, w, _ = _inputs(m, n)
+    theirs = (lambda: _plain_rms(x, w)) if plain else (lambda: F.rms_norm(x, (n,), w, 1e-5))
+    return (lambda: rms_norm(x, (n,), w, 1e-5)), theirs
+
+
+def _bwd_timed(m, n, plain=False):
+    from apex.ops.rms_norm import rms_norm
+
+    x, w, dy = _inputs(m, n, grad=True)
+    ours_y = rms_norm(x, (n,), w, 1e-5)
+    ref_y = _plain_rms(x, w) if plain else F.rms_norm(x, (n,), w, 1e-5)
+    return (lambda: torch.autograd.grad(ours_y, (x, w), dy, retain_graph=True),
+            lambda: torch.autograd.grad(ref_y, (x, w), dy, retain_graph=True))
+
+
+def _fwd_counted(m, n):
+    from apex.ops.rms_norm import rms_norm
+
+    x, w, _ = _inputs(m, n)
+    return Counted(triton=lambda: rms_norm(x, (n,), w, 1e-5), eager=lambda: _plain_rms(x, w),
+                   bytes_min=2 * x.nbytes + w.nbytes + 4 * m,
+                   note=f"x-proportional minimum 2*x = {2 * x.nbytes} B; eager = plain-PyTorch RMSNorm")
+
+
+def _bwd_counted(m, n):
+    import apex
+    from apex._kernels._norm import _grid, _tiling
+    from apex.ops.rms_norm import rms_norm
+
+    x, w, dy = _inputs(m, n, grad=True)
+    with apex.backend("triton"):
+        y = rms_norm(x, (n,), w, 1e-5)
+    y_eager = _plain_rms(x, w)
+    bn, bm, _ = _tiling(m, n)
+    progs, _ = _grid(-(-m // bm), 100)
+    return Counted(triton=lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True),
+                   eager=lambda: torch.autograd.grad(y_eager, (x, w), dy, retain_graph=True),
+                   bytes_min=3 * x.nbytes + 2 * w.nbytes + 4 * m,
+                   note=f"{progs} programs; per-program partials: {progs * n * 4} distinct B, counted in "
+                        "triton bytes")
+
+
+def cases() -> list[Case]:
+    out = []
+    for m, n in TIMED:
+        cm, cn = COUNTED[(m, n)]
+        out.append(Case(f"rms_norm_fwd_{m}x{n}", timed=lambda m=m, n=n: _fwd_timed(m, n),
+                        counted=lambda cm=cm, cn=cn: _fwd_counted(cm, cn), torch_label="F.rms_norm"))
+        out.append(Case(f"rms_norm_fwd_{m}x{n}_vs_plain", timed=lambda m=m, n=n: _fwd_timed(m, n, True),
+                        torch_label="plain RMSNorm"))
+        out.append(Case(f"rms_norm_bwd_{m}x{n}", timed=lambda m=m, n=n: _bwd_timed(m, n),
+                        counted=lambda cm=cm, cn=cn: _bwd_counted(cm, cn), torch_label="F.rms_norm backward"))
+        out.append(Case(f"rms_norm_bwd_{m}x{n}_vs_plain", timed=lambda m=m, n=n: _bwd_timed(m, n, True),
+                        torch_label="plain RMSNorm backward"))
+    return out

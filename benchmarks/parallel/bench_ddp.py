@@ -1,0 +1,131 @@
+"""One training step (forward, backward, gradient all-reduce) under apex's DistributedDataParallel and
+under ``torch.nn.parallel.DistributedDataParallel``, on 2 Gloo ranks of this machine.
+
+The benchmark process is rank 0; the case spawns rank 1, which mirrors every step rank 0 takes (rank 0
+broadcasts which wrapper runs next, so the two ranks' collectives always match; both timings pay that
+same small broadcast). Both wrappers get the same model, data and bucket size (10 MB). The number of
+all-reduce calls per step and the number of buckets of each wrapper are printed on stderr.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from benchmarks._harness import Case
+
+WIDTH, DEPTH, BATCH = 1024, 6, 64
+BUCKET_MB = 10
+STOP, OURS, THEIRS = 0, 1, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
+
+
+class _Steps:
+    """Both wrappers on this rank, one step of either on demand."""
+
+    def __init__(self, rank: int):
+        from apex.parallel import DistributedDataParallel as ApexDDP
+
+        self.ours = ApexDDP(_model(), message_size=BUCKET_MB * 2**20 // 4)
+        self.theirs = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_MB)
+        g = torch.Generator().manual_seed(rank)
+        self.x = torch.randn(BATCH, WIDTH, generator=g)
+        self.y = torch.randint(0, 10, (BATCH,), generator=g)
+        self.cmd = torch.zeros(1, dtype=torch.int64)
+
+    def run(self, which: int) -> None:
+        model = self.ours if which == OURS else self.theirs
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(self.x), self.y).backward()
+
+
+def _follower(rank: int, port: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
+    steps = _Steps(1)
+    while True:
+        dist.broadcast(steps.cmd, 0)
+        which = int(steps.cmd.item())
+        if which == STOP:
+            break
+        steps.run(which)
+    dist.destroy_process_group()
+
+
+class _TwoRanks:
+    def __init__(self):
+        if dist.is_initialized():
+            raise RuntimeError("bench_ddp needs a process without a process group")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.threads = torch.get_num_threads()
+        per_rank = max(1, self.threads // 2)  # two ranks share this machine's cores
+        self.ctx = mp.start_processes(_follower, args=(port, per_rank), nprocs=1, join=False,
+                                      start_method="spawn")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
+        torch.set_num_threads(per_rank)
+        self.steps = _Steps(0)
+        self.closed = False
+        self.ours_steps = 0
+
+    def step(self, which: int) -> None:
+        self.steps.cmd.fill_(which)
+        dist.broadcast(self.steps.cmd, 0)
+        self.steps.run(which)
+
+    def report(self) -> None:
+        ours = self.steps.ours
+        calls0 = ours.allreduce_calls
+        self.step(OURS)
+        per_step = ours.allreduce_calls - calls0
+        data = self.steps.theirs._get_ddp_logging_data()
+        print(f"bench_ddp: apex DDP {per_step} all-reduce call(s) per step for {ours.num_buckets} bucket(s) "
+              f"(sizes {ours.bucket_sizes} params); torch DDP bucket sizes {data.get('bucket_sizes', '?')} "
+              "bytes (one all-reduce each)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.steps.cmd.fill_(STOP)
+        dist.broadcast(self.steps.cmd, 0)
+        dist.destroy_process_group()
+        self.ctx.join()
+        torch.set_num_threads(self.threads)
+
+
+def _timed():
+    pair = _TwoRanks()
+    pair.step(OURS)  # the first step builds apex's bucket structure
+    pair.report()
+    handle = _Handle(pair)
+    weakref.finalize(handle, pair.close)  # rank 1 stops once the harness drops both callables
+    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS))
+
+
+class _Handle:
+    def __init__(self, pair):
+        self.pair = pair
+
+
+def cases():
+    return [Case(f"ddp step 2 ranks MLP {DEPTH}x{WIDTH} batch {BATCH}", timed=_timed,
+                 torch_label="torch DDP", repeats=15, warmup=3)]

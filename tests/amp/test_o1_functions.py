@@ -1,0 +1,149 @@
+"""O1 user-function casting: decorators, registries, disable_casts, and the autocast lifecycle."""
+
+import types
+
+import pytest
+import torch
+
+from apex import amp
+
+
+def _probe(*args, **kwargs):
+    return [a.dtype for a in args if torch.is_tensor(a)] + [v.dtype for v in kwargs.values() if torch.is_tensor(v)]
+
+
+def _init_o1(half=torch.bfloat16):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level="O1", half_dtype=half, verbosity=0)
+
+
+def test_decorators_are_transparent_before_initialize():
+    x = torch.randn(2)
+    assert amp.half_function(_probe)(x) == [torch.float32]
+    assert amp.float_function(_probe)(x.bfloat16()) == [torch.bfloat16]
+    assert amp.promote_function(_probe)(x, x.half()) == [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_float_promote_under_o1(half):
+    _keep = _init_o1(half)
+    x, i = torch.randn(2), torch.arange(2)
+    assert amp.half_function(_probe)(x, i, y=x) == [half, torch.int64, half]
+    assert amp.bfloat16_function(_probe)(x) == [torch.bfloat16]
+    assert amp.float_function(_probe)(x.to(half), y=x.to(half)) == [torch.float32, torch.float32]
+    assert amp.promote_function(_probe)(x, x.to(half)) == [torch.float32, torch.float32]
+    assert amp.promote_function(_probe)(x.to(half), x.to(half)) == [half, half]
+    # Lists of tensors are cast too (Apex's sequence casts).
+    assert amp.half_function(lambda xs: [t.dtype for t in xs])([x, x]) == [half, half]
+
+
+def test_float_function_really_runs_in_fp32():
+    _keep = _init_o1()
+    w = torch.randn(8, 8)
+
+    @amp.float_function
+    def sensitive(a):
+        return a @ w  # a matmul autocast would otherwise run in bf16
+
+    plain = torch.randn(3, 8) @ w
+    assert plain.dtype == torch.bfloat16  # O1 casting is on outside
+    assert sensitive(torch.randn(3, 8).bfloat16()).dtype == torch.float32
+
+
+def test_half_function_output_feeds_backward():
+    _keep = _init_o1()
+    w = torch.randn(4, 4, requires_grad=True)
+    out = amp.half_function(lambda a: a * 2)(w)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+def test_disable_casts():
+    _keep = _init_o1()
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    assert (a @ b).dtype == torch.bfloat16
+    with amp.disable_casts():
+        assert (a @ b).dtype == torch.float32
+        assert amp.half_function(_probe)(a) == [torch.float32]
+    assert (a @ b).dtype == torch.bfloat16
+    assert amp.half_function(_probe)(a) == [torch.bfloat16]
+
+
+def test_register_functions_apply_at_initialize_and_restore():
+    mod = types.SimpleNamespace(h=_probe, f=_probe, p=_probe, b=_probe)
+    amp.register_half_function(mod, "h")
+    amp.register_float_function(mod, "f")
+    amp.register_promote_function(mod, "p")
+    amp.register_bfloat16_function(mod, "b")
+    x = torch.randn(2)
+    assert mod.h(x) == [torch.float32]  # nothing happens until initialize
+    _keep = _init_o1(torch.float16)
+    assert mod.h(x) == [torch.float16]
+    assert mod.f(x.half()) == [torch.float32]
+    assert mod.p(x, x.half()) == [torch.float32, torch.float32]
+    assert mod.b(x) == [torch.bfloat16]
+    amp.frontend._reset_casting()
+    assert mod.h is _probe and mod.f is _probe  # deactivation restores the originals
+
+
+def test_register_unknown_name():
+    with pytest.raises(ValueError, match="No function named nope"):
+        amp.register_half_function(torch, "nope")
+
+
+def test_register_on_torch_namespace():
+    amp.register_float_function(torch, "sigmoid")
+    _keep = _init_o1()
+    assert torch.sigmoid(torch.randn(3).bfloat16()).dtype == torch.float32
+    amp.frontend._reset_casting()
+    assert torch.sigmoid(torch.randn(3).bfloat16()).dtype == torch.bfloat16
+
+
+def test_optimizer_step_runs_without_casts():
+    seen = []
+
+    class Probe(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 4)
+    opt = Probe(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    assert seen == [False] and torch.is_autocast_enabled("cpu")
+
+
+def test_reinitialize_switches_casting_off():
+    _keep = _init_o1()
+    assert torch.is_autocast_enabled("cpu")
+    amp.initialize(torch.nn.Linear(2, 2), opt_level="O2", verbosity=0)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_legacy_handle_api():
+    handle = amp.init(device_type="cpu")
+    assert handle.is_active() and torch.is_autocast_enabled("cpu")
+    with pytest.raises(RuntimeError, match="old Amp API is no longer supported"):
+        with handle.scale_loss(torch.ones(()), None):
+            pass
+    amp.frontend._reset_casting()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_casting_ends_when_the_models_are_gone():
+    import gc
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    assert torch.is_autocast_enabled("cpu")
+    del model, opt, s
+    gc.collect()
+    assert not torch.is_autocast_enabled("cpu")

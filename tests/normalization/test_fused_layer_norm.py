@@ -1,0 +1,294 @@
+"""apex.normalization: Apex's modules, functional forms, autograd Functions and the residual fusions."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import apex
+from apex.normalization import (
+    FusedLayerNorm,
+    FusedLayerNormAffineFunction,
+    FusedLayerNormAffineMixedDtypesFunction,
+    FusedLayerNormFunction,
+    FusedRMSNorm,
+    FusedRMSNormAffineFunction,
+    FusedRMSNormAffineMixedDtypesFunction,
+    FusedRMSNormFunction,
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
+    fused_add_layer_norm,
+    fused_add_rms_norm,
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    manual_rms_norm,
+    mixed_dtype_fused_layer_norm_affine,
+    mixed_dtype_fused_rms_norm_affine,
+)
+from apex.testing import TritonTrace, assert_rel_close
+
+
+def _trace(backend_name):
+    return TritonTrace(bounds=True) if backend_name == "triton" else contextlib.nullcontext()
+
+
+def _rms64(x, ns, w, eps):
+    dims = tuple(range(-len(ns), 0))
+    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def _ln64(x, ns, w, b, eps):
+    return F.layer_norm(x, ns, w, b, eps)
+
+
+def _grads(y, leaves, dy):
+    return torch.autograd.grad(y, leaves, dy)
+
+
+# ------------------------------------------------------------------------------------------- modules
+def test_module_parameters_reset_and_repr():
+    m = FusedLayerNorm(8)
+    assert m.normalized_shape == torch.Size([8]) and m.eps == 1e-5 and m.elementwise_affine
+    assert torch.equal(m.weight, torch.ones(8)) and torch.equal(m.bias, torch.zeros(8))
+    assert set(m.state_dict()) == set(torch.nn.LayerNorm(8).state_dict()) == {"weight", "bias"}
+    with torch.no_grad():
+        m.weight.mul_(3)
+        m.bias.add_(1)
+    m.reset_parameters()
+    assert torch.equal(m.weight, torch.ones(8)) and torch.equal(m.bias, torch.zeros(8))
+    assert m.extra_repr() == "torch.Size([8]), eps=1e-05, elementwise_affine=True"
+    m2 = FusedLayerNorm([4, 6], eps=1e-3, elementwise_affine=False, memory_efficient=True)
+    assert m2.weight is None and m2.bias is None and m2.memory_efficient
+    assert m2.normalized_shape == torch.Size([4, 6]) and "eps=0.001" in repr(m2)
+    r = FusedRMSNorm(torch.Size([2, 3]))
+    assert torch.equal(r.weight, torch.ones(2, 3)) and set(r.state_dict()) == {"weight"}
+    assert r.extra_repr() == "torch.Size([2, 3]), eps=1e-05, elementwise_affine=True"
+    assert FusedRMSNorm(5, elementwise_affine=False).weight is None
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_mixed_modules_reject_no_affine(cls):
+    with pytest.warns(UserWarning, match="elementwise_affine"):
+        m = cls(8, elementwise_affine=True)
+    assert m.elementwise_affine and m.weight is not None
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="elementwise_affine = False"):
+        cls(8, elementwise_affine=False)
+    with pytest.raises(TypeError):
+        cls(8, 1e-5, True)  # memory_efficient is keyword-only, as in Apex
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_mixed_module_fp32_weights_bf16_input(backend_name, kind, mem_eff):
+    """Megatron-style: fp32 parameters, bf16 activations → fp32 output; gradients in each leaf's dtype."""
+    ns = (2, 48)
+    m = (MixedFusedLayerNorm(ns, memory_efficient=mem_eff) if kind == "layer"
+         else MixedFusedRMSNorm(ns, memory_efficient=mem_eff))
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.25 * torch.randn(ns))
+        if kind == "layer":
+            m.bias.copy_(0.25 * torch.randn(ns))
+    x = torch.randn(5, 3, *ns).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(5, 3, *ns)
+    leaves = [x] + list(m.parameters())
+    with _trace(backend_name):
+        y = m(x)
+        grads = _grads(y, leaves, dy)
+    assert y.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * (len(leaves) - 1)
+    x64 = x.detach().double().requires_grad_()
+    p64 = [p.detach().double().requires_grad_() for p in m.parameters()]
+    ref = _ln64(x64, ns, *p64, 1e-5) if kind == "layer" else _rms64(x64, ns, p64[0], 1e-5)
+    ref_g = _grads(ref, [x64] + p64, dy.double())
+    assert_rel_close(y, ref, tol=1e-5)
+    assert_rel_close(grads[0], ref_g[0], torch.bfloat16)
+    assert_rel_close(list(grads[1:]), list(ref_g[1:]), tol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plain_module_keeps_input_dtype(backend_name, cls, dtype):
+    m = cls(64).to(dtype)
+    x = torch.randn(6, 64).to(dtype)
+    with _trace(backend_name):
+        y = m(x)
+    assert y.dtype == dtype
+    ref = _ln64(x.double(), (64,), None, None, 1e-5) if cls is FusedLayerNorm else _rms64(x.double(), (64,),
+                                                                                           None, 1e-5)
+    assert_rel_close(y, ref, dtype, tol=1e-5 if dtype == torch.float32 else None)
+
+
+def test_module_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\[\*, 8\]"):
+        FusedLayerNorm(8)(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="floating-point"):
+        FusedRMSNorm(8)(torch.ones(3, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        FusedLayerNorm("8")
+
+
+# -------------------------------------------------------------------------------- functional forms
+def test_functional_signatures_match_apex():
+    for fn, params in [
+        (fused_layer_norm_affine, ["input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"]),
+        (fused_layer_norm, ["input", "normalized_shape", "eps", "memory_efficient"]),
+        (mixed_dtype_fused_layer_norm_affine,
+         ["input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"]),
+        (fused_rms_norm_affine, ["input", "weight", "normalized_shape", "eps", "memory_efficient"]),
+        (fused_rms_norm, ["input", "normalized_shape", "eps", "memory_efficient"]),
+        (mixed_dtype_fused_rms_norm_affine,
+         ["input", "weight", "normalized_shape", "eps", "memory_efficient"]),
+    ]:
+        sig = inspect.signature(fn)
+        assert list(sig.parameters) == params, fn.__name__
+        assert sig.parameters["eps"].default == 1e-6 and sig.parameters["memory_efficient"].default is False
+    manual = list(inspect.signature(manual_rms_norm).parameters)
+    assert manual == ["input", "normalized_shape", "weight", "eps"]
+
+
+def test_functional_forms_match_float64(backend_name):
+    x = torch.randn(4, 3, 10, requires_grad=True)
+    w = (1 + 0.25 * torch.randn(10)).requires_grad_()
+    b = (0.25 * torch.randn(10)).requires_grad_()
+    dy = torch.randn(4, 3, 10)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    cases = [
+        (lambda: fused_layer_norm_affine(x, w, b, [10]), lambda: _ln64(x64, (10,), w64, b64, 1e-6), 3),
+        (lambda: fused_layer_norm(x, 10), lambda: _ln64(x64, (10,), None, None, 1e-6), 1),
+        (lambda: mixed_dtype_fused_layer_norm_affine(x, w, b, (10,), 1e-6, True),
+         lambda: _ln64(x64, (10,), w64, b64, 1e-6), 3),
+        (lambda: fused_rms_norm_affine(x, w, (10,)), lambda: _rms64(x64, (10,), w64, 1e-6), 2),
+        (lambda: fused_rms_norm(x, (10,), 1e-6, True), lambda: _rms64(x64, (10,), None, 1e-6), 1),
+        (lambda: mixed_dtype_fused_rms_norm_affine(x, w, (10,)), lambda: _rms64(x64, (10,), w64, 1e-6), 2),
+    ]
+    for ours, ref, n_leaves in cases:
+        with _trace(backend_name):
+            y = ours()
+            g = _grads(y, [x, w, b][:n_leaves], dy)
+        r = ref()
+        assert_rel_close(y, r, tol=1e-5)
+        assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
+
+
+def test_manual_rms_norm_follows_apex():
+    x = torch.randn(3, 4, 5).to(torch.bfloat16)
+    w16 = torch.ones(4, 5, dtype=torch.bfloat16)
+    assert manual_rms_norm(x, (4, 5), w16, 1e-6).dtype == torch.bfloat16
+    y = manual_rms_norm(x, [4, 5], torch.ones(4, 5), 1e-6)
+    assert y.dtype == torch.float32
+    assert_rel_close(y, _rms64(x.double(), (4, 5), None, 1e-6), tol=1e-5)
+    assert manual_rms_norm(x, (5,), None, 1e-6).dtype == torch.float32
+
+
+def test_autocast_casts_arguments_like_apex():
+    """Under autocast the functional forms cast every floating argument to the autocast dtype."""
+    m = FusedLayerNorm(16)
+    r = MixedFusedRMSNorm(16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        z = r(x)
+    assert y.dtype == torch.bfloat16 and z.dtype == torch.bfloat16
+    (y.float().sum() + z.float().sum()).backward()
+    assert m.weight.grad.dtype == torch.float32 and r.weight.grad.dtype == torch.float32
+    assert x.grad.dtype == torch.float32
+    assert_rel_close(y, _ln64(x.detach().double(), (16,), None, None, 1e-5), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------- autograd Functions
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_autograd_functions_apex_argument_order(backend_name, mem_eff):
+    x = torch.randn(6, 2, 8, requires_grad=True)
+    w = (1 + 0.25 * torch.randn(2, 8)).requires_grad_()
+    b = (0.25 * torch.randn(2, 8)).requires_grad_()
+    dy = torch.randn(6, 2, 8)
+    ns = (2, 8)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    cases = [
+        (lambda: FusedLayerNormAffineFunction.apply(x, w, b, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
+        (lambda: FusedLayerNormAffineMixedDtypesFunction.apply(x, w, b, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, w64, b64, 1e-5), 3),
+        (lambda: FusedLayerNormFunction.apply(x, ns, 1e-5, mem_eff),
+         lambda: _ln64(x64, ns, None, None, 1e-5), 1),
+        (lambda: FusedRMSNormAffineFunction.apply(x, w, ns, 1e-5, mem_eff),
+         lambda: _rms64(x64, ns, w64, 1e-5), 2),
+        (lambda: FusedRMSNormAffineMixedDtypesFunction.apply(x, w, ns, 1e-5, mem_eff),
+         lambda: _rms64(x64, ns, w64, 1e-5), 2),
+        (lambda: FusedRMSNormFunction.apply(x, ns, 1e-5, mem_eff), lambda: _rms64(x64, ns, None, 1e-5), 1),
+    ]
+    for ours, ref, n_leaves in cases:
+        with _trace(backend_name):
+            y = ours()
+            g = _grads(y, [x, w, b][:n_leaves], dy)
+        r = ref()
+        assert_rel_close(y, r, tol=1e-5)
+        assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
+    # Defaults: memory_efficient may be left out, as Apex's callers do.
+    assert FusedRMSNormFunction.apply(x, ns, 1e-5).shape == x.shape
+    xb = x.detach().to(torch.bfloat16)
+    assert FusedLayerNormAffineMixedDtypesFunction.apply(xb, w, b, ns, 1e-5).dtype == torch.float32
+    assert FusedRMSNormAffineMixedDtypesFunction.apply(xb, w, ns, 1e-5).dtype == torch.float32
+    assert FusedRMSNormAffineFunction.apply(xb, w.to(torch.bfloat16), ns, 1e-5).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------- residual fusion
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)], ids=str)
+def test_fused_add_norm(backend_name, kind, dtypes, mem_eff):
+    x_dtype, r_dtype = dtypes
+    ns = (3, 40)
+    x = torch.randn(7, *ns).to(x_dtype).requires_grad_()
+    res = torch.randn(7, *ns).to(r_dtype).requires_grad_()
+    w = (1 + 0.25 * torch.randn(ns)).requires_grad_()
+    b = (0.25 * torch.randn(ns)).requires_grad_()
+    dy, dh = torch.randn(7, *ns).to(x_dtype), torch.randn(7, *ns)
+    leaves = [x, res, w] + ([b] if kind == "layer" else [])
+    with _trace(backend_name) as tr:
+        if kind == "rms":
+            y, h = fused_add_rms_norm(x, res, w, ns, 1e-5, mem_eff)
+        else:
+            y, h = fused_add_layer_norm(x, res, w, b, ns, 1e-5, mem_eff)
+        grads = torch.autograd.grad([y, h], leaves, [dy, dh])
+    if tr is not None:
+        assert tr.launches == 3  # forward, backward (+ dh), parameter-gradient reduction
+    assert y.dtype == x_dtype and h.dtype == r_dtype
+    assert [g.dtype for g in grads] == [t.dtype for t in leaves]
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    h64 = l64[0] + l64[1]
+    y64 = _rms64(h64, ns, l64[2], 1e-5) if kind == "rms" else _ln64(h64, ns, l64[2], l64[3], 1e-5)
+    g64 = torch.autograd.grad([y64, h64], l64, [dy.double(), dh.double()])
+    assert_rel_close(h, h64, r_dtype)
+    assert_rel_close(y, y64, x_dtype, tol=1e-5 if x_dtype == torch.float32 else None)
+    for g, r, t in zip(grads, g64, leaves):
+        # Memory-efficient gradients come from x̂ rebuilt from y, so they are as precise as y's dtype.
+        dt = x_dtype if mem_eff else t.dtype
+        assert_rel_close(g, r, dt, tol=1e-5 if dt == torch.float32 else None)
+
+
+def test_fused_add_rejects_mismatched_residual():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        fused_add_rms_norm(x, torch.randn(3, 9), None, (8,))
+    with pytest.raises(TypeError, match="residual"):
+        fused_add_layer_norm(x, torch.ones(3, 8, dtype=torch.int32), None, None, (8,))
+
+
+def test_lazy_public_surface():
+    assert apex.normalization.FusedLayerNorm is FusedLayerNorm
+    import fused_layer_norm_cuda as ext
+
+    for name in ("forward", "forward_affine", "forward_affine_mixed_dtypes", "backward", "backward_affine",
+                 "rms_forward", "rms_forward_affine", "rms_forward_affine_mixed_dtypes", "rms_backward",
+                 "rms_backward_affine"):
+        assert callable(getattr(ext, name)), name
+    with pytest.raises(AttributeError):
+        ext.no_such_entry  # noqa: B018

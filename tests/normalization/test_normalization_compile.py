@@ -1,0 +1,63 @@
+"""torch.compile(fullgraph=True) traces models built on apex.normalization without graph breaks."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from apex.testing import assert_rel_close
+
+
+class _TwoLayer(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, d)
+        self.norm1 = FusedLayerNorm(d)
+        self.fc2 = torch.nn.Linear(d, d)
+        # memory_efficient goes through the apex::rms_norm custom op, fake and autograd registrations.
+        self.norm2 = FusedRMSNorm(d, memory_efficient=True)
+
+    def forward(self, x):
+        return self.norm2(self.fc2(torch.relu(self.norm1(self.fc1(x)))))
+
+
+def test_compiled_two_layer_model_matches_eager():
+    torch._dynamo.reset()
+    model = _TwoLayer()
+    with torch.no_grad():
+        model.norm1.weight.copy_(1 + 0.25 * torch.randn(32))
+        model.norm2.weight.copy_(1 + 0.25 * torch.randn(32))
+    x = torch.randn(8, 32, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    y = compiled(x)
+    grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
+    y_ref = model(x)
+    ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
+    assert_rel_close(y, y_ref, tol=1e-5)
+    assert_rel_close(list(grads), list(ref), tol=1e-5)
+
+
+def test_triton_path_traces_as_custom_ops():
+    """With the Triton backend the norms are apex:: custom ops in the graph (fake + autograd kernels);
+    aot_eager runs them (interpreted here) without Inductor's compile time."""
+    import apex
+    from apex.normalization import fused_add_rms_norm
+
+    torch._dynamo.reset()
+    model = _TwoLayer(16)
+    model.norm2.memory_efficient = False
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step(x):
+        y = model(x)
+        out, h = fused_add_rms_norm(y, x, model.norm2.weight, (16,))
+        return out + h
+
+    with apex.backend("triton"):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        y = compiled(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
+        y_ref = step(x)
+        ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
+    assert_rel_close(y, y_ref, tol=1e-5)
+    assert_rel_close(list(grads), list(ref), tol=1e-5)

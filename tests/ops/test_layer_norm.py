@@ -1,0 +1,265 @@
+"""apex.ops.layer_norm: outputs and gradients against a float64 reference on both backends."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import layer_norm as L
+from apex.testing import TritonTrace, assert_rel_close
+
+# (input shape, normalized_shape)
+SHAPES = [((1, 1), (1,)), ((3, 7), (7,)), ((17, 4097), (4097,)), ((2, 5, 768), (768,)), ((3, 4, 6), (4, 6))]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _trace(backend_name, *tensors):
+    if backend_name != "triton":
+        return contextlib.nullcontext(None)
+    tr = TritonTrace(bounds=True)
+    tr.watch(*tensors)
+    return tr
+
+
+def _params(ns, dtype, affine=True):
+    if not affine:
+        return None, None
+    # Weights away from zero: the memory-efficient backward divides by them.
+    w = (1.0 + 0.25 * torch.randn(ns)).to(dtype).requires_grad_()
+    b = (0.25 * torch.randn(ns)).to(dtype).requires_grad_()
+    return w, b
+
+
+def _ref(x, ns, w, b, dy, eps):
+    """float64 output and gradients."""
+    x64 = x.detach().double().requires_grad_()
+    leaves = [x64]
+    w64 = b64 = None
+    if w is not None:
+        w64 = w.detach().double().requires_grad_()
+        b64 = b.detach().double().requires_grad_()
+        leaves += [w64, b64]
+    y = F.layer_norm(x64, ns, w64, b64, eps)
+    return y, torch.autograd.grad(y, leaves, dy.double())
+
+
+def _close(outs, refs, dtype=None, *, tol=None, baseline=None, name="output"):
+    """assert_rel_close per tensor; a reference that is zero up to rounding (the input gradient of a
+    one-element LayerNorm) is checked absolutely, where a relative error means nothing."""
+    bases = baseline if baseline is not None else [None] * len(outs)
+    for i, (o, r, bl) in enumerate(zip(outs, refs, bases)):
+        if r.abs().max() < 1e-9:
+            assert o.double().abs().max() < 1e-3, f"{name}[{i}] should be ~0"
+        else:
+            assert_rel_close(o, r, dtype, tol=tol, baseline=bl, name=f"{name}[{i}]")
+
+
+def _run(fn, x, w, dy, *extra):
+    leaves = [x] + ([w] if w is not None else []) + [e for e in extra if e is not None]
+    y = fn()
+    return y, torch.autograd.grad(y, leaves, dy)
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,ns", SHAPES, ids=str)
+def test_layer_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
+    eps = 1e-5
+    x = torch.randn(shape).to(dtype).requires_grad_()
+    w, b = _params(ns, dtype)
+    dy = torch.randn(shape).to(dtype)
+    with _trace(backend_name, x, w, b, dy) as tr:
+        y, grads = _run(lambda: L.layer_norm(x, ns, w, b, eps, mem_eff), x, w, dy, b)
+    if tr is not None:
+        assert tr.launches == 3  # forward, backward, dweight/dbias reduction
+    ref_y, ref_g = _ref(x, ns, w, b, dy, eps)
+    assert y.dtype == dtype and [g.dtype for g in grads] == [dtype] * 3
+    if dtype == torch.float32:
+        assert_rel_close(y, ref_y, tol=1e-5, name="y")
+        _close(grads, ref_g, tol=1e-5, name="grads")
+    else:
+        with apex.backend("torch"):
+            by, bg = _run(lambda: F.layer_norm(x, ns, w, b, eps), x, w, dy, b)
+        assert_rel_close(y, ref_y, dtype, baseline=by, name="y")
+        _close(grads, ref_g, dtype, baseline=bg, name="grads")
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_layer_norm_no_affine(backend_name, mem_eff):
+    x = torch.randn(9, 33, requires_grad=True)
+    dy = torch.randn(9, 33)
+    with _trace(backend_name, x, dy) as tr:
+        y, (dx,) = _run(lambda: L.layer_norm(x, (33,), None, None, 1e-5, mem_eff), x, None, dy)
+    if tr is not None:
+        assert tr.launches == 2
+    ref_y, (ref_dx,) = _ref(x, (33,), None, None, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(dx, ref_dx, tol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+def test_layer_norm_non_contiguous(backend_name, layout):
+    if layout == "row_strided":
+        x = torch.randn(11, 160)[:, 10:110]
+    else:
+        x = torch.randn(100, 11).t()
+    x.requires_grad_()
+    w, b = _params((100,), torch.float32)
+    dy = torch.randn(22, 100)[::2]  # non-contiguous gradient too
+    assert not x.is_contiguous() and not dy.is_contiguous()
+    with _trace(backend_name, x, w, b, dy):
+        y, grads = _run(lambda: L.layer_norm(x, (100,), w, b, 1e-5), x, w, dy, b)
+    ref_y, ref_g = _ref(x, (100,), w, b, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+
+
+def test_layer_norm_mixed_dtypes(backend_name):
+    """bf16 input with fp32 parameters: fp32 output (mixed) or bf16 output (plain), fp32 math."""
+    x = torch.randn(13, 257).to(torch.bfloat16).requires_grad_()
+    w, b = _params((257,), torch.float32)
+    dy = torch.randn(13, 257)
+    with _trace(backend_name, x, w, b, dy):
+        y, grads = _run(lambda: L.layer_norm(x, (257,), w, b, 1e-5, out_dtype=torch.float32), x, w, dy, b)
+    assert y.dtype == torch.float32 and grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+    ref_y, ref_g = _ref(x, (257,), w, b, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(grads[0], ref_g[0], torch.bfloat16)
+    assert_rel_close(list(grads[1:]), list(ref_g[1:]), tol=1e-5)
+    plain = L.layer_norm(x.detach(), (257,), w.detach(), b.detach(), 1e-5)
+    assert plain.dtype == torch.bfloat16
+    assert_rel_close(plain, ref_y, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(3, 65536), (1000, 3)], ids=str)
+def test_layer_norm_wide_row_and_many_rows(backend_name, shape):
+    """Rows of 65,536 elements (the widest one-block row) and more rows than programs."""
+    x = torch.randn(shape, requires_grad=True)
+    w, b = _params(shape[-1:], torch.float32)
+    dy = torch.randn(shape)
+    with _trace(backend_name, x, w, b, dy):
+        y, grads = _run(lambda: L.layer_norm(x, shape[-1:], w, b, 1e-5), x, w, dy, b)
+    ref_y, ref_g = _ref(x, shape[-1:], w, b, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+
+
+def test_layer_norm_backward_is_deterministic(backend_name):
+    x = torch.randn(300, 64, requires_grad=True)
+    w, b = _params((64,), torch.float32)
+    dy = torch.randn(300, 64)
+    first = _run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
+    second = _run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+def test_layer_norm_entry_points_match_apex_signatures(backend_name):
+    import fused_layer_norm_cuda as ext
+
+    x = torch.randn(5, 2, 12)
+    w, b = (t.detach() for t in _params((2, 12), torch.float32))
+    dy = torch.randn(5, 2, 12)
+    out, mean, invvar = ext.forward_affine(x, [2, 12], w, b, 1e-5)
+    assert mean.shape == (5,) and invvar.shape == (5,)
+    ref_y, ref_g = _ref(x, (2, 12), w, b, dy, 1e-5)
+    assert_rel_close(out, ref_y, tol=1e-5)
+    assert_rel_close(mean, x.double().mean((1, 2)), tol=1e-5)
+    for mem_eff, saved in [(False, x), (True, out)]:
+        gi, gw, gb = ext.backward_affine(dy, None if mem_eff else mean, invvar, saved, [2, 12], w, b, 1e-5,
+                                         mem_eff)
+        assert_rel_close([gi, gw, gb], list(ref_g), tol=1e-5)
+    out2, mean2, invvar2 = ext.forward(x, [2, 12], 1e-5)
+    ref_y2, (ref_dx2,) = _ref(x, (2, 12), None, None, dy, 1e-5)
+    assert_rel_close(out2, ref_y2, tol=1e-5)
+    assert_rel_close(ext.backward(dy, mean2, invvar2, x, [2, 12], 1e-5), ref_dx2, tol=1e-5)
+    xh = x.to(torch.bfloat16)
+    out3, _, _ = ext.forward_affine_mixed_dtypes(xh, [2, 12], w, b, 1e-5)
+    assert out3.dtype == torch.float32
+    assert_rel_close(out3, F.layer_norm(xh.double(), (2, 12), w.double(), b.double(), 1e-5), tol=1e-5)
+
+
+def test_layer_norm_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"\[\*, 7\]"):
+        L.layer_norm(x, (7,))
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        L.layer_norm(x, (8,), torch.ones(7), torch.zeros(8))
+    with pytest.raises(ValueError, match=r"bias must have shape \[8\]"):
+        L.layer_norm(x, (8,), torch.ones(8), torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="floating-point"):
+        L.layer_norm(torch.ones(4, 8, dtype=torch.int64), (8,))
+    with pytest.raises(TypeError, match="floating-point"):
+        L.layer_norm(x, (8,), torch.ones(8, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        L.layer_norm(x, ())
+    with pytest.raises(ValueError, match="is on meta"):
+        L.layer_norm(x, (8,), torch.ones(8, device="meta"), None)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 40), n=st.integers(1, 300), affine=st.booleans(),
+       backend=st.sampled_from(["torch", "triton"]))
+def test_layer_norm_random_shapes(rows, n, affine, backend):
+    torch.manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, n, requires_grad=True)
+    w, b = _params((n,), torch.float32, affine)
+    dy = torch.randn(rows, n)
+    with apex.backend(backend), _trace(backend, x, w, b, dy):
+        y, grads = _run(lambda: L.layer_norm(x, (n,), w, b, 1e-5), x, w, dy, b)
+    ref_y, ref_g = _ref(x, (n,), w, b, dy, 1e-5)
+    _close([y], [ref_y], tol=1e-5)
+    _close(grads, ref_g, tol=1e-5)
+
+
+_AOT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from apex._kernels import _norm as K
+
+target = GPUTarget("cuda", 90, 32)
+fwd = {"X": "*fp32", "R": "*fp32", "H": "*fp32", "Y": "*bf16", "W": "*fp32", "B": "*fp32", "Mean": "*fp32",
+       "Rstd": "*fp32", "M": "i32", "N": "i32", "stride_x": "i64", "stride_r": "i64", "eps": "fp32",
+       "tiles_per_prog": "i32"}
+bwd = {"DY": "*fp16", "V": "*fp16", "W": "*fp32", "B": "*fp32", "Mean": "*fp32", "Rstd": "*fp32", "DR": "*fp16",
+       "DX": "*fp16", "DWp": "*fp32", "DBp": "*fp32", "M": "i32", "N": "i32", "stride_dy": "i64",
+       "stride_v": "i64", "stride_dr": "i64", "tiles_per_prog": "i32"}
+red = {"DWp": "*fp32", "DBp": "*fp32", "DW": "*bf16", "DB": "*bf16", "P": "i32", "N": "i32"}
+jobs = []
+for rms in (False, True):
+    jobs.append((K._fwd_kernel, fwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, HAS_RES=rms, BLOCK_M=4,
+                                          BLOCK_N=1024)))
+    for mem_eff in (False, True):
+        jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=mem_eff,
+                                              HAS_DR=mem_eff, BLOCK_M=1, BLOCK_N=8192)))
+jobs.append((K._reduce_kernel, red, dict(HAS_B=True, BLOCK_P=32, BLOCK_N=128)))
+for fn, sig, consts in jobs:
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
+    assert "cubin" in kernel.asm and ".local" not in kernel.asm["ptx"], (fn.__name__, consts)
+print("compiled", len(jobs))
+"""
+
+
+def test_kernels_compile_for_an_nvidia_gpu():
+    """The interpreter does not run Triton's compiler: build every kernel variant for sm_90 ahead of time
+    (no GPU needed), and check the PTX has no local-memory spills."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "compiled 7" in out.stdout

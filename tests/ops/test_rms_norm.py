@@ -1,0 +1,178 @@
+"""apex.ops.rms_norm: outputs and gradients against a float64 reference on both backends."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import rms_norm as R
+from apex.testing import TritonTrace, assert_rel_close
+
+SHAPES = [((1, 1), (1,)), ((3, 7), (7,)), ((17, 4097), (4097,)), ((2, 5, 768), (768,)), ((3, 4, 6), (4, 6))]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _trace(backend_name, *tensors):
+    if backend_name != "triton":
+        return contextlib.nullcontext(None)
+    tr = TritonTrace(bounds=True)
+    tr.watch(*tensors)
+    return tr
+
+
+def _weight(ns, dtype, affine=True):
+    # Away from zero: the memory-efficient backward divides by the weight.
+    return (1.0 + 0.25 * torch.randn(ns)).to(dtype).requires_grad_() if affine else None
+
+
+def _rms64(x, ns, w, eps):
+    dims = tuple(range(-len(ns), 0))
+    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def _ref(x, ns, w, dy, eps):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_() if w is not None else None
+    y = _rms64(x64, ns, w64, eps)
+    return y, torch.autograd.grad(y, [x64] + ([w64] if w is not None else []), dy.double())
+
+
+def _run(fn, x, w, dy):
+    y = fn()
+    return y, torch.autograd.grad(y, [x] + ([w] if w is not None else []), dy)
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,ns", SHAPES, ids=str)
+def test_rms_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
+    eps = 1e-5
+    x = torch.randn(shape).to(dtype).requires_grad_()
+    w = _weight(ns, dtype)
+    dy = torch.randn(shape).to(dtype)
+    with _trace(backend_name, x, w, dy) as tr:
+        y, grads = _run(lambda: R.rms_norm(x, ns, w, eps, mem_eff), x, w, dy)
+    if tr is not None:
+        assert tr.launches == 3  # forward, backward, dweight reduction
+    ref_y, ref_g = _ref(x, ns, w, dy, eps)
+    assert y.dtype == dtype and [g.dtype for g in grads] == [dtype] * 2
+    # With one element per row, dx ∝ 1 − x̂² cancels catastrophically in any fp32 arithmetic: the fp32
+    # bound is 1e-5 or twice PyTorch's own error, whichever is larger.
+    by, bg = _run(lambda: F.rms_norm(x, ns, w, eps), x, w, dy)
+    tol = 1e-5 if dtype == torch.float32 else None
+    if mem_eff and ns == (1,) and dtype != torch.float32:
+        # Rebuilding x̂ = ±1 from a half-precision output leaves nothing of 1 − x̂²: skip dx there.
+        grads, ref_g, bg = grads[1:], ref_g[1:], bg[1:]
+    assert_rel_close(y, ref_y, dtype, tol=tol, baseline=by, name="y")
+    assert_rel_close(list(grads), list(ref_g), dtype, tol=tol, baseline=list(bg), name="grads")
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_rms_norm_no_affine(backend_name, mem_eff):
+    x = torch.randn(9, 33, requires_grad=True)
+    dy = torch.randn(9, 33)
+    with _trace(backend_name, x, dy) as tr:
+        y, (dx,) = _run(lambda: R.rms_norm(x, (33,), None, 1e-5, mem_eff), x, None, dy)
+    if tr is not None:
+        assert tr.launches == 2
+    ref_y, (ref_dx,) = _ref(x, (33,), None, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(dx, ref_dx, tol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+def test_rms_norm_non_contiguous(backend_name, layout):
+    x = torch.randn(11, 160)[:, 10:110] if layout == "row_strided" else torch.randn(100, 11).t()
+    x.requires_grad_()
+    w = _weight((100,), torch.float32)
+    dy = torch.randn(22, 100)[::2]
+    assert not x.is_contiguous() and not dy.is_contiguous()
+    with _trace(backend_name, x, w, dy):
+        y, grads = _run(lambda: R.rms_norm(x, (100,), w, 1e-5), x, w, dy)
+    ref_y, ref_g = _ref(x, (100,), w, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+
+
+def test_rms_norm_mixed_dtypes(backend_name):
+    x = torch.randn(13, 257).to(torch.bfloat16).requires_grad_()
+    w = _weight((257,), torch.float32)
+    dy = torch.randn(13, 257)
+    with _trace(backend_name, x, w, dy):
+        y, (dx, dw) = _run(lambda: R.rms_norm(x, (257,), w, 1e-5, out_dtype=torch.float32), x, w, dy)
+    assert y.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    ref_y, (ref_dx, ref_dw) = _ref(x, (257,), w, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(dx, ref_dx, torch.bfloat16)
+    assert_rel_close(dw, ref_dw, tol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 65536), (1000, 3)], ids=str)
+def test_rms_norm_wide_row_and_many_rows(backend_name, shape):
+    x = torch.randn(shape, requires_grad=True)
+    w = _weight(shape[-1:], torch.float32)
+    dy = torch.randn(shape)
+    with _trace(backend_name, x, w, dy):
+        y, grads = _run(lambda: R.rms_norm(x, shape[-1:], w, 1e-5), x, w, dy)
+    ref_y, ref_g = _ref(x, shape[-1:], w, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+
+
+def test_rms_norm_entry_points_match_apex_signatures(backend_name):
+    import fused_layer_norm_cuda as ext
+
+    x = torch.randn(5, 2, 12)
+    w = _weight((2, 12), torch.float32).detach()
+    dy = torch.randn(5, 2, 12)
+    out, invvar = ext.rms_forward_affine(x, [2, 12], w, 1e-5)
+    assert invvar.shape == (5,)
+    ref_y, ref_g = _ref(x, (2, 12), w, dy, 1e-5)
+    assert_rel_close(out, ref_y, tol=1e-5)
+    assert_rel_close(invvar, torch.rsqrt(x.double().pow(2).mean((1, 2)) + 1e-5), tol=1e-5)
+    for mem_eff, saved in [(False, x), (True, out)]:
+        gi, gw = ext.rms_backward_affine(dy, invvar, saved, [2, 12], w, 1e-5, mem_eff)
+        assert_rel_close([gi, gw], list(ref_g), tol=1e-5)
+    out2, invvar2 = ext.rms_forward(x, [2, 12], 1e-5)
+    ref_y2, (ref_dx2,) = _ref(x, (2, 12), None, dy, 1e-5)
+    assert_rel_close(out2, ref_y2, tol=1e-5)
+    assert_rel_close(ext.rms_backward(dy, invvar2, x, [2, 12], 1e-5), ref_dx2, tol=1e-5)
+    out3, _ = ext.rms_forward_affine_mixed_dtypes(x.to(torch.bfloat16), [2, 12], w, 1e-5)
+    assert out3.dtype == torch.float32
+    assert_rel_close(out3, _rms64(x.to(torch.bfloat16).double(), (2, 12), w.double(), 1e-5), tol=1e-5)
+
+
+def test_rms_norm_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"\[\*, 2, 4\]"):
+        R.rms_norm(x, (2, 4))
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        R.rms_norm(x, (8,), torch.ones(2, 4))
+    with pytest.raises(TypeError, match="floating-point"):
+        R.rms_norm(torch.ones(4, 8, dtype=torch.int32), (8,))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        R.rms_norm(x, "8")
+    with pytest.raises(ValueError, match="is on meta"):
+        R.rms_norm(x, (8,), torch.ones(8, device="meta"))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 40), n=st.integers(2, 300), affine=st.booleans(),
+       backend=st.sampled_from(["torch", "triton"]))
+def test_rms_norm_random_shapes(rows, n, affine, backend):
+    torch.manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, n, requires_grad=True)
+    w = _weight((n,), torch.float32, affine)
+    dy = torch.randn(rows, n)
+    with apex.backend(backend), _trace(backend, x, w, dy):
+        y, grads = _run(lambda: R.rms_norm(x, (n,), w, 1e-5), x, w, dy)
+    ref_y, ref_g = _ref(x, (n,), w, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)

@@ -1,0 +1,164 @@
+"""SyncBatchNorm's per-channel kernels (one process: plain batch norm) on the PyTorch and Triton paths.
+
+Each case is checked against a float64 batch norm computed by PyTorch (output, input/z/weight/bias
+gradients, running statistics). The Triton path runs under the interpreter with a bounds check and must
+take exactly four launches for a forward and backward (statistics, normalise, backward reduction,
+backward elementwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import apex
+from apex.ops import sync_batch_norm as ops
+from apex.parallel import SyncBatchNorm
+from apex.testing import TritonTrace, assert_rel_close, to_float64
+
+# (shape as given to the module, channel_last, fuse_relu, with z, dtype); C is 2nd or last dim.
+CASES = [
+    ((5, 7), False, False, False, torch.float32),            # (N, C)
+    ((3, 7, 13), False, False, False, torch.float32),        # (N, C, L), ragged
+    ((2, 5, 6, 7), False, True, True, torch.float32),        # (N, C, H, W)
+    ((2, 3, 3, 4, 5), False, False, True, torch.float16),    # (N, C, D, H, W)
+    ((3, 5, 4, 6), True, True, True, torch.float32),         # channel-last (N, H, W, C)
+    ((4, 9, 33), True, False, False, torch.bfloat16),        # channel-last (N, L, C), C = 33
+    ((2, 33, 3, 2), False, True, False, torch.bfloat16),     # many channels, relu without z
+    ((129, 3), False, True, True, torch.float16),            # long batch, 2-D with z
+]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _cf(t, channel_last):
+    return t.movedim(-1, 1) if channel_last and t.dim() > 2 else t
+
+
+def _reference(x, z, gy, w, b, eps, channel_last, fuse_relu):
+    x64, z64, gy64 = (to_float64(t) if t is not None else None for t in (x, z, gy))
+    x64.requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_()
+    if z64 is not None:
+        z64.requires_grad_()
+    y = F.batch_norm(_cf(x64, channel_last), None, None, w64, b64, True, 0.0, eps)
+    if channel_last and y.dim() > 2:
+        y = y.movedim(1, -1)
+    if z64 is not None:
+        y = y + z64
+    if fuse_relu:
+        y = F.relu(y)
+    (y * gy64).sum().backward()
+    return y.detach(), x64.grad, (z64.grad if z64 is not None else None), w64.grad, b64.grad
+
+
+@pytest.mark.parametrize("shape,channel_last,fuse_relu,with_z,dtype", CASES)
+def test_sync_batch_norm_single_process_matches_float64(backend_name, shape, channel_last, fuse_relu, with_z,
+                                                       dtype):
+    C = shape[-1] if channel_last or len(shape) == 2 else shape[1]
+    x = (torch.randn(shape) * 2 + 3).to(dtype).requires_grad_()
+    z = torch.randn(shape).to(dtype).requires_grad_() if with_z else None
+    gy = torch.randn(shape).to(dtype)
+    bn = SyncBatchNorm(C, channel_last=channel_last, fuse_relu=fuse_relu)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    w, b = bn.weight.detach().clone(), bn.bias.detach().clone()
+    if backend_name == "triton":
+        with TritonTrace(bounds=True) as tr:
+            tr.watch(x, z, gy)
+            y = bn(x, z) if with_z else bn(x)
+            y.backward(gy)
+        assert tr.launches == 4, dict(tr.kernels)
+    else:
+        y = bn(x, z) if with_z else bn(x)
+        y.backward(gy)
+    ref_y, ref_dx, ref_dz, ref_dw, ref_db = _reference(x.detach(), z.detach() if with_z else None, gy, w, b,
+                                                       bn.eps, channel_last, fuse_relu)
+    tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_rel_close(y, ref_y, tol=tol, name="out")
+    assert_rel_close(x.grad, ref_dx, tol=4 * tol, name="dx")
+    if with_z:
+        assert_rel_close(z.grad, ref_dz, tol=tol, name="dz")
+    assert_rel_close(bn.weight.grad, ref_dw, tol=4 * tol, name="dweight")
+    assert_rel_close(bn.bias.grad, ref_db, tol=tol, name="dbias")
+    # Running statistics: unbiased variance, momentum 0.1, from zero/one.
+    xc = _cf(x.detach().double(), channel_last).transpose(0, 1).reshape(C, -1)
+    assert_rel_close(bn.running_mean, 0.1 * xc.mean(1), tol=1e-6, name="running_mean")
+    assert_rel_close(bn.running_var, 0.9 + 0.1 * xc.var(1, unbiased=True), tol=1e-6, name="running_var")
+
+
+def test_sync_batch_norm_non_contiguous_input(backend_name):
+    base = torch.randn(6, 20, 5) * 3 - 1
+    x = base[:, ::2, :].transpose(1, 2).transpose(1, 2).requires_grad_()  # (6, 10, 5) with stride 2
+    assert not x.is_contiguous()
+    bn = SyncBatchNorm(10)
+    ref = torch.nn.BatchNorm1d(10)
+    ref.load_state_dict(bn.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    gy = torch.randn(6, 10, 5)
+    with TritonTrace(bounds=True) if backend_name == "triton" else _null():
+        bn(x).backward(gy)
+    ref(xr).backward(gy)
+    assert_rel_close(x.grad, xr.grad, tol=1e-5)
+    assert_rel_close(bn.running_var, ref.running_var, tol=1e-6)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_stats_accurate_for_large_mean(backend_name):
+    # A mean far from zero against a small spread is where naive Σx² - (Σx)² fails in fp32.
+    x = (torch.randn(64, 3, 50, dtype=torch.float64) * 0.01 + 1000.0).float()
+    with TritonTrace(bounds=True) if backend_name == "triton" else _null():
+        mean, var = ops.batch_norm_stats(ops.as_ncl(x, False))
+    x64 = x.double()
+    assert_rel_close(mean, x64.mean((0, 2)), tol=1e-7)
+    assert_rel_close(var, x64.var((0, 2), unbiased=False), tol=1e-3)
+
+
+def test_momentum_none_is_cumulative_and_eval_falls_back(backend_name):
+    bn = SyncBatchNorm(4, momentum=None)
+    ref = torch.nn.BatchNorm2d(4, momentum=None)
+    for i in range(3):
+        x = torch.randn(3, 4, 5, 2) * (i + 1) + i
+        bn(x)
+        ref(x)
+    assert_rel_close(bn.running_mean, ref.running_mean, tol=1e-6)
+    assert_rel_close(bn.running_var, ref.running_var, tol=1e-6)
+    bn.eval()
+    ref.eval()
+    x = torch.randn(2, 4, 3, 3)
+    assert_rel_close(bn(x), ref(x), tol=1e-6)
+    # Without running statistics, eval mode also normalises with the batch statistics.
+    bn2 = SyncBatchNorm(4, track_running_stats=False).eval()
+    ref2 = torch.nn.BatchNorm2d(4, track_running_stats=False).eval()
+    assert_rel_close(bn2(x), ref2(x), tol=1e-6)
+    # Channel-last eval with z and relu uses the running statistics as well.
+    bn3 = copy.deepcopy(bn)
+    bn3.channel_last, bn3.fuse_relu = True, True
+    xl, zl = x.movedim(1, -1), torch.randn(2, 3, 3, 4)
+    assert_rel_close(bn3(xl, zl), F.relu(ref(x).movedim(1, -1) + zl), tol=1e-6)
+
+
+def test_bad_inputs():
+    bn = SyncBatchNorm(4)
+    with pytest.raises(ValueError, match="more than 1 value"):
+        bn(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="channels"):
+        bn(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="z"):
+        bn(torch.randn(3, 4), torch.randn(3, 5))
+    with pytest.raises(TypeError, match="float32"):
+        ops.as_ncl(torch.ones(3, 4, dtype=torch.int64), False)
+    with apex.backend("torch"):
+        assert bn(torch.randn(3, 4)).shape == (3, 4)
