@@ -107,20 +107,22 @@ class FusedSGD(FusedOptimizerBase):
             return
         momentum = group["momentum"]
         state = self.state
-        if momentum != 0:
-            fresh = [state[p].get("momentum_buffer") is None for p in params]
-        else:
-            fresh = [False] * len(params)
-        keys = [(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)]
+        existing = [state[p].get("momentum_buffer") for p in params] if momentum != 0 else None
+        fresh = [b is None for b in existing] if existing is not None else [False] * len(params)
         device = params[0].device
-        for (_, _, first_run), idx in group_by(keys, len(params)).items():
+        if (len({p.dtype for p in params}) == 1 and len({g.dtype for g in grads}) == 1
+                and (not any(fresh) or all(fresh))):
+            buckets = {(None, None, fresh[0]): range(len(params))}  # the usual step: one bucket
+        else:
+            buckets = group_by([(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)], len(params))
+        for (_, _, first_run), idx in buckets.items():
             ps = [params[i] for i in idx]
             if momentum == 0:
                 bufs = ps  # never read nor written without momentum
             elif first_run:
                 bufs, _ = self.get_momentums(ps)
             else:
-                bufs = [state[p]["momentum_buffer"] for p in ps]
+                bufs = [existing[i] for i in idx]
             lists = [[grads[i] for i in idx], ps, bufs]
             if copies is not None:
                 lists.append([copies[i] for i in idx])
