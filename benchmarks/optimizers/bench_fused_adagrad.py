@@ -12,5 +12,4 @@ def cases():
         "FusedAdagrad", lambda ps: FusedAdagrad(ps, **kw),
         {"Adagrad fused": lambda ps: torch.optim.Adagrad(ps, **kw, fused=True),
          "Adagrad foreach": lambda ps: torch.optim.Adagrad(ps, **kw, foreach=True),
-         "Adagrad for-loop": lambda ps: torch.optim.Adagrad(ps, **kw, foreach=False)},
-        per_param_unique=12, per_param_rw=20)
+         "Adagrad for-loop": lambda ps: torch.optim.Adagrad(ps, **kw, foreach=False)}, per_param_rw=20)

@@ -12,4 +12,4 @@ def cases():
         {"AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
          "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
          "AdamW for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=False)},
-        per_param_unique=16, per_param_rw=28)
+        per_param_rw=28)

@@ -11,5 +11,4 @@ def cases():
     return make_cases(
         "FusedLARS", lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
         {"SGD foreach (no trust ratio)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4,
-                                                                     foreach=True)},
-        per_param_unique=12, per_param_rw=28)
+                                                                     foreach=True)}, per_param_rw=28)

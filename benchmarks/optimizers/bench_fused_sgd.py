@@ -12,5 +12,4 @@ def cases():
         "FusedSGD", lambda ps: FusedSGD(ps, **kw),
         {"SGD fused": lambda ps: torch.optim.SGD(ps, **kw, fused=True),
          "SGD foreach": lambda ps: torch.optim.SGD(ps, **kw, foreach=True),
-         "SGD for-loop": lambda ps: torch.optim.SGD(ps, **kw, foreach=False)},
-        per_param_unique=12, per_param_rw=20)
+         "SGD for-loop": lambda ps: torch.optim.SGD(ps, **kw, foreach=False)}, per_param_rw=20)
