@@ -22,7 +22,16 @@ import torch
 
 from apex import _backend
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Computation dtype: fp32, or fp64 for fp64 inputs (which always take the PyTorch path)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _select(x: torch.Tensor) -> str:
+    return "torch" if x.dtype == torch.float64 else _backend.select(x)
 
 
 def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
@@ -30,70 +39,101 @@ def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"input must have at least 2 dimensions (N, C, ...), got shape {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
-        raise TypeError(f"input must be float32, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {x.dtype}")
     x = x.contiguous()
     if channel_last or x.dim() == 2:
         return x.reshape(-1, x.shape[-1], 1)
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
-def _weights(C: int, weight, bias, device) -> tuple[torch.Tensor, torch.Tensor]:
-    w = weight.float() if weight is not None else torch.ones(C, device=device)
-    b = bias.float() if bias is not None else torch.zeros(C, device=device)
+def _weights(x: torch.Tensor, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    C, acc = x.shape[1], acc_dtype(x)
+    w = weight.to(acc) if weight is not None else torch.ones(C, dtype=acc, device=x.device)
+    b = bias.to(acc) if bias is not None else torch.zeros(C, dtype=acc, device=x.device)
     return w, b
+
+
+def _v(t):
+    """The PyTorch path works on ``[M, C]`` when ``L == 1``: PyTorch's CPU batch-norm kernels are several
+    times faster on 2-D inputs than on ``[M, C, 1]``."""
+    return None if t is None else (t.view(t.shape[0], t.shape[1]) if t.shape[2] == 1 else t)
+
+
+def _ch(v, t):
+    """A per-channel vector shaped to broadcast against ``t`` (2-D or 3-D)."""
+    return v if t.dim() == 2 else v[:, None]
 
 
 def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` in fp32 of ``x`` ``[N, C, L]``."""
     if x.shape[0] * x.shape[2] == 0:
         raise ValueError("batch_norm_stats needs at least one element per channel")
-    if _backend.select(x) == "triton":
+    if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.stats(x)
     # PyTorch's fused CPU statistics kernel (a fraction of var_mean's time over dims (0, 2)).
-    mean, var = torch.batch_norm_update_stats(x.float(), None, None, 0.0)
-    return mean.float(), var.float()
+    acc = acc_dtype(x)
+    mean, var = torch.batch_norm_update_stats(_v(x).to(acc), None, None, 0.0)
+    return mean.to(acc), var.to(acc)
 
 
 def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False) -> torch.Tensor:
     """``y = x * scale + shift (+ z)`` (then relu with ``fuse_relu``), in ``x``'s dtype."""
-    w, b = _weights(x.shape[1], weight, bias, x.device)
+    w, b = _weights(x, weight, bias)
     scale = w * invstd
     shift = b - mean * scale
-    if _backend.select(x) == "triton":
+    if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.forward(x, scale, shift, z, fuse_relu)
-    y = torch.addcmul(shift[:, None], x.float(), scale[:, None])
-    if z is not None:
-        y += z
+    x2, z2 = _v(x), _v(z)
+    if x2.dim() == 2:
+        y = torch.addcmul(shift, x2.to(acc_dtype(x2)), scale)
+    else:
+        # PyTorch's eval-mode batch-norm kernel with zero mean, unit variance and eps=0 is
+        # x * scale + shift, faster than a broadcasting addcmul over (N, C, L).
+        y = torch.batch_norm(x2.to(acc_dtype(x2)), scale, shift, torch.zeros_like(mean), torch.ones_like(mean), False,
+                             0.0, 0.0, False)
+    if z2 is not None:
+        y += z2
     if fuse_relu:
         y.relu_()
-    return y.to(x.dtype)
+    return y.to(x.dtype).view(x.shape)
 
 
 def _dy_act(dy, x, scale, shift, z, fuse_relu):
-    dyf = dy.float()
+    """``dy`` (fp32) after the fused relu's mask; all arguments already through :func:`_v`."""
+    dyf = dy.to(acc_dtype(x))
     if not fuse_relu:
         return dyf
-    pre = torch.addcmul(shift[:, None], x.float(), scale[:, None])
+    pre = torch.addcmul(_ch(shift, x), x.to(acc_dtype(x)), _ch(scale, x))
     if z is not None:
         pre += z
     return dyf * (pre > 0)
 
 
-def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False):
-    """Local per-channel ``(sum_dy, sum_dy_xmu)`` in fp32 (``dy`` after the fused relu's mask)."""
-    w, b = _weights(x.shape[1], weight, bias, x.device)
+def relu_grad(dy, x, mean, invstd, weight, bias, z=None) -> torch.Tensor:
+    """``dy * (y > 0)`` for the fused relu, in fp32 (PyTorch ops): lets the PyTorch path mask ``dy`` once
+    for both backward passes (the Triton kernels recompute the mask on the fly instead)."""
+    w, b = _weights(x, weight, bias)
     scale = w * invstd
     shift = b - mean * scale
-    if _backend.select(x) == "triton":
+    return _dy_act(_v(dy), _v(x), scale, shift, _v(z), True).view(x.shape)
+
+
+def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False):
+    """Local per-channel ``(sum_dy, sum_dy_xmu)`` in fp32 (``dy`` after the fused relu's mask)."""
+    w, b = _weights(x, weight, bias)
+    scale = w * invstd
+    shift = b - mean * scale
+    if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.backward_reduce(dy, x, mean, scale, shift, z, fuse_relu)
+    x, dy, z = _v(x), _v(dy), _v(z)
     d = _dy_act(dy, x, scale, shift, z, fuse_relu)
-    xf = x.float()
+    xf = x.to(acc_dtype(x))
     ones = torch.ones_like(mean)
     # PyTorch's fused CPU kernel in eval mode with unit variance and eps=0 returns exactly
     # (Σ dy (x - mean), Σ dy) as (grad_weight, grad_bias) in one pass over dy and x.
@@ -105,14 +145,16 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_r
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_dy_xmu, z=None,
                               fuse_relu: bool = False, need_dz: bool = False):
     """``(dx, dz)`` in ``x``'s dtype (``dz`` only with ``need_dz``, else None)."""
-    w, b = _weights(x.shape[1], weight, bias, x.device)
+    w, b = _weights(x, weight, bias)
     scale = w * invstd
     shift = b - mean * scale
-    if _backend.select(x) == "triton":
+    if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
         return kernels.backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu,
                                       need_dz)
+    shape = x.shape
+    x, dy, z = _v(x), _v(dy), _v(z)
     d = _dy_act(dy, x, scale, shift, z, fuse_relu)
     k = mean_dy_xmu * invstd * invstd
     # dx = d * scale + x * A + B with per-channel A, B: one fused affine pass over x (batch norm in eval
@@ -120,7 +162,7 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
     a = -scale * k
     b = scale * (k * mean - mean_dy)
     zeros, ones = torch.zeros_like(mean), torch.ones_like(mean)
-    dx = torch.batch_norm(x.float(), a, b, zeros, ones, False, 0.0, 0.0, False)
-    dx.addcmul_(d, scale[:, None])
-    dz = d.to(x.dtype) if need_dz else None
-    return dx.to(x.dtype), dz
+    dx = torch.batch_norm(x.to(acc_dtype(x)), a, b, zeros, ones, False, 0.0, 0.0, False)
+    dx.addcmul_(d, _ch(scale, x))
+    dz = d.to(x.dtype).view(shape) if need_dz else None
+    return dx.to(x.dtype).view(shape), dz

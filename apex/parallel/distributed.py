@@ -15,15 +15,29 @@ import contextlib
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import Module
+
+from apex.parallel._comm import (
+    Reducer,
+    _broadcast_params,
+    _group_src,
+    apply_flat_dist_call,
+    extract_tensors,
+    flat_dist_call,
+    flatten,
+    require_process_group,
+    split_by_type,
+    split_half_float_double,
+    unflatten,
+)
 
 __all__ = [
     "DistributedDataParallel",
+    "extract_tensors",
+    "require_process_group",
     "Reducer",
     "apply_flat_dist_call",
     "flat_dist_call",
@@ -34,111 +48,7 @@ __all__ = [
 ]
 
 
-def require_process_group(what: str) -> None:
-    """Raise the RuntimeError every distributed entry point gives when no process group exists."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what} needs an initialised process group: call "
-                           "torch.distributed.init_process_group(backend, ...) first (for example "
-                           "backend='gloo' on CPU or 'nccl' on GPUs, under torchrun)")
-
-
-def flatten(bucket: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate same-dtype tensors into one contiguous 1-D tensor."""
-    return _flatten_dense_tensors(bucket)
-
-
-def unflatten(coalesced: torch.Tensor, bucket: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Views of ``coalesced`` shaped like the tensors of ``bucket`` (the inverse of :func:`flatten`)."""
-    return _unflatten_dense_tensors(coalesced, bucket)
-
-
-def apply_flat_dist_call(bucket: list[torch.Tensor], call, extra_args=None) -> None:
-    """Flatten ``bucket`` (one dtype), run ``call(flat, *extra_args)``, copy the result back.
-
-    After ``dist.all_reduce`` the result is divided by the world size (Apex's averaging).
-    """
-    coalesced = flatten(bucket)
-    if extra_args is not None:
-        call(coalesced, *extra_args)
-    else:
-        call(coalesced)
-    if call is dist.all_reduce:
-        coalesced /= dist.get_world_size()
-    for buf, synced in zip(bucket, unflatten(coalesced, bucket)):
-        buf.copy_(synced)
-
-
-def split_half_float_double(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group tensors by dtype: fp16, bf16, fp32, fp64 (in that order), dropping empty groups."""
-    tensors = list(tensors)
-    order = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    buckets = [[t for t in tensors if t.dtype == dt] for dt in order]
-    return [b for b in buckets if b]
-
-
-def split_by_type(tensors: Iterable[torch.Tensor]) -> OrderedDict:
-    """``OrderedDict`` of ``tensor.type()`` -> tensors, in order of first appearance."""
-    buckets: OrderedDict = OrderedDict()
-    for t in tensors:
-        buckets.setdefault(t.type(), []).append(t)
-    return buckets
-
-
-def flat_dist_call(tensors: Iterable[torch.Tensor], call, extra_args=None) -> None:
-    """:func:`apply_flat_dist_call` once per tensor type."""
-    for bucket in split_by_type(tensors).values():
-        apply_flat_dist_call(bucket, call, extra_args)
-
-
-def extract_tensors(maybe_tensor, tensor_list: list) -> None:
-    if torch.is_tensor(maybe_tensor):
-        tensor_list.append(maybe_tensor)
-        return
-    try:
-        for item in maybe_tensor:
-            extract_tensors(item, tensor_list)
-    except TypeError:
-        return
-
-
-def _group_src(group) -> int:
-    """Global rank of rank 0 of ``group`` (the broadcast source)."""
-    if group is None:
-        return 0
-    return dist.get_global_rank(group, 0)
-
-
-def _broadcast_params(params: list[torch.Tensor], group) -> None:
-    src = _group_src(group)
-    for bucket in split_by_type(p.detach() for p in params).values():
-        apply_flat_dist_call(bucket, dist.broadcast, (src, group))
-
-
-class Reducer:
-    """All-reduce (average) a module's gradients, or a list of tensors, when :meth:`reduce` is called.
-
-    Unlike :class:`DistributedDataParallel` nothing happens during ``backward()``: call ``reduce()``
-    yourself, for example every few iterations. Given a module, its parameters are broadcast from rank 0
-    at construction; given tensors (any nesting of lists), keeping them in sync is up to the caller.
-    ``reduce()`` replaces every tensor by the average over the ranks (sum / world size).
-    """
-
-    def __init__(self, module_or_grads_list):
-        require_process_group("apex.parallel.Reducer")
-        if isinstance(module_or_grads_list, Module):
-            self.module = module_or_grads_list
-            _broadcast_params(list(self.module.parameters()), None)
-        else:
-            self.module = None
-            self.grads: list[torch.Tensor] = []
-            extract_tensors(module_or_grads_list, self.grads)
-
-    def reduce(self) -> None:
-        if self.module is not None:
-            grads = [p.grad.data for p in self.module.parameters() if p.grad is not None]
-        else:
-            grads = self.grads
-        flat_dist_call(grads, dist.all_reduce)
+_NULL = contextlib.nullcontext()
 
 
 class _Step:
@@ -265,6 +175,8 @@ class DistributedDataParallel(Module):
         self._param_index: dict[int, int] = {}
         self._bucket_of: dict[int, tuple[int, int]] = {}
         self._record: list[int] = []
+        self._buffers: dict[int, tuple] = {}
+        self._signature: list = []
         self._step: _Step | None = None
         self._hooked: set[int] = set()
         self._hook_handles: list = []
@@ -283,11 +195,15 @@ class DistributedDataParallel(Module):
         self._disable_allreduce = True
 
     def forward(self, *inputs, **kwargs):
-        self._register_hooks()
         params = [p for p in self.module.parameters() if p.requires_grad]
-        changed = len(params) != len(self.active_params) or any(
-            a is not b for a, b in zip(params, self.active_params))
+        self._register_hooks(params)
+        # A conversion after construction (model.half(), .to(device)) keeps the Parameter objects but
+        # changes what the buckets hold, so the signature includes dtype and device too.
+        signature = [(p.dtype, p.device, p.shape) for p in params]
+        changed = (len(params) != len(self.active_params) or signature != self._signature
+                   or any(a is not b for a, b in zip(params, self.active_params)))
         if changed:
+            self._signature = signature
             self.active_params = params
             self._param_index = {id(p): i for i, p in enumerate(params)}
             self.needs_refresh = True
@@ -297,9 +213,9 @@ class DistributedDataParallel(Module):
         return self.module(*inputs, **kwargs)
 
     # -- hooks ----------------------------------------------------------------------------------------
-    def _register_hooks(self) -> None:
+    def _register_hooks(self, params=None) -> None:
         ref = weakref.ref(self)
-        for p in self.module.parameters():
+        for p in (self.module.parameters() if params is None else params):
             if p.requires_grad and id(p) not in self._hooked:
                 def hook(param, ref=ref):
                     owner = ref()
@@ -309,7 +225,7 @@ class DistributedDataParallel(Module):
                 self._hooked.add(id(p))
 
     def _range(self, name: str):
-        return torch.profiler.record_function(name) if self.prof else contextlib.nullcontext()
+        return torch.profiler.record_function(name) if self.prof else _NULL
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._disable_allreduce:
@@ -363,6 +279,7 @@ class DistributedDataParallel(Module):
         self.num_buckets = len(buckets)
         self._bucket_of = {i: (b, loc) for b, bucket in enumerate(buckets) for loc, i in enumerate(bucket)}
         self.allreduce_buffers = [None] * self.num_buckets
+        self._buffers = {}
 
     def _propose_buckets(self) -> list[list[int]]:
         """This rank's buckets from the recorded ready order (parameters never ready appended)."""
@@ -414,6 +331,21 @@ class DistributedDataParallel(Module):
         return torch.device("cpu")
 
     # -- communication -------------------------------------------------------------------------------------
+    def _bucket_buffer(self, b: int, params: list[torch.Tensor]):
+        """``(flat, views)``: the bucket's flat buffer (gradients, then one presence count per parameter)
+        and views of it shaped like the parameters. Kept between steps unless the buffers are handed to
+        the user (``retain_allreduce_buffers``), so a step allocates and slices nothing."""
+        cached = None if self.retain_allreduce_buffers else self._buffers.get(b)
+        if cached is not None:
+            return cached
+        numels = [p.numel() for p in params]
+        n = sum(numels)
+        flat = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
+        views = [v.view_as(p) for v, p in zip(flat[:n].split(numels), params)]
+        if not self.retain_allreduce_buffers:
+            self._buffers[b] = (flat, views)
+        return flat, views
+
     def _launch(self, step: _Step, b: int) -> None:
         """Flatten bucket ``b`` (missing gradients as zeros, plus one presence count per parameter) and
         start its all-reduce without waiting."""
@@ -423,42 +355,49 @@ class DistributedDataParallel(Module):
             for loc, p in enumerate(params):
                 if slots[loc] is None and p.grad is not None:
                     slots[loc] = p.grad  # accumulated in earlier (non-reducing) passes
-            dtype, device = params[0].dtype, params[0].device
-            numels = [p.numel() for p in params]
-            n = sum(numels)
-            flat = torch.empty(n + len(params), dtype=dtype, device=device)
-            views = list(flat[:n].split(numels))
-            present = [(v, g) for v, g in zip(views, slots) if g is not None]
-            if present:
-                torch._foreach_copy_([v for v, _ in present], [g.reshape(-1) for _, g in present])
-            for v, g in zip(views, slots):
-                if g is None:
-                    v.zero_()
-            flat[n:].copy_(torch.tensor([g is not None for g in slots], dtype=dtype))
+            flat, views = self._bucket_buffer(b, params)
+            n = flat.numel() - len(params)
+            all_present = all(g is not None for g in slots)
+            if all_present:
+                torch._foreach_copy_(views, slots)
+                flat[n:].fill_(1)  # the common case: no host-to-device copy
+            else:
+                have = [i for i, g in enumerate(slots) if g is not None]
+                if have:
+                    torch._foreach_copy_([views[i] for i in have], [slots[i] for i in have])
+                for v, g in zip(views, slots):
+                    if g is None:
+                        v.zero_()
+                flat[n:].copy_(torch.tensor([g is not None for g in slots], dtype=flat.dtype))
             red = flat
-            if self.allreduce_always_fp32 and dtype in (torch.float16, torch.bfloat16):
+            if self.allreduce_always_fp32 and flat.dtype in (torch.float16, torch.bfloat16):
                 red = flat.float()
             if self.gradient_predivide_factor != 1.0:
                 red[:n].mul_(1.0 / self.gradient_predivide_factor)
             group = self.bucket_pgs[b % len(self.bucket_pgs)]
             work = dist.all_reduce(red, group=group, async_op=True)
             self.allreduce_calls += 1
-            step.pending.append((b, work, flat, red, n, numels))
+            step.pending.append((b, work, flat, red, views, all_present))
 
-    def _finish(self, step: _Step, b: int, work, flat, red, n: int, numels: list[int]) -> None:
+    def _finish(self, step: _Step, b: int, work, flat, red, views, all_present: bool) -> None:
         work.wait()
+        params = [self.active_params[i] for i in self.active_i_buckets[b]]
+        n = flat.numel() - len(params)
         if self.gradient_average:
             red[:n].mul_(self.gradient_predivide_factor / self.world_size)
         if red is not flat:
             flat.copy_(red)
-        params = [self.active_params[i] for i in self.active_i_buckets[b]]
-        present = (flat[n:] != 0).tolist()
-        views = [v.view_as(p) for v, p in zip(flat[:n].split(numels), params)]
+        # Parameters with a local gradient are present by construction; only when some are missing here
+        # does the (host-synchronising) look at the all-reduced presence counts happen.
+        present = [True] * len(params) if all_present else (flat[n:] != 0).tolist()
         if self.retain_allreduce_buffers:
             self.allreduce_buffers[b] = flat[:n]
             for p, v, ok in zip(params, views, present):
                 if ok:
                     p.grad = v
+            return
+        if all_present:
+            torch._foreach_copy_([p.grad for p in params], views)
             return
         copy_dst, copy_src = [], []
         for p, v, ok in zip(params, views, present):

@@ -21,11 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from apex import _backend
 from apex.ops import sync_batch_norm as ops
-from apex.parallel.distributed import require_process_group
+from apex.parallel._comm import require_process_group
 
 
 def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
+    acc = mean.dtype
     """All-gather ``(count, mean, var)`` over ``group`` and merge them (parallel Welford, in fp64)."""
     C = mean.numel()
     mine = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
@@ -42,7 +44,7 @@ def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
         raise ValueError("SyncBatchNorm got an empty batch on every rank")
     gmean = (n_i * mean_i).sum(0) / n
     gvar = (n_i * (var_i + (mean_i - gmean) ** 2)).sum(0) / n
-    return int(n.item()), gmean.float(), gvar.float()
+    return int(n.item()), gmean.to(acc), gvar.to(acc)
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
@@ -59,7 +61,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
             if count > 0:
                 mean, var = ops.batch_norm_stats(x)
             else:
-                mean = var = torch.zeros(C, dtype=torch.float32, device=x.device)
+                mean = var = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
             if distributed:
                 count, mean, var = _merge_stats(count, mean, var, process_group)
             if count <= 1:
@@ -73,8 +75,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
                     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         else:
             count = 0
-            mean = running_mean.float()
-            invstd = torch.rsqrt(running_var.float() + eps)
+            mean = running_mean.to(ops.acc_dtype(x))
+            invstd = torch.rsqrt(running_var.to(ops.acc_dtype(x)) + eps)
         y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu) if x.numel() else x.clone()
         ctx.save_for_backward(x, zz, weight, bias, mean, invstd)
         ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, z is not None)
@@ -85,12 +87,16 @@ class SyncBatchnormFunction(torch.autograd.Function):
         x, zz, weight, bias, mean, invstd = ctx.saved_tensors
         count, use_batch_stats, group, distributed, fuse_relu, shape, has_z = ctx.meta
         dy = grad_output.contiguous().reshape(x.shape)
+        if fuse_relu and x.numel() and (x.dtype == torch.float64 or _backend.select(x) == "torch"):
+            # Mask once here instead of in each of the two backward passes.
+            dy = ops.relu_grad(dy, x, mean, invstd, weight, bias, zz)
+            fuse_relu, zz = False, None
         C = x.shape[1]
         if x.numel():
             sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz,
                                                                 fuse_relu)
         else:
-            sum_dy = sum_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
+            sum_dy = sum_dy_xmu = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
         need_x, need_z, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                           ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         grad_input = grad_z = grad_weight = grad_bias = None
@@ -105,7 +111,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
                     dist.all_reduce(sums, group=group)
                 mean_dy, mean_dy_xmu = (sums / count).split(C)
             else:
-                mean_dy = mean_dy_xmu = torch.zeros(C, dtype=torch.float32, device=x.device)
+                mean_dy = mean_dy_xmu = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
             if x.numel():
                 dx, dz = ops.batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy,
                                                        mean_dy_xmu, zz, fuse_relu, need_dz=need_z)

@@ -4,7 +4,10 @@
 
 * ``launches`` and ``kernels`` (launches per kernel name);
 * ``bytes_requested``: bytes of every unmasked lane of every load and store;
-* ``bytes_unique``: distinct addresses touched, times their element size (DRAM traffic with a perfect cache);
+* ``bytes_unique``: DRAM traffic with a perfect cache inside each launch and none between launches: per
+  launch, the distinct addresses loaded plus the distinct addresses stored, times their element size, summed
+  over launches. An in-place update that reads and writes ``p`` counts ``p`` twice (read and write), a value
+  read twice by one launch once, and a value read by two launches twice.
 * with ``bounds=True`` every unmasked access must fall inside the storage of a tensor passed to the
   launch or registered with :meth:`TritonTrace.watch`; anything else raises ``IndexError`` (an
   out-of-bounds store would otherwise corrupt the process).
@@ -35,7 +38,9 @@ class TritonTrace:
         self.launches = 0
         self.kernels: Counter = Counter()
         self.bytes_requested = 0
-        self._addresses: dict[int, list[np.ndarray]] = {}
+        # (kind, element size) -> address arrays of the launch in progress
+        self._addresses: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._bytes_unique = 0
         self._watched: list[tuple[int, int]] = []
         self._launch_ranges: list[tuple[int, int]] = []
         self._saved: dict = {}
@@ -54,9 +59,15 @@ class TritonTrace:
 
     @property
     def bytes_unique(self) -> int:
-        # Addresses are kept per element size; a byte counts once per (address, size) pair.
-        return sum(nbytes * int(np.unique(np.concatenate(arrs)).size)
-                   for nbytes, arrs in self._addresses.items())
+        return self._bytes_unique + self._flush(keep=True)
+
+    def _flush(self, keep: bool = False) -> int:
+        """Distinct loaded plus distinct stored bytes of the launch in progress."""
+        total = sum(nbytes * int(np.unique(np.concatenate(arrs)).size)
+                    for (_, nbytes), arrs in self._addresses.items())
+        if not keep:
+            self._addresses = {}
+        return total
 
     # -- machinery ------------------------------------------------------------------------------------
     def _ranges(self) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +95,7 @@ class TritonTrace:
             raise IndexError(f"out-of-bounds {what} at address {bad:#x} ({int((~ok).sum())} lanes) "
                              "outside every tensor of this launch")
 
-    def _record(self, ptrs, mask, what: str) -> None:
+    def _record(self, ptrs, mask, what: str, kind: str = "load") -> None:
         addr = np.asarray(ptrs.data).astype(np.uint64).reshape(-1)
         if mask is not None:
             addr = addr[np.asarray(mask.data).astype(bool).reshape(-1)]
@@ -93,7 +104,7 @@ class TritonTrace:
             self._check(addr, nbytes, what)
         if self.count:
             self.bytes_requested += int(addr.size) * nbytes
-            self._addresses.setdefault(nbytes, []).append(addr)
+            self._addresses.setdefault((kind, nbytes), []).append(addr)
 
     def __enter__(self) -> TritonTrace:
         from triton.runtime import interpreter as itp
@@ -113,17 +124,17 @@ class TritonTrace:
             return saved["load"](b, ptrs, mask, other, cache_policy, is_volatile)
 
         def store(b, ptrs, value, mask, cache_policy):
-            trace._record(ptrs, mask, "store")
+            trace._record(ptrs, mask, "store", "store")
             return saved["store"](b, ptrs, value, mask, cache_policy)
 
         def rmw(b, op, ptr, val, mask, sem, scope):
-            trace._record(ptr, mask, "atomic")
-            trace._record(ptr, mask, "atomic")  # read and write
+            trace._record(ptr, mask, "atomic", "load")
+            trace._record(ptr, mask, "atomic", "store")
             return saved["rmw"](b, op, ptr, val, mask, sem, scope)
 
         def cas(b, ptr, cmp, val, sem, scope):
-            trace._record(ptr, None, "atomic")
-            trace._record(ptr, None, "atomic")
+            trace._record(ptr, None, "atomic", "load")
+            trace._record(ptr, None, "atomic", "store")
             return saved["cas"](b, ptr, cmp, val, sem, scope)
 
         def call(ex, *args, **kwargs):
@@ -139,6 +150,7 @@ class TritonTrace:
             finally:
                 trace._launch_ranges = previous
                 trace._sorted = None
+                trace._bytes_unique += trace._flush()
 
         builder.create_masked_load = load
         builder.create_masked_store = store

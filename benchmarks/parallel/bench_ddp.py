@@ -22,30 +22,32 @@ from torch import nn
 
 from benchmarks._harness import Case
 
-WIDTH, DEPTH, BATCH = 1024, 6, 64
 BUCKET_MB = 10
+# (width, depth, batch): a few large layers (bandwidth-bound all-reduce) and many small ones (per-hook cost).
+CONFIGS = [(1024, 6, 64), (128, 48, 64)]
 STOP, OURS, THEIRS = 0, 1, 2
 
 
-def _model() -> nn.Module:
+def _model(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
     layers = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(WIDTH, 10))
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class _Steps:
     """Both wrappers on this rank, one step of either on demand."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, cfg: tuple[int, int, int]):
         from apex.parallel import DistributedDataParallel as ApexDDP
 
-        self.ours = ApexDDP(_model(), message_size=BUCKET_MB * 2**20 // 4)
-        self.theirs = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_MB)
+        width, depth, batch = cfg
+        self.ours = ApexDDP(_model(width, depth), message_size=BUCKET_MB * 2**20 // 4)
+        self.theirs = nn.parallel.DistributedDataParallel(_model(width, depth), bucket_cap_mb=BUCKET_MB)
         g = torch.Generator().manual_seed(rank)
-        self.x = torch.randn(BATCH, WIDTH, generator=g)
-        self.y = torch.randint(0, 10, (BATCH,), generator=g)
+        self.x = torch.randn(batch, width, generator=g)
+        self.y = torch.randint(0, 10, (batch,), generator=g)
         self.cmd = torch.zeros(1, dtype=torch.int64)
 
     def run(self, which: int) -> None:
@@ -54,11 +56,11 @@ class _Steps:
         nn.functional.cross_entropy(model(self.x), self.y).backward()
 
 
-def _follower(rank: int, port: int, threads: int) -> None:
+def _follower(rank: int, port: int, threads: int, cfg: tuple[int, int, int]) -> None:
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
-    steps = _Steps(1)
+    steps = _Steps(1, cfg)
     while True:
         dist.broadcast(steps.cmd, 0)
         which = int(steps.cmd.item())
@@ -69,7 +71,7 @@ def _follower(rank: int, port: int, threads: int) -> None:
 
 
 class _TwoRanks:
-    def __init__(self):
+    def __init__(self, cfg: tuple[int, int, int]):
         if dist.is_initialized():
             raise RuntimeError("bench_ddp needs a process without a process group")
         with socket.socket() as s:
@@ -77,12 +79,12 @@ class _TwoRanks:
             port = s.getsockname()[1]
         self.threads = torch.get_num_threads()
         per_rank = max(1, self.threads // 2)  # two ranks share this machine's cores
-        self.ctx = mp.start_processes(_follower, args=(port, per_rank), nprocs=1, join=False,
+        self.ctx = mp.start_processes(_follower, args=(port, per_rank, cfg), nprocs=1, join=False,
                                       start_method="spawn")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
         torch.set_num_threads(per_rank)
-        self.steps = _Steps(0)
+        self.steps = _Steps(0, cfg)
         self.closed = False
         self.ours_steps = 0
 
@@ -112,8 +114,8 @@ class _TwoRanks:
         torch.set_num_threads(self.threads)
 
 
-def _timed():
-    pair = _TwoRanks()
+def _timed(cfg):
+    pair = _TwoRanks(cfg)
     pair.step(OURS)  # the first step builds apex's bucket structure
     pair.report()
     handle = _Handle(pair)
@@ -127,5 +129,6 @@ class _Handle:
 
 
 def cases():
-    return [Case(f"ddp step 2 ranks MLP {DEPTH}x{WIDTH} batch {BATCH}", timed=_timed,
-                 torch_label="torch DDP", repeats=15, warmup=3)]
+    return [Case(f"ddp step 2 ranks MLP {depth}x{width} batch {batch}",
+                 timed=lambda cfg=(width, depth, batch): _timed(cfg), torch_label="torch DDP", repeats=15, warmup=3)
+            for width, depth, batch in CONFIGS]

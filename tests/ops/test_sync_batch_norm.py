@@ -13,6 +13,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import apex
 from apex.ops import sync_batch_norm as ops
@@ -162,3 +164,31 @@ def test_bad_inputs():
         ops.as_ncl(torch.ones(3, 4, dtype=torch.int64), False)
     with apex.backend("torch"):
         assert bn(torch.randn(3, 4)).shape == (3, 4)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 6), c=st.integers(1, 40), l_=st.integers(1, 30), channel_last=st.booleans(),
+       loc=st.floats(-50, 50), spread=st.floats(0.1, 10))
+def test_stats_and_gradients_random_shapes(backend_name, n, c, l_, channel_last, loc, spread):
+    shape = (n, l_, c) if channel_last else (n, c, l_)
+    if n * l_ < 4:
+        return  # with 2-3 values per channel dx is pure cancellation (exactly 0 for 2 when eps -> 0)
+    x = (torch.randn(shape) * spread + loc).requires_grad_()
+    gy = torch.randn(shape)
+    bn = SyncBatchNorm(c, channel_last=channel_last)
+    with TritonTrace(bounds=True) if backend_name == "triton" else _null():
+        y = bn(x)
+        y.backward(gy)
+    ref_y, ref_dx, _, ref_dw, ref_db = _reference(x.detach(), None, gy, bn.weight.detach(), bn.bias.detach(),
+                                                  bn.eps, channel_last, False)
+    # fp32 conditioning grows with |loc| / spread: PyTorch's own fp32 batch norm is the baseline.
+    xb = x.detach().clone().requires_grad_()
+    wb = bn.weight.detach().clone().requires_grad_()
+    bb = bn.bias.detach().clone().requires_grad_()
+    yb = F.batch_norm(_cf(xb, channel_last), None, None, wb, bb, True, 0.0, bn.eps)
+    yb = yb.movedim(1, -1) if channel_last else yb
+    yb.backward(gy)
+    assert_rel_close(y, ref_y, tol=1e-5, baseline=yb.detach(), name="out")
+    assert_rel_close(x.grad, ref_dx, tol=1e-4, baseline=xb.grad, name="dx")
+    assert_rel_close(bn.weight.grad, ref_dw, tol=1e-4, baseline=wb.grad, name="dweight")
+    assert_rel_close(bn.bias.grad, ref_db, tol=1e-5, baseline=bb.grad, name="dbias")

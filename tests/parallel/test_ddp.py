@@ -89,6 +89,7 @@ OPTIONS = [
     ("predivide", {"gradient_predivide_factor": 2.0, "message_size": 50}),
     ("predivide_no_avg", {"gradient_predivide_factor": 4.0, "gradient_average": False}),
     ("prof", {"prof": True}),
+    ("split_factor", {"gradient_average_split_factor": 3.0, "message_size": 100}),
 ]
 
 
@@ -178,7 +179,13 @@ def _ddp_training_worker(rank, world):
     # Overlap: after the first (structure-building) pass, every full bucket is launched during backward.
     calls = model.allreduce_calls
     x, y = _data(40, world)
+    in_flight = []
+    # fc1's weight gets its gradient last; by then earlier buckets' all-reduces must already be running.
+    handle = local.fc1.weight.register_post_accumulate_grad_hook(
+        lambda p: in_flight.append(len(model._step.pending)))
     _loss(model, x[sl], y[sl], True).backward()
+    handle.remove()
+    assert model.num_buckets >= 3 and in_flight and in_flight[0] >= model.num_buckets - 2, in_flight
     assert model.allreduce_calls - calls == model.num_buckets
 
     # Reducer: exact average of a list of tensors and of a module's gradients.
@@ -202,10 +209,52 @@ def _ddp_training_worker(rank, world):
     assert torch.allclose(m.weight.grad, torch.full((2, 3), (world + 1) / 2), rtol=1e-6)
 
 
+class MixedNet(nn.Module):
+    """fp32, bf16 and fp16 parameters side by side: buckets must never mix dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(FEAT, OUT)
+        self.b = nn.Linear(FEAT, OUT).to(torch.bfloat16)
+        self.c = nn.Linear(FEAT, OUT).to(torch.float16)
+
+    def forward(self, x, use_extra=False):
+        return self.a(x) + self.b(x.bfloat16()).float() + self.c(x.half()).float()
+
+
+def _ddp_mixed_dtype_worker(rank, world):
+    torch.manual_seed(0)
+    base = MixedNet()
+    for kwargs in ({}, {"message_size": 1}, {"allreduce_always_fp32": True, "message_size": 1},
+                   {"delay_allreduce": True}):
+        local = copy.deepcopy(base)
+        model = DDP(local, **kwargs)
+        for step in range(2):
+            local.zero_grad(set_to_none=True)
+            x, y = _data(step, world)
+            sl = slice(rank * BATCH, (rank + 1) * BATCH)
+            _loss(model, x[sl], y[sl], False).backward()
+            ref = copy.deepcopy(base)
+            total = sum(_loss(ref, x[r * BATCH:(r + 1) * BATCH], y[r * BATCH:(r + 1) * BATCH], False)
+                        for r in range(world))
+            (total / world).backward()
+            for (n, p), q in zip(local.named_parameters(), ref.parameters()):
+                assert p.grad.dtype == p.dtype
+                # Low-precision gradients: each rank's own rounding, then the sum's, against one process.
+                tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}[p.dtype]
+                err = rel_error(p.grad, q.grad)
+                assert err <= tol, f"{kwargs} {n}: rel err {err}"
+        dtypes = [{local_p.dtype for local_p in (model.active_params[i] for i in b)}
+                  for b in model.active_i_buckets]
+        assert all(len(d) == 1 for d in dtypes), dtypes
+        assert model.num_buckets >= 3
+
+
 def _ddp_worker(rank, world):
     # One spawn per world size: starting ranks costs seconds, the checks themselves milliseconds.
     _ddp_options_worker(rank, world)
     _ddp_training_worker(rank, world)
+    _ddp_mixed_dtype_worker(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

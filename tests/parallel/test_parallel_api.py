@@ -83,6 +83,9 @@ def test_public_surface():
     from apex.parallel.sync_batchnorm import SyncBatchNorm
 
     assert SyncBatchNorm is P.SyncBatchNorm
+    from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as Fused
+
+    assert Fused is P.SyncBatchNorm
     import inspect
 
     sig = inspect.signature(P.DistributedDataParallel.__init__).parameters
@@ -131,3 +134,16 @@ def test_errors_without_a_process_group():
     assert P.create_syncbn_process_group(0) is None
     with pytest.raises(ValueError, match="group_size"):
         P.create_syncbn_process_group(-1)
+
+
+@pytest.mark.parametrize("channel_last,fuse_relu", [(False, False), (True, True)])
+def test_sync_batchnorm_gradcheck_float64(channel_last, fuse_relu):
+    bn = P.SyncBatchNorm(3, channel_last=channel_last, fuse_relu=fuse_relu).double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    shape = (4, 5, 3) if channel_last else (4, 3, 5)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: bn(a, b), (x, z))
+    assert torch.autograd.gradcheck(lambda w, b: P.SyncBatchNorm.forward(bn, x, z), (bn.weight, bn.bias))

@@ -1,0 +1,90 @@
+"""Adam/AdamW over lists of tensors: one launch per (device, dtypes) group, one pass over memory.
+
+Lists: grads, params, exp_avgs, exp_avg_sqs, masters (the masters list repeats the params when there are
+none; it is then never touched). Each element is read once and written once: 28 bytes per fp32
+parameter (g, p, m, v read; p, m, v written), plus the unscaled gradient write-back of the capturable
+variants and the master's read/write with master weights.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+from apex._kernels._rounding import cast
+
+
+@triton.jit
+def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
+                 noop_flag, lr_ptr, step_ptr, inv_scale_ptr,
+                 lr_value, bc1_value, bc2_value, beta1, beta2, eps, weight_decay,
+                 G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                 W_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 MODE: tl.constexpr, CAPTURABLE: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                 HAS_MASTER: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
+    w_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, W_DT)
+    if CAPTURABLE:
+        # Device-side scalars: no host synchronisation, and a set noop flag masks every access.
+        n = n * (tl.load(noop_flag) != 1).to(n.dtype)
+        lr = tl.load(lr_ptr).to(tl.float32)
+        inv_scale = tl.load(inv_scale_ptr).to(tl.float32)
+        if BIAS_CORRECTION:
+            step = tl.load(step_ptr).to(tl.float32)
+            bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+            bc2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+        else:
+            bc1 = 1.0
+            bc2 = 1.0
+    else:
+        lr = lr_value
+        inv_scale = 1.0
+        bc1 = bc1_value
+        bc2 = bc2_value
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MASTER:
+            p = tl.load(w_ptr + idx, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if CAPTURABLE:
+            g = g * inv_scale
+            tl.store(g_ptr + idx, cast(g, G_DT), mask=mask)
+        if MODE == 0:
+            g = g + weight_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt(v / bc2) + eps
+        update = (m / bc1) / denom
+        if MODE == 1:
+            update = update + weight_decay * p
+        p = p - lr * update
+        tl.store(p_ptr + idx, cast(p, P_DT), mask=mask)
+        if HAS_MASTER:
+            tl.store(w_ptr + idx, p, mask=mask)
+        tl.store(m_ptr + idx, cast(m, M_DT), mask=mask)
+        tl.store(v_ptr + idx, cast(v, V_DT), mask=mask)
+
+
+def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,
+         bias_correction, *, capturable: bool) -> None:
+    has_master = len(lists) == 5
+    full = lists if has_master else lists + [lists[1]]
+    dummy = noop_flag
+    for _, sub in mt.group(full):
+        mt.launch(_adam_kernel, mt.table(sub), noop_flag,
+                  lr_t if capturable else dummy, step_t if capturable else dummy,
+                  inv_t if capturable else dummy,
+                  float(lr), float(bc1), float(bc2), float(beta1), float(beta2), float(eps),
+                  float(weight_decay), MODE=int(mode), CAPTURABLE=bool(capturable),
+                  BIAS_CORRECTION=bool(bias_correction), HAS_MASTER=has_master)
+

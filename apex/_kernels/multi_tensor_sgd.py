@@ -1,0 +1,97 @@
+"""SGD (and ROCm's LARS) over lists of tensors: one launch per (device, dtypes) group, one pass.
+
+Lists: grads, weights, momentum buffers, model copies (the last repeats the weights when there is no copy
+and is then never touched). Bytes per fp32 element: 20 with momentum (g, w, buf read; w, buf written),
+16 on the first step (the buffer is written, not read), 12 without momentum.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+from apex._kernels._rounding import cast
+
+
+@triton.jit
+def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
+                noop_flag, grad_norms, param_norms,
+                lr, wd, momentum, dampening, scale, trust_coefficient, eps,
+                G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
+                WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    n = n * (tl.load(noop_flag) == 0).to(n.dtype)  # Apex skips the whole update when the flag is set
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    w_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, W_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    c_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, C_DT)
+    if LARS:
+        # Layer-wise rate: lr * tc * ‖w‖ / (‖g‖ + wd ‖w‖ + eps), or lr when either norm is zero.
+        g_norm = tl.load(grad_norms + t)
+        w_norm = tl.load(param_norms + t)
+        ok = (g_norm > 0.0) & (w_norm > 0.0)
+        denom = tl.where(ok, g_norm + w_norm * wd + eps, 1.0)
+        ratio = tl.where(ok, trust_coefficient * w_norm / denom, 1.0)
+        lr = lr * ratio
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) * scale
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if not WD_AFTER:
+            g = g + wd * w
+        if LARS:
+            # ROCm's convention: the buffer holds the (negative) step, w += buf.
+            if HAS_MOMENTUM:
+                if FIRST_RUN:
+                    buf = -lr * g
+                else:
+                    buf = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+                    buf = momentum * buf - lr * (1.0 - dampening) * g
+                tl.store(m_ptr + idx, cast(buf, M_DT), mask=mask)
+                if NESTEROV:
+                    upd = momentum * buf - lr * g
+                else:
+                    upd = buf
+            else:
+                upd = -lr * g
+            if WD_AFTER:
+                upd = upd - lr * wd * w
+            w = w + upd
+        else:
+            if HAS_MOMENTUM:
+                if FIRST_RUN:
+                    buf = g
+                else:
+                    buf = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+                    buf = buf * momentum + (1.0 - dampening) * g
+                tl.store(m_ptr + idx, cast(buf, M_DT), mask=mask)
+                if NESTEROV:
+                    g = g + momentum * buf
+                else:
+                    g = buf
+            if WD_AFTER:
+                g = g + wd * w
+            w = w + (-lr * g)
+        tl.store(w_ptr + idx, cast(w, W_DT), mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + idx, cast(w, C_DT), mask=mask)
+
+
+def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,
+        grad_norms=None, param_norms=None, trust_coefficient=0.0, eps=0.0, lars=False) -> None:
+    has_copy = len(lists) == 4
+    full = lists if has_copy else lists + [lists[1]]
+    for indices, sub in mt.group(full):
+        if lars:
+            gn, pn = grad_norms[indices], param_norms[indices]  # norms of this group's tensors, in order
+        else:
+            gn = pn = noop_flag
+        mt.launch(_sgd_kernel, mt.table(sub), noop_flag, gn, pn,
+                  float(lr), float(wd), float(momentum), float(dampening), float(scale),
+                  float(trust_coefficient), float(eps),
+                  HAS_MOMENTUM=momentum != 0, FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
+                  WD_AFTER=bool(wd_after_momentum), HAS_COPY=has_copy, LARS=bool(lars))

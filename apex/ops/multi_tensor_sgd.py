@@ -1,0 +1,92 @@
+"""Apex's ``multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+first_run, wd_after_momentum, scale)``.
+
+``tensor_lists`` is ``[grads, weights, momentum_buffers]`` or, with a fourth list, also the model copies
+that receive the updated weights (Apex's fp32-master / fp16-model case). Per element, in fp32::
+
+    g = grad * scale
+    g = g + wd * w                                  (unless wd_after_momentum)
+    if momentum != 0:
+        buf = g if first_run else momentum * buf + (1 - dampening) * g
+        g = g + momentum * buf if nesterov else buf
+    g = g + wd * w                                  (if wd_after_momentum)
+    w = w - lr * g ;  copy = w                      (copy: the optional fourth list)
+
+Nothing is done when ``noop_flag`` is set. This is ``torch.optim.SGD``'s rule (its first step initialises
+the buffer to the gradient), so the PyTorch path calls ``torch._fused_sgd_`` when the dtypes and options
+allow, and ``torch._foreach_*`` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+from apex.ops._checks import check_noop_flag, check_tensor_lists
+
+
+def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
+                     dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
+                     scale: float = 1.0, *, validate: bool = True) -> None:
+    if validate:
+        device = check_tensor_lists(tensor_lists, (3, 4))
+        check_noop_flag(noop_flag, device)
+    else:  # the caller (an apex optimizer) has checked every tensor
+        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+    if device is None or not tensor_lists[0]:
+        return
+    lists = [list(lst) for lst in tensor_lists]
+    args = dict(lr=float(lr), wd=float(wd), momentum=float(momentum), dampening=float(dampening),
+                nesterov=bool(nesterov), first_run=bool(first_run), wd_after_momentum=bool(wd_after_momentum),
+                scale=float(scale))
+    if _backend.select(lists[0]) == "triton":
+        from apex._kernels import multi_tensor_sgd as kernels
+
+        kernels.sgd(noop_flag, lists, **args)
+        return
+    if bool(noop_flag.item()):
+        return
+    sgd_torch(lists, **args, uniform=not validate)
+
+
+def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,
+              uniform: bool = False) -> None:
+    """``uniform``: the caller guarantees one dtype per list (an apex optimizer's bucket)."""
+    g, w, buf = lists[:3]
+    copies = lists[3] if len(lists) == 4 else None
+    # torch._fused_sgd_ is only used for fp32: its CPU kernel loses ~5% relative accuracy on fp16/bf16
+    # tensors of more than a few elements (torch 2.13), so reduced precision goes through fp32 copies.
+    def dtypes(xs):
+        return {xs[0].dtype} if uniform else {x.dtype for x in xs}
+
+    fp32 = {torch.float32}
+    if (copies is None and scale == 1.0 and (wd == 0.0 or not wd_after_momentum)
+            and dtypes(w) == fp32 and dtypes(g) == fp32 and (momentum == 0.0 or dtypes(buf) == fp32)):
+        torch._fused_sgd_(w, g, buf if momentum != 0.0 else [], weight_decay=wd, momentum=momentum, lr=lr,
+                          dampening=dampening, nesterov=nesterov, maximize=False, is_first_step=first_run)
+        return
+    # General case: fp32 working copies, one rounding per stored result.
+    g32 = [x.float() * scale if scale != 1.0 else x.float().clone() for x in g]
+    w32 = [x if x.dtype == torch.float32 else x.float() for x in w]
+    if wd != 0.0 and not wd_after_momentum:
+        torch._foreach_add_(g32, w32, alpha=wd)
+    if momentum != 0.0:
+        if first_run:
+            b32 = [x.clone() for x in g32]
+        else:
+            b32 = [x.float() if x.dtype != torch.float32 else x.clone() for x in buf]
+            torch._foreach_mul_(b32, momentum)
+            torch._foreach_add_(b32, g32, alpha=1.0 - dampening)
+        if nesterov:
+            torch._foreach_add_(g32, b32, alpha=momentum)
+        else:
+            g32 = [x.clone() for x in b32] if wd_after_momentum and wd != 0.0 else b32
+        torch._foreach_copy_(buf, b32)
+    if wd != 0.0 and wd_after_momentum:
+        torch._foreach_add_(g32, w32, alpha=wd)
+    torch._foreach_add_(w32, g32, alpha=-lr)
+    back = [i for i in range(len(w)) if w32[i] is not w[i]]
+    if back:
+        torch._foreach_copy_([w[i] for i in back], [w32[i] for i in back])
+    if copies is not None:
+        torch._foreach_copy_(copies, w32)

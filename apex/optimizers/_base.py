@@ -1,0 +1,316 @@
+"""Machinery shared by apex's fused optimizers.
+
+* hyper-parameter validation (``ValueError`` naming the argument);
+* a whole-step check of every gradient before anything is changed (sparse, dtype, shape, device);
+* grouping of tensors by (device, dtype) so each group costs one multi-tensor call;
+* fp32 master weights for fp16 *and* bf16 parameters, kept in the per-parameter state (``master_param``)
+  so that they are saved by ``state_dict()`` and a resumed run continues bit for bit;
+* ``zero_grad`` honouring Apex's ``set_grad_none``;
+* mixed-precision scaling: ``step(grad_scaler=...)`` (Apex's protocol) and the ``grad_scale`` /
+  ``found_inf`` attributes that ``torch.amp.GradScaler`` sets on optimizers (PyTorch's protocol);
+* a ``load_state_dict`` that keeps fp32 optimizer state fp32 for reduced-precision parameters
+  (``torch.optim.Optimizer`` would cast it to the parameter's dtype and lose the bits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+REDUCED = (torch.float16, torch.bfloat16)
+# float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# -- validation -----------------------------------------------------------------------------------------
+def _number(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
+        return float(value.detach().cpu().item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_non_negative(value, name: str) -> None:
+    v = _number(value, name)
+    if not v >= 0.0 or math.isinf(v):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
+
+
+def check_betas(betas, name: str = "betas") -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid {name}: {betas!r} (expected a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        v = _number(b, f"{name}[{i}]")
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({name}[{i}] must be in [0, 1))")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory in some order."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+def group_by(keys: Sequence, n: int) -> dict:
+    """Indices ``0..n-1`` bucketed by ``keys[i]`` (insertion ordered)."""
+    buckets: dict = {}
+    for i in range(n):
+        buckets.setdefault(keys[i], []).append(i)
+    return buckets
+
+
+class FusedOptimizerBase(torch.optim.Optimizer):
+    """Base class: validation, master weights, ``zero_grad``, scaler protocol and state loading.
+
+    Subclasses implement ``_fused_step(grad_scale_info)`` and list, in ``_fp32_state_keys``, the state
+    entries that stay fp32 whatever the parameter dtype.
+    """
+
+    _fp32_state_keys: tuple[str, ...] = ("master_param",)
+    _name = "FusedOptimizer"
+
+    def __init__(self, params, defaults: dict, *, set_grad_none: bool, master_weights: bool = False):
+        super().__init__(params, defaults)
+        self.set_grad_none = bool(set_grad_none)
+        self.master_weights = bool(master_weights)
+        self._overflow_bufs: dict = {}
+        self._packed_steps: dict = {}
+
+    # -- Apex attributes --------------------------------------------------------------------------------
+    @property
+    def _dummy_overflow_buf(self) -> torch.Tensor:
+        """Apex's skip flag (int32, one element) on the device of the first parameter."""
+        return self._overflow_buf(self._first_device())
+
+    def _overflow_buf(self, device: torch.device) -> torch.Tensor:
+        buf = self._overflow_bufs.get(device)
+        if buf is None:
+            buf = self._overflow_bufs[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return buf
+
+    def _first_device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._overflow_bufs = {}
+        self._packed_steps = {}
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    # -- zero_grad --------------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear gradients: ``None`` when ``set_grad_none`` (or ``set_to_none``) is true, else zeros."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else bool(set_to_none))
+
+    # -- checks -----------------------------------------------------------------------------------------
+    def _check_grads(self) -> list[list[torch.Tensor]]:
+        """Check every gradient of every group before any state changes; return params with grads."""
+        with_grads = []
+        relayout = []
+        for gi, group in enumerate(self.param_groups):
+            ps = []
+            device = None
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                # One cheap test for the usual case; the detailed checks run only when it fails.
+                if (g.is_sparse or p.dtype not in SUPPORTED or g.dtype != p.dtype or g.shape != p.shape
+                        or g.device != p.device or not p.is_contiguous()):
+                    self._diagnose(gi, pi, p, g)
+                    if g.stride() != p.stride() and p.numel() > 1:
+                        relayout.append(p)  # the kernels walk p, g and the state in one memory order
+                elif not g.is_contiguous() and p.numel() > 1:
+                    relayout.append(p)
+                if device is None:
+                    device = p.device
+                elif p.device != device:
+                    raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
+                                       f"param_groups[{gi}]['params'][{pi}] is on {p.device}, the group's "
+                                       f"first parameter on {device}")
+                ps.append(p)
+            with_grads.append(ps)
+        for p in relayout:  # only once every check has passed: a failed step changes nothing
+            p.grad = torch.empty_like(p).copy_(p.grad)
+        return with_grads
+
+    def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
+        """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
+        non-contiguous parameter such as a channels_last one)."""
+        where = f"param_groups[{gi}]['params'][{pi}]"
+        if g.is_sparse:
+            raise RuntimeError(f"{self._name} does not support sparse gradients ({where})")
+        if p.dtype not in SUPPORTED:
+            raise RuntimeError(f"{self._name} supports float32, float16, bfloat16 and float64 "
+                               f"parameters; {where} is {p.dtype}")
+        if g.dtype != p.dtype:
+            raise RuntimeError(f"{self._name}: the gradient of {where} has dtype {g.dtype} but the "
+                               f"parameter has dtype {p.dtype}")
+        if g.shape != p.shape:
+            raise RuntimeError(f"{self._name}: the gradient of {where} has shape {tuple(g.shape)} "
+                               f"but the parameter has shape {tuple(p.shape)}")
+        if g.device != p.device:
+            raise RuntimeError(f"{self._name}: the gradient of {where} is on {g.device} but the "
+                               f"parameter is on {p.device}")
+        if not _dense(p):
+            raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
+                               "optimize the tensor it views instead")
+
+    # -- master weights -----------------------------------------------------------------------------------
+    def _master(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master copy of a reduced-precision parameter (created on first use), else None."""
+        if not self.master_weights or p.dtype not in REDUCED:
+            return None
+        state = self.state[p]
+        m = state.get("master_param")
+        if m is None or m.shape != p.shape or m.device != p.device:
+            m = state["master_param"] = p.detach().float().clone()
+        return m
+
+    @staticmethod
+    def _trusted(op) -> dict:
+        """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an
+        op a subclass swapped in."""
+        return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
+
+    # -- step counters ---------------------------------------------------------------------------------------
+    def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:
+        """Add 1 to the (CPU, fp32) ``state['step']`` of each of ``params`` and return the new values.
+
+        The steps of a group are kept as 0-d views of one buffer, so the usual step (every parameter of
+        the group has a gradient) costs one ``add_`` and no read-back, instead of a foreach over one
+        scalar tensor per parameter. Each ``state['step']`` is still its own tensor, as in PyTorch.
+        Anything else (a subset of the group, steps loaded or modified from outside, detected through
+        the buffer's version counter) takes the general path and re-packs the steps.
+        """
+        key = id(group)
+        packed = self._packed_steps.get(key)
+        states = [self.state[p] for p in params]
+        if packed is not None:
+            buf, views, values, version = packed
+            if (buf._version == version and len(views) == len(states)
+                    and all(st["step"] is v for st, v in zip(states, views))):
+                buf.add_(1.0)
+                values = [v + 1.0 for v in values]
+                self._packed_steps[key] = (buf, views, values, buf._version)
+                return values
+        steps = [st["step"] for st in states]
+        # Steps may come from elsewhere as Python numbers or tensors of any dtype/device.
+        read = torch.stack([torch.as_tensor(s).detach().reshape(()).to("cpu", torch.float32) for s in steps])
+        values = [v + 1.0 for v in read.tolist()]
+        buf = torch.tensor(values, dtype=torch.float32)
+        views = [buf[i] for i in range(len(values))]
+        for st, v in zip(states, views):
+            st["step"] = v
+        self._packed_steps[key] = (buf, views, values, buf._version)
+        return values
+
+    # -- mixed-precision scaling --------------------------------------------------------------------------
+    def _scaler_tensors(self, grad_scaler, device: torch.device):
+        """``(found_inf, inv_scale)`` as fp32 one-element tensors on ``device``, or ``None`` without scaler.
+
+        With ``grad_scaler`` (Apex's protocol) the gradients are checked here unless the user already
+        called ``grad_scaler.unscale_(optimizer)``, in which case they are already unscaled. Otherwise
+        ``torch.amp.GradScaler``'s ``grad_scale``/``found_inf`` attributes are used when present.
+        """
+        if grad_scaler is not None:
+            from torch.amp.grad_scaler import OptState
+
+            opt_state = grad_scaler._per_optimizer_states[id(self)]
+            if opt_state["stage"] is OptState.UNSCALED:
+                per_dev = opt_state["found_inf_per_device"]
+                inv_scale = torch.ones(1, dtype=torch.float32, device=device)
+            else:
+                per_dev = grad_scaler._check_inf_per_device(self)
+                scale = grad_scaler._get_scale_async()
+                inv_scale = scale.double().reciprocal().float().to(device).reshape(1)
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            for t in per_dev.values():
+                found = found + t.to(device=device, dtype=torch.float32).reshape(1)
+            return found, inv_scale
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if grad_scale is None and found_inf is None:
+            return None
+        found = (found_inf.to(device=device, dtype=torch.float32).reshape(1) if found_inf is not None
+                 else torch.zeros(1, dtype=torch.float32, device=device))
+        inv_scale = (grad_scale.double().reciprocal().float().to(device).reshape(1) if grad_scale is not None
+                     else torch.ones(1, dtype=torch.float32, device=device))
+        return found, inv_scale
+
+    def _unscale_or_skip(self, grad_scaler) -> bool:
+        """Host-synchronising scaler handling for non-capturable optimizers: returns True to skip the step
+        (an inf/NaN was found), otherwise unscales the gradients in place."""
+        info = self._scaler_tensors(grad_scaler, self._first_device())
+        if info is None:
+            return False
+        found, inv_scale = info
+        if found.item() != 0:
+            return True
+        if inv_scale.item() != 1.0:
+            by_dev: dict = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_dev.setdefault(p.grad.device, []).append(p.grad)
+            for dev, grads in by_dev.items():
+                torch._foreach_mul_(grads, inv_scale.to(dev))
+        return False
+
+    # -- step ---------------------------------------------------------------------------------------------
+    def _run_closure(self, closure: Callable | None):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    # -- state loading ------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict (ours, Apex's or ``torch.optim``'s), keeping fp32 state fp32."""
+        saved_state = state_dict["state"]
+        keep: dict = {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, ids):
+            st = saved_state.get(i)
+            if not st:
+                continue
+            for key in self._fp32_state_keys:
+                v = st.get(key)
+                if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
+                    keep[(id(p), key)] = v
+        super().load_state_dict(state_dict)
+        self._packed_steps = {}
+        for p in params:
+            st = self.state.get(p)
+            if not st:
+                continue
+            for key in self._fp32_state_keys:
+                v = keep.get((id(p), key))
+                if v is not None:
+                    st[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """Hook for subclasses (e.g. moving ``step`` tensors to the device in capturable mode)."""
+
+
+def flat_params(groups: Iterable[dict]) -> list[torch.Tensor]:
+    return [p for g in groups for p in g["params"]]

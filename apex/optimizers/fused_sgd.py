@@ -1,0 +1,132 @@
+"""``FusedSGD``: SGD with momentum, dampening, Nesterov and weight decay, one multi-tensor update per
+(device, dtype) group."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import required
+
+from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by
+
+
+class FusedSGD(FusedOptimizerBase):
+    r"""Stochastic gradient descent with optional momentum, Apex's ``FusedSGD``.
+
+    A drop-in replacement for ``torch.optim.SGD`` with the same rule and state (``momentum_buffer``)::
+
+        g = g + weight_decay * p                         (before momentum unless wd_after_momentum)
+        buf = g on the first step, else momentum * buf + (1 - dampening) * g
+        g = g + momentum * buf  (nesterov)   or   g = buf
+        g = g + weight_decay * p                         (if wd_after_momentum)
+        p = p - lr * g
+
+    Arithmetic is fp32; parameters and buffers keep their dtype (fp32, fp16 or bf16). With Apex's amp
+    (``amp.initialize(..., opt_level="O2")``) the fp32 master weights of fp16 models are updated and copied
+    into the model in the same pass (``materialize_master_grads`` picks which gradients are read), and the
+    loss scale recorded by amp (``most_recent_scale``) is divided out inside the update.
+
+    Arguments are Apex's: ``params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+    wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False``.
+    """
+
+    _name = "FusedSGD"
+
+    def __init__(self, params, lr=required, momentum: float = 0, dampening: float = 0,
+                 weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
+                 materialize_master_grads: bool = True, set_grad_none: bool = False):
+        if lr is not required:
+            check_non_negative(lr, "lr")
+        check_non_negative(momentum, "momentum")
+        check_non_negative(weight_decay, "weight_decay")
+        check_non_negative(dampening, "dampening")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=False, foreach=None, differentiable=False, fused=None)
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+
+        import amp_C
+
+        self.multi_tensor_sgd = amp_C.multi_tensor_sgd
+
+    def get_momentums(self, params):
+        """Apex's helper: the momentum buffers of ``params`` (created as zeros) and whether they are new."""
+        momentums, first_run = [], True
+        for p in params:
+            state = self.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                first_run = True
+            else:
+                first_run = False
+            momentums.append(state["momentum_buffer"])
+        return momentums, first_run
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
+        loss = self._run_closure(closure)
+        stash = getattr(self, "_amp_stash", None)
+        explicit_master = stash is not None and hasattr(stash, "fp32_from_fp16_groups")
+        with_grads = None if explicit_master else self._check_grads()
+        if not explicit_master and self._unscale_or_skip(None):
+            return loss
+        scale = 1.0 / self.most_recent_scale
+        for gid, group in enumerate(self.param_groups):
+            if explicit_master:
+                sets = self._amp_sets(stash, gid)
+            else:
+                sets = [[[p.grad for p in with_grads[gid]], with_grads[gid]]]
+            for launch in sets:
+                self._launch(group, launch, scale, checked=not explicit_master)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+        return loss
+
+    def _amp_sets(self, stash, gid):
+        """Apex amp O2: fp32 masters of fp16 params (plus the fp16 copies), and fp32 params."""
+        fp32_params = [p for p in stash.fp32_from_fp32_groups[gid] if p.grad is not None]
+        sets = [[[p.grad for p in fp32_params], fp32_params]]
+        masters, models = stash.fp32_from_fp16_groups[gid], stash.fp16_groups[gid]
+        if self.materialize_master_grads:
+            pairs = [(m.grad, m, c) for m, c in zip(masters, models) if m.grad is not None]
+        else:
+            pairs = [(c.grad, m, c) for m, c in zip(masters, models) if c.grad is not None]
+        if pairs:
+            sets.append([[a for a, _, _ in pairs], [b for _, b, _ in pairs], [c for _, _, c in pairs]])
+        return sets
+
+    def _launch(self, group, launch, scale: float, checked: bool) -> None:
+        grads, params = launch[0], launch[1]
+        copies = launch[2] if len(launch) == 3 else None
+        if not params:
+            return
+        momentum = group["momentum"]
+        state = self.state
+        existing = [state[p].get("momentum_buffer") for p in params] if momentum != 0 else None
+        fresh = [b is None for b in existing] if existing is not None else [False] * len(params)
+        device = params[0].device
+        if (len({p.dtype for p in params}) == 1 and len({g.dtype for g in grads}) == 1
+                and (not any(fresh) or all(fresh))):
+            buckets = {(None, None, fresh[0]): range(len(params))}  # the usual step: one bucket
+        else:
+            buckets = group_by([(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)], len(params))
+        for (_, _, first_run), idx in buckets.items():
+            ps = [params[i] for i in idx]
+            if momentum == 0:
+                bufs = ps  # never read nor written without momentum
+            elif first_run:
+                bufs, _ = self.get_momentums(ps)
+            else:
+                bufs = [existing[i] for i in idx]
+            lists = [[grads[i] for i in idx], ps, bufs]
+            if copies is not None:
+                lists.append([copies[i] for i in idx])
+            self.multi_tensor_sgd(2048 * 32, self._overflow_buf(device), lists, group["weight_decay"],
+                                  momentum, group["dampening"], group["lr"], group["nesterov"], first_run,
+                                  self.wd_after_momentum, scale,
+                                  **(self._trusted(self.multi_tensor_sgd) if checked else {}))

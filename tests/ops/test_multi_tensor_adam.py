@@ -1,0 +1,138 @@
+"""amp_C.multi_tensor_adam / _capturable / _capturable_master against float64, noop and unscale
+semantics, one launch and the minimum bytes on the Triton path."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import amp_C
+from apex.testing import TritonTrace, assert_rel_close
+from tests.ops._lists import flag, ragged
+
+SIZES = (1, 7, 4097, 65537)
+LR, B1, B2, EPS, WD, STEP = 1e-2, 0.9, 0.999, 1e-8, 0.05, 4
+
+
+def _state(dtype, seed):
+    g, p = ragged(dtype, SIZES, seed), ragged(dtype, SIZES, seed + 1)
+    m = [x.float() * 0.1 for x in ragged(torch.float32, SIZES, seed + 2)]
+    v = [x.float().abs() * 0.1 for x in ragged(torch.float32, SIZES, seed + 3)]
+    return g, p, m, v
+
+
+def _ref(g, p, m, v, mode, bc, inv_scale=1.0, step=STEP):
+    g = g.double() * inv_scale
+    p, m, v = p.double(), m.double(), v.double()
+    if mode == 0:
+        g = g + WD * p
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * g * g
+    c1, c2 = (1 - B1 ** step, 1 - B2 ** step) if bc else (1.0, 1.0)
+    u = (m / c1) / ((v / c2).sqrt() + EPS)
+    if mode == 1:
+        u = u + WD * p
+    return p - LR * u, m, v
+
+
+def _call(backend_name, fn, lists, *args):
+    if backend_name == "triton":
+        with TritonTrace(bounds=True) as tr:
+            tr.watch(lists)
+            fn(2048 * 32, *args[:1], lists, *args[1:])
+        return tr
+    fn(2048 * 32, *args[:1], lists, *args[1:])
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode,bc", [(0, 1), (1, 1), (1, 0)])
+def test_adam_matches_float64(backend_name, dtype, mode, bc):
+    g, p, m, v = _state(dtype, 0)
+    refs = [_ref(*t, mode, bc) for t in zip(g, p, m, v)]
+    noop = flag()
+    tr = _call(backend_name, amp_C.multi_tensor_adam, [g, p, m, v], noop, LR, B1, B2, EPS, STEP, mode, bc, WD)
+    if tr is not None:
+        assert tr.launches == 1
+    for x, mm, vv, (rp, rm, rv) in zip(p, m, v, refs):
+        assert_rel_close(x, rp, baseline=rp.to(dtype))
+        assert_rel_close(mm, rm, torch.float32)
+        assert_rel_close(vv, rv, torch.float32)
+
+
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_unscales_writes_grads_back_and_honours_noop(backend_name, master, dtype):
+    g, p, m, v = _state(dtype, 5)
+    scaled = [(x.float() * 1024).to(dtype) for x in g]
+    w = [x.float() for x in p]
+    refs = [_ref(gs, pp, mm, vv, 1, 1, inv_scale=1 / 1024) for gs, pp, mm, vv in zip(scaled, w, m, v)]
+    lists = [scaled, p, m, v] + ([w] if master else [])
+    fn = amp_C.multi_tensor_adam_capturable_master if master else amp_C.multi_tensor_adam_capturable
+    lr, step, inv = torch.tensor([LR]), torch.tensor([STEP], dtype=torch.int32), torch.tensor([1 / 1024])
+    # A set noop flag: nothing at all is written.
+    before = [[t.clone() for t in lst] for lst in lists]
+    _call(backend_name, fn, lists, torch.ones(1, dtype=torch.int32), lr, B1, B2, EPS, step, 1, 1, WD, inv)
+    for lst, old in zip(lists, before):
+        for a, b in zip(lst, old):
+            assert torch.equal(a, b)
+    tr = _call(backend_name, fn, lists, flag(), lr, B1, B2, EPS, step, 1, 1, WD, inv)
+    if tr is not None:
+        assert tr.launches == 1
+    for gs, orig, x, mm, (rp, rm, _) in zip(scaled, g, p, m, refs):
+        assert_rel_close(gs, orig.double(), baseline=orig.double().to(dtype))  # unscaled in place
+        assert_rel_close(x, rp, baseline=rp.to(dtype))
+        assert_rel_close(mm, rm, torch.float32)
+    if master:
+        for x, (rp, _, _) in zip(w, refs):
+            assert_rel_close(x, rp, torch.float32)
+            assert x.dtype == torch.float32
+
+
+def test_adam_ignores_noop_and_propagates_nonfinite(backend_name):
+    g, p, m, v = _state(torch.float32, 9)
+    g[2][5] = float("inf")
+    noop = torch.ones(1, dtype=torch.int32)
+    _call(backend_name, amp_C.multi_tensor_adam, [g, p, m, v], noop, LR, B1, B2, EPS, 1, 1, 1, 0.0)
+    assert not torch.isfinite(m[2][5]) and torch.isfinite(p[0]).all()
+
+
+def test_triton_moves_the_minimum_bytes():
+    pytest.importorskip("triton")
+    g, p, m, v = _state(torch.float32, 3)
+    n = sum(x.numel() for x in p)
+    with TritonTrace(bounds=True) as tr:
+        tr.watch(g, p, m, v)
+        import apex
+
+        with apex.backend("triton"):
+            amp_C.multi_tensor_adam(2048, flag(), [g, p, m, v], LR, B1, B2, EPS, 3, 1, 1, WD)
+    assert tr.launches == 1
+    # Every lane reads g, p, m, v once and writes p, m, v once: 28 B per fp32 element.
+    assert 28 * n <= tr.bytes_requested <= 1.01 * 28 * n, tr.bytes_requested / n
+    assert 28 * n <= tr.bytes_unique <= 1.01 * 28 * n, tr.bytes_unique / n
+
+
+@pytest.mark.parametrize("lists,err,word", [
+    (lambda: [[torch.ones(3)]] * 3, ValueError, "lists"),
+    (lambda: [[torch.ones(3)], [torch.ones(3)], [torch.ones(3)], [torch.ones(3, dtype=torch.float16)]],
+     TypeError, "share a dtype"),
+    (lambda: [[torch.ones(3)], [torch.ones(3)], [torch.ones(4)], [torch.ones(4)]], ValueError, "shape"),
+])
+def test_bad_lists(backend_name, lists, err, word):
+    with pytest.raises(err, match=word):
+        amp_C.multi_tensor_adam(2048, flag(), lists(), LR, B1, B2, EPS, 1, 1, 1, 0.0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=5), step=st.integers(1, 50),
+       mode=st.sampled_from([0, 1]), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_adam_random_shapes_and_steps(sizes, step, mode, dtype):
+    g, p = ragged(dtype, sizes, 11), ragged(dtype, sizes, 12)
+    m = [x.float() * 0.1 for x in ragged(torch.float32, sizes, 13)]
+    v = [x.float().abs() * 0.1 for x in ragged(torch.float32, sizes, 14)]
+    refs = [_ref(*t, mode, 1, step=step) for t in zip(g, p, m, v)]
+    amp_C.multi_tensor_adam(2048, flag(), [g, p, m, v], LR, B1, B2, EPS, step, mode, 1, WD)
+    for x, mm, (rp, rm, _) in zip(p, m, refs):
+        assert_rel_close(x, rp, baseline=rp.to(dtype))
+        assert_rel_close(mm, rm, torch.float32)

@@ -1,0 +1,52 @@
+"""Helpers shared by the optimizer tests: ragged parameter sets and a step-by-step driver."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+# Ragged sizes (not multiples of any block) plus a 3-D tensor. The Triton path runs under the
+# interpreter, which is slow per program, so it gets the same shapes minus the largest one.
+SHAPES_TORCH = [(1,), (3,), (4097,), (65537,), (5, 7, 3)]
+SHAPES_TRITON = [(1,), (3,), (4097,), (5, 7, 3)]
+
+
+def shapes_for(backend: str) -> list[tuple[int, ...]]:
+    return SHAPES_TORCH if backend == "torch" else SHAPES_TRITON
+
+
+def make_params(shapes, dtype=torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=gen).to(dtype)) for s in shapes]
+
+
+def clone_params(params) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def grads_for_step(params, step: int, seed: int = 1, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return [(torch.randn(p.shape, generator=gen) * scale).to(p.dtype) for p in params]
+
+
+def set_grads(params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def snapshot(opt: torch.optim.Optimizer, params) -> tuple[list[torch.Tensor], dict]:
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        sa, sb = a["state"][k], b["state"][k]
+        assert sa.keys() == sb.keys(), (sa.keys(), sb.keys())
+        for key in sa:
+            va, vb = sa[key], sb[key]
+            if isinstance(va, torch.Tensor):
+                assert torch.equal(va.cpu(), vb.cpu()), (k, key)
+            else:
+                assert va == vb, (k, key)
