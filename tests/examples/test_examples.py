@@ -21,10 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "examples" / "train_gpt.py"
 DIGITS = ROOT / "examples" / "train_digits.py"
 
-_optimizers = pytest.importorskip("apex.optimizers")
-if not all(hasattr(_optimizers, name) for name in ("FusedAdam", "FusedSGD")):
-    pytest.skip("the examples need apex.optimizers.FusedAdam and FusedSGD", allow_module_level=True)
-
 # A model of a few thousand parameters on the first MiB of the corpus: a step takes milliseconds.
 TINY_GPT = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4",
             "--data-mb", "1", "--eval-batches", "2", "--no-progress", "--threads", "1"]
