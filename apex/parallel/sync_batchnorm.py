@@ -80,7 +80,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
         y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu) if x.numel() else x.clone()
         ctx.save_for_backward(x, zz, weight, bias, mean, invstd)
         ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, z is not None)
-        return y.reshape(input.contiguous().shape)
+        # detach(): the reshape is a view of a tensor made here, which autograd would refuse to let an
+        # in-place op (nn.ReLU(inplace=True) after the norm) modify; a detached alias has no such base.
+        return y.reshape(input.contiguous().shape).detach()
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -147,3 +147,19 @@ def test_sync_batchnorm_gradcheck_float64(channel_last, fuse_relu):
     z = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: bn(a, b), (x, z))
     assert torch.autograd.gradcheck(lambda w, b: P.SyncBatchNorm.forward(bn, x, z), (bn.weight, bn.bias))
+
+
+def test_sync_batchnorm_output_can_be_modified_in_place():
+    # Conv -> BN -> ReLU(inplace=True) is the common pattern; the output must not be a view autograd guards.
+    from apex.parallel import SyncBatchNorm
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), SyncBatchNorm(4), torch.nn.ReLU(inplace=True))
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True))
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    ours(x).square().sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    ref(x).square().sum().backward()
+    assert torch.allclose(grad, x.grad, rtol=1e-5, atol=1e-6)
