@@ -4,7 +4,8 @@ A benchmark module (``benchmarks/**/bench_*.py``) defines ``cases() -> list[Case
 inputs lazily, so only the cases being run allocate memory:
 
 * ``timed()`` returns ``(ours, torch_best)``: two zero-argument callables doing the same work on the CPU,
-  our path and the best PyTorch alternative. Both are timed in the same run (median of repeats).
+  our path and the best PyTorch alternative. Both are timed in the same run (median of repeats). It may
+  return a third item, a dict of facts about the case (bucket counts, say), kept in ``Result.extra``.
 * ``counted()`` returns a :class:`Counted`: ``triton`` runs our Triton path under the interpreter (sizes
   small enough for it), ``eager`` does the same work in eager PyTorch, and ``bytes_min`` is what the
   operation must move at least (each input read once, each output written once).
@@ -93,10 +94,13 @@ def run_case(case: Case, *, time_it: bool = True, count_it: bool = True) -> Resu
 
     res = Result(name=case.name, torch_label=case.torch_label)
     if time_it and case.timed is not None:
-        ours, theirs = case.timed()
+        built = case.timed()
+        ours, theirs = built[0], built[1]
+        if len(built) > 2:
+            res.extra.update(built[2])
         res.ours_ms, res.torch_ms = time_pair(ours, theirs, case.repeats, case.warmup)
         res.ratio = res.ours_ms / res.torch_ms if res.torch_ms else None
-        del ours, theirs
+        del ours, theirs, built
     if count_it and case.counted is not None and os.environ.get("TRITON_INTERPRET") == "1":
         c = case.counted()
         with apex.backend("triton"), TritonTrace(bounds=False) as trace:

@@ -65,6 +65,13 @@ def write_report(results: list[Result], path: Path) -> None:
         format_table(results),
         "",
     ]
+    notes = [(r.name, {k: v for k, v in r.extra.items() if k not in ("kernels", "bytes_requested")})
+             for r in results]
+    notes = [(name, facts) for name, facts in notes if facts]
+    if notes:
+        lines += ["## Notes per case", ""]
+        lines += [f"- **{name}**: " + "; ".join(f"{k} = {v}" for k, v in facts.items()) for name, facts in notes]
+        lines.append("")
     path.write_text("\n".join(lines))
 
 

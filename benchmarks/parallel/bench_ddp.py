@@ -4,7 +4,7 @@ under ``torch.nn.parallel.DistributedDataParallel``, on 2 Gloo ranks of this mac
 The benchmark process is rank 0; the case spawns rank 1, which mirrors every step rank 0 takes (rank 0
 broadcasts which wrapper runs next, so the two ranks' collectives always match; both timings pay that
 same small broadcast). Both wrappers get the same model, data and bucket size (10 MB). The number of
-all-reduce calls per step and the number of buckets of each wrapper are printed on stderr.
+all-reduce calls per step and the number of buckets are kept in the result's ``extra`` (and printed).
 """
 
 from __future__ import annotations
@@ -93,15 +93,19 @@ class _TwoRanks:
         dist.broadcast(self.steps.cmd, 0)
         self.steps.run(which)
 
-    def report(self) -> None:
+    def report(self) -> dict:
         ours = self.steps.ours
         calls0 = ours.allreduce_calls
         self.step(OURS)
         per_step = ours.allreduce_calls - calls0
         data = self.steps.theirs._get_ddp_logging_data()
+        facts = {"allreduce_calls_per_step": per_step, "buckets": ours.num_buckets,
+                 "bucket_sizes_params": list(ours.bucket_sizes),
+                 "torch_ddp_bucket_sizes_bytes": data.get("bucket_sizes", "?")}
         print(f"bench_ddp: apex DDP {per_step} all-reduce call(s) per step for {ours.num_buckets} bucket(s) "
-              f"(sizes {ours.bucket_sizes} params); torch DDP bucket sizes {data.get('bucket_sizes', '?')} "
+              f"(sizes {ours.bucket_sizes} params); torch DDP bucket sizes {facts['torch_ddp_bucket_sizes_bytes']} "
               "bytes (one all-reduce each)", file=sys.stderr, flush=True)
+        return facts
 
     def close(self) -> None:
         if self.closed:
@@ -117,10 +121,10 @@ class _TwoRanks:
 def _timed(cfg):
     pair = _TwoRanks(cfg)
     pair.step(OURS)  # the first step builds apex's bucket structure
-    pair.report()
+    facts = pair.report()
     handle = _Handle(pair)
     weakref.finalize(handle, pair.close)  # rank 1 stops once the harness drops both callables
-    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS))
+    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS)), facts
 
 
 class _Handle:
