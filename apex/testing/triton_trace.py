@@ -205,8 +205,17 @@ class _EagerCounter(TorchDispatchMode):
 
         for a in list(args) + list(kwargs.values()):
             add(a)
+        # Arguments the op writes in place (add_, _foreach_mul_, out=) are written once more; returns that
+        # alias them are the same memory and are not counted again.
+        bound = dict(zip((a.name for a in func._schema.arguments), args))
+        bound.update(kwargs)
+        for a in func._schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write:
+                add(bound.get(a.name))
         outs = out if isinstance(out, (list, tuple)) else [out]
-        for o in outs:
+        for o, r in zip(outs, list(func._schema.returns) + [None] * len(outs)):
+            if r is not None and r.alias_info is not None:
+                continue
             if isinstance(o, torch.Tensor) and id(o) not in seen:
                 seen.add(id(o))
                 add(o)
