@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,15 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+class Checked(NamedTuple):
+    """One parameter group after the step's checks: its parameters with a gradient, the gradients, and
+    the group's dtype (``None`` when it mixes dtypes)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    dtype: torch.dtype | None
+
+
 def group_by(keys: Sequence, n: int) -> dict:
     """Indices ``0..n-1`` bucketed by ``keys[i]`` (insertion ordered)."""
     buckets: dict = {}
@@ -122,34 +132,49 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     # -- checks -----------------------------------------------------------------------------------------
     def _check_grads(self) -> list[list[torch.Tensor]]:
         """Check every gradient of every group before any state changes; return params with grads."""
-        with_grads = []
+        return [c.params for c in self._checked_groups()]
+
+    def _checked_groups(self) -> list[Checked]:
+        """Check every gradient of every group before any state changes (one pass over the tensors).
+
+        Returns, per group, its parameters that have a gradient, those gradients (made contiguous where
+        they were strided) and the group's one dtype (``None`` when the dtypes are mixed), so that a step
+        does not read these attributes again.
+        """
+        out = []
         relayout = []
         for gi, group in enumerate(self.param_groups):
-            ps = []
-            device = None
+            ps: list[torch.Tensor] = []
+            gs: list[torch.Tensor] = []
+            device = dtype = None
+            mixed = False
             for pi, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
+                pdtype, pdevice = p.dtype, p.device
                 # One cheap test for the usual case; the detailed checks run only when it fails.
-                if (g.is_sparse or p.dtype not in SUPPORTED or g.dtype != p.dtype or g.shape != p.shape
-                        or g.device != p.device or not p.is_contiguous()):
+                if (g.is_sparse or pdtype not in SUPPORTED or g.dtype != pdtype or g.shape != p.shape
+                        or g.device != pdevice or not p.is_contiguous()):
                     self._diagnose(gi, pi, p, g)
                     if g.stride() != p.stride() and p.numel() > 1:
-                        relayout.append(p)  # the kernels walk p, g and the state in one memory order
+                        relayout.append((gs, len(gs), p))  # the kernels walk p, g and the state in one order
                 elif not g.is_contiguous() and p.numel() > 1:
-                    relayout.append(p)
+                    relayout.append((gs, len(gs), p))
                 if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
-                                       f"param_groups[{gi}]['params'][{pi}] is on {p.device}, the group's "
-                                       f"first parameter on {device}")
+                    device, dtype = pdevice, pdtype
+                else:
+                    if pdevice != device:
+                        raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
+                                           f"param_groups[{gi}]['params'][{pi}] is on {pdevice}, the group's "
+                                           f"first parameter on {device}")
+                    mixed = mixed or pdtype is not dtype
                 ps.append(p)
-            with_grads.append(ps)
-        for p in relayout:  # only once every check has passed: a failed step changes nothing
-            p.grad = torch.empty_like(p).copy_(p.grad)
-        return with_grads
+                gs.append(g)
+            out.append(Checked(ps, gs, None if mixed else dtype))
+        for gs, i, p in relayout:  # only once every check has passed: a failed step changes nothing
+            p.grad = gs[i] = torch.empty_like(p).copy_(p.grad)
+        return out
 
     def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
         """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
