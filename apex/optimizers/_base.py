@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import required
 
 REDUCED = (torch.float16, torch.bfloat16)
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
@@ -51,6 +52,17 @@ def check_betas(betas, name: str = "betas") -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({name}[{i}] must be in [0, 1))")
 
 
+def check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov) -> None:
+    """The arguments FusedSGD and FusedLARS share (``lr`` may be ``torch.optim.optimizer.required``)."""
+    if lr is not required:
+        check_non_negative(lr, "lr")
+    check_non_negative(momentum, "momentum")
+    check_non_negative(weight_decay, "weight_decay")
+    check_non_negative(dampening, "dampening")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: the elements fill one block of memory in some order."""
     if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
@@ -64,6 +76,22 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
+    """Clear gradients: ``None`` when ``set_to_none`` (default: the optimizer's ``set_grad_none``), else
+    zeros."""
+    if set_to_none is None:
+        set_to_none = optimizer.set_grad_none
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=bool(set_to_none))
+
+
+def run_closure(closure: Callable | None):
+    """``closure()`` with gradients enabled (``step`` runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Checked(NamedTuple):
     """One parameter group after the step's checks: its parameters with a gradient, the gradients, and
     the group's dtype (``None`` when it mixes dtypes)."""
@@ -127,7 +155,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     # -- zero_grad --------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear gradients: ``None`` when ``set_grad_none`` (or ``set_to_none``) is true, else zeros."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else bool(set_to_none))
+        zero_grad(self, set_to_none)
 
     # -- checks -----------------------------------------------------------------------------------------
     def _check_grads(self) -> list[list[torch.Tensor]]:
@@ -301,10 +329,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     # -- step ---------------------------------------------------------------------------------------------
     def _run_closure(self, closure: Callable | None):
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        return run_closure(closure)
+
+    def _begin_step(self, closure: Callable | None):
+        """The start of a host-synchronising step: ``(loss, checked groups)``, or ``(loss, None)`` when a
+        non-finite gradient makes the step a no-op."""
+        loss = run_closure(closure)
+        checked = self._checked_groups()
+        return loss, None if self._unscale_or_skip(None) else checked
 
     # -- state loading ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:

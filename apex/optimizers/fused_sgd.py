@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, group_by
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -34,13 +34,7 @@ class FusedSGD(FusedOptimizerBase):
     def __init__(self, params, lr=required, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False):
-        if lr is not required:
-            check_non_negative(lr, "lr")
-        check_non_negative(momentum, "momentum")
-        check_non_negative(weight_decay, "weight_decay")
-        check_non_negative(dampening, "dampening")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=False, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults, set_grad_none=set_grad_none)
@@ -69,12 +63,14 @@ class FusedSGD(FusedOptimizerBase):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._run_closure(closure)
         stash = getattr(self, "_amp_stash", None)
         explicit_master = stash is not None and hasattr(stash, "fp32_from_fp16_groups")
-        checked = None if explicit_master else self._checked_groups()
-        if not explicit_master and self._unscale_or_skip(None):
-            return loss
+        if explicit_master:
+            loss, checked = self._run_closure(closure), None
+        else:
+            loss, checked = self._begin_step(closure)
+            if checked is None:
+                return loss
         scale = 1.0 / self.most_recent_scale
         for gid, group in enumerate(self.param_groups):
             if explicit_master:
