@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import required
 
 REDUCED = (torch.float16, torch.bfloat16)
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
@@ -50,6 +52,17 @@ def check_betas(betas, name: str = "betas") -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({name}[{i}] must be in [0, 1))")
 
 
+def check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov) -> None:
+    """The arguments FusedSGD and FusedLARS share (``lr`` may be ``torch.optim.optimizer.required``)."""
+    if lr is not required:
+        check_non_negative(lr, "lr")
+    check_non_negative(momentum, "momentum")
+    check_non_negative(weight_decay, "weight_decay")
+    check_non_negative(dampening, "dampening")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: the elements fill one block of memory in some order."""
     if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
@@ -63,6 +76,31 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
+    """Clear gradients: ``None`` when ``set_to_none`` (default: the optimizer's ``set_grad_none``), else
+    zeros."""
+    if set_to_none is None:
+        set_to_none = optimizer.set_grad_none
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=bool(set_to_none))
+
+
+def run_closure(closure: Callable | None):
+    """``closure()`` with gradients enabled (``step`` runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class Checked(NamedTuple):
+    """One parameter group after the step's checks: its parameters with a gradient, the gradients, and
+    the group's dtype (``None`` when it mixes dtypes)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    dtype: torch.dtype | None
+
+
 def group_by(keys: Sequence, n: int) -> dict:
     """Indices ``0..n-1`` bucketed by ``keys[i]`` (insertion ordered)."""
     buckets: dict = {}
@@ -117,39 +155,54 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     # -- zero_grad --------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear gradients: ``None`` when ``set_grad_none`` (or ``set_to_none``) is true, else zeros."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else bool(set_to_none))
+        zero_grad(self, set_to_none)
 
     # -- checks -----------------------------------------------------------------------------------------
     def _check_grads(self) -> list[list[torch.Tensor]]:
         """Check every gradient of every group before any state changes; return params with grads."""
-        with_grads = []
+        return [c.params for c in self._checked_groups()]
+
+    def _checked_groups(self) -> list[Checked]:
+        """Check every gradient of every group before any state changes (one pass over the tensors).
+
+        Returns, per group, its parameters that have a gradient, those gradients (made contiguous where
+        they were strided) and the group's one dtype (``None`` when the dtypes are mixed), so that a step
+        does not read these attributes again.
+        """
+        out = []
         relayout = []
         for gi, group in enumerate(self.param_groups):
-            ps = []
-            device = None
+            ps: list[torch.Tensor] = []
+            gs: list[torch.Tensor] = []
+            device = dtype = None
+            mixed = False
             for pi, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
+                pdtype, pdevice = p.dtype, p.device
                 # One cheap test for the usual case; the detailed checks run only when it fails.
-                if (g.is_sparse or p.dtype not in SUPPORTED or g.dtype != p.dtype or g.shape != p.shape
-                        or g.device != p.device or not p.is_contiguous()):
+                if (g.is_sparse or pdtype not in SUPPORTED or g.dtype != pdtype or g.shape != p.shape
+                        or g.device != pdevice or not p.is_contiguous()):
                     self._diagnose(gi, pi, p, g)
                     if g.stride() != p.stride() and p.numel() > 1:
-                        relayout.append(p)  # the kernels walk p, g and the state in one memory order
+                        relayout.append((gs, len(gs), p))  # the kernels walk p, g and the state in one order
                 elif not g.is_contiguous() and p.numel() > 1:
-                    relayout.append(p)
+                    relayout.append((gs, len(gs), p))
                 if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
-                                       f"param_groups[{gi}]['params'][{pi}] is on {p.device}, the group's "
-                                       f"first parameter on {device}")
+                    device, dtype = pdevice, pdtype
+                else:
+                    if pdevice != device:
+                        raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
+                                           f"param_groups[{gi}]['params'][{pi}] is on {pdevice}, the group's "
+                                           f"first parameter on {device}")
+                    mixed = mixed or pdtype is not dtype
                 ps.append(p)
-            with_grads.append(ps)
-        for p in relayout:  # only once every check has passed: a failed step changes nothing
-            p.grad = torch.empty_like(p).copy_(p.grad)
-        return with_grads
+                gs.append(g)
+            out.append(Checked(ps, gs, None if mixed else dtype))
+        for gs, i, p in relayout:  # only once every check has passed: a failed step changes nothing
+            p.grad = gs[i] = torch.empty_like(p).copy_(p.grad)
+        return out
 
     def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
         """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
@@ -276,10 +329,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     # -- step ---------------------------------------------------------------------------------------------
     def _run_closure(self, closure: Callable | None):
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        return run_closure(closure)
+
+    def _begin_step(self, closure: Callable | None):
+        """The start of a host-synchronising step: ``(loss, checked groups)``, or ``(loss, None)`` when a
+        non-finite gradient makes the step a no-op."""
+        loss = run_closure(closure)
+        checked = self._checked_groups()
+        return loss, None if self._unscale_or_skip(None) else checked
 
     # -- state loading ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from apex.optimizers._base import _number, check_betas, check_non_negative
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -17,33 +19,22 @@ class ParamMismatchError(RuntimeError, ValueError):
     Both a ``RuntimeError`` (what PyTorch raises for such tensors) and a ``ValueError`` (bad input)."""
 
 
-def _number(value, name: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
 def check_hyperparameters(*, lr, betas, eps, weight_decay, max_grad_norm=None, amsgrad=False,
                           name: str = "FusedLAMB") -> None:
     if amsgrad:
         raise RuntimeError(f"{name} does not support the AMSGrad variant.")
-    if not 0.0 <= _number(lr, "lr"):
-        raise ValueError(f"Invalid lr: {lr} (expected lr >= 0)")
-    if not 0.0 <= _number(eps, "eps"):
-        raise ValueError(f"Invalid eps: {eps} (expected eps >= 0)")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
-    for i, b in enumerate(betas):
-        if not 0.0 <= _number(b, f"betas[{i}]") < 1.0:
-            raise ValueError(f"Invalid betas[{i}]: {b} (expected 0 <= betas[{i}] < 1)")
-    if not 0.0 <= _number(weight_decay, "weight_decay"):
-        raise ValueError(f"Invalid weight_decay: {weight_decay} (expected weight_decay >= 0)")
+    check_non_negative(lr, "lr")
+    check_non_negative(eps, "eps")
+    check_betas(betas)
+    check_non_negative(weight_decay, "weight_decay")
     if max_grad_norm is not None and not 0.0 < _number(max_grad_norm, "max_grad_norm"):
         raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected max_grad_norm > 0)")
+
+
+def check_group_hyperparameters(optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+    """``check_hyperparameters`` for a group given to ``add_param_group`` (missing keys: the defaults)."""
+    check_hyperparameters(**{k: param_group.get(k, optimizer.defaults[k]) for k in ("lr", "betas", "eps",
+                                                                                     "weight_decay")})
 
 
 def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
@@ -82,14 +73,3 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
     """``p.grad`` in the contiguous layout the multi-tensor ops need (a copy only when it is strided)."""
     g = p.grad
     return g if g.is_contiguous() else g.contiguous()
-
-
-def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
-    if set_to_none is None:
-        set_to_none = optimizer.set_grad_none
-    if set_to_none:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-    else:
-        torch.optim.Optimizer.zero_grad(optimizer, set_to_none=False)

@@ -41,11 +41,10 @@ class FusedAdagrad(FusedOptimizerBase):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._run_closure(closure)
-        with_grads = self._check_grads()
-        if self._unscale_or_skip(None):
+        loss, checked = self._begin_step(closure)
+        if checked is None:
             return loss
-        for group, params in zip(self.param_groups, with_grads):
+        for group, (params, grads, dtype) in zip(self.param_groups, checked):
             if not params:
                 continue
             for p in params:
@@ -55,11 +54,15 @@ class FusedAdagrad(FusedOptimizerBase):
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
             self._increment_steps(group, params)
-            keys = [(p.device, p.dtype) for p in params]
-            for (device, _), idx in group_by(keys, len(params)).items():
-                ps = [params[i] for i in idx]
-                self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(device),
-                                          [[p.grad for p in ps], ps, [self.state[p]["sum"] for p in ps]],
-                                          group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"],
+            sums = [self.state[p]["sum"] for p in params]
+            if dtype is not None:  # one dtype (and one device): one call on the lists as they are
+                buckets = {(params[0].device, dtype): None}
+            else:
+                buckets = group_by([(p.device, p.dtype) for p in params], len(params))
+            for (device, _), idx in buckets.items():
+                lists = ([grads, params, sums] if idx is None
+                         else [[lst[i] for i in idx] for lst in (grads, params, sums)])
+                self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(device), lists, group["lr"], group["eps"],
+                                          self.adagrad_w_mode, group["weight_decay"],
                                           **self._trusted(self.multi_tensor_adagrad))
         return loss

@@ -6,7 +6,13 @@ import torch
 
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
-from apex.optimizers._lamb_common import check_hyperparameters, grad_of, params_with_grads, zero_grad
+from apex.optimizers._base import run_closure, zero_grad
+from apex.optimizers._lamb_common import (
+    check_group_hyperparameters,
+    check_hyperparameters,
+    grad_of,
+    params_with_grads,
+)
 
 _CHUNK_SIZE = 2048 * 32
 
@@ -68,10 +74,7 @@ class FusedLAMB(torch.optim.Optimizer):
         self._workspace: dict = {}
 
     def add_param_group(self, param_group: dict) -> None:
-        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
-                              betas=param_group.get("betas", self.defaults["betas"]),
-                              eps=param_group.get("eps", self.defaults["eps"]),
-                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        check_group_hyperparameters(self, param_group)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -81,10 +84,7 @@ class FusedLAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedLAMB")
         grads = [grad_of(p) for ps in per_group for p in ps]
         if grads:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_non_negative, check_sgd_hyperparameters, group_by
 
 
 class FusedLARS(FusedOptimizerBase):
@@ -33,15 +33,9 @@ class FusedLARS(FusedOptimizerBase):
                  weight_decay: float = 0, trust_coefficient: float = 0.001, eps: float = 0.0,
                  nesterov: bool = False, wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False):
-        if lr is not required:
-            check_non_negative(lr, "lr")
-        check_non_negative(momentum, "momentum")
-        check_non_negative(weight_decay, "weight_decay")
-        check_non_negative(dampening, "dampening")
+        check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov)
         check_non_negative(trust_coefficient, "trust_coefficient")
         check_non_negative(eps, "eps")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, trust_coefficient=trust_coefficient, eps=eps, is_skipped=False)
         super().__init__(params, defaults, set_grad_none=set_grad_none)
@@ -60,12 +54,11 @@ class FusedLARS(FusedOptimizerBase):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._run_closure(closure)
-        with_grads = self._check_grads()
-        if self._unscale_or_skip(None):
+        loss, checked = self._begin_step(closure)
+        if checked is None:
             return loss
         scale = 1.0 / self.most_recent_scale
-        for group, params in zip(self.param_groups, with_grads):
+        for group, (params, _, _) in zip(self.param_groups, checked):
             if not params:
                 continue
             momentum = group["momentum"]

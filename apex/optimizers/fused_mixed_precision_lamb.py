@@ -6,7 +6,13 @@ import torch
 
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
-from apex.optimizers._lamb_common import check_hyperparameters, grad_of, params_with_grads, zero_grad
+from apex.optimizers._base import run_closure, zero_grad
+from apex.optimizers._lamb_common import (
+    check_group_hyperparameters,
+    check_hyperparameters,
+    grad_of,
+    params_with_grads,
+)
 
 _CHUNK_SIZE = 2048 * 32
 
@@ -71,10 +77,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         # Tensor defaults are cloned so that groups never share (and jointly mutate) one lr/step tensor.
-        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
-                              betas=param_group.get("betas", self.defaults["betas"]),
-                              eps=param_group.get("eps", self.defaults["eps"]),
-                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        check_group_hyperparameters(self, param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for name, default in self.defaults.items():
@@ -134,10 +137,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         grad_scaler = kwargs.pop("grad_scaler", None)
         if kwargs:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedMixedPrecisionLamb")
         for gi, group in enumerate(self.param_groups):
             if len({p.dtype for p in group["params"]}) > 1:

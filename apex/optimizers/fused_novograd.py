@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
+from apex.optimizers._base import run_closure, zero_grad
 from apex.optimizers._lamb_common import (
     ParamMismatchError,
+    check_group_hyperparameters,
     check_hyperparameters,
     grad_of,
     params_with_grads,
-    zero_grad,
 )
 
 _CHUNK_SIZE = 2048 * 32
@@ -62,10 +63,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
 
     def add_param_group(self, param_group: dict) -> None:
-        check_hyperparameters(lr=param_group.get("lr", self.defaults["lr"]),
-                              betas=param_group.get("betas", self.defaults["betas"]),
-                              eps=param_group.get("eps", self.defaults["eps"]),
-                              weight_decay=param_group.get("weight_decay", self.defaults["weight_decay"]))
+        check_group_hyperparameters(self, param_group)
         if param_group.get("norm_type", self.defaults["norm_type"]) not in (0, 2):
             raise ValueError(f"Invalid norm_type: {param_group['norm_type']!r} (expected 2 or 0)")
         super().add_param_group(param_group)
@@ -77,10 +75,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedNovoGrad")
         # Check the stored norms against this step's parameters before changing anything.
         for gi, (group, ps) in enumerate(zip(self.param_groups, per_group)):

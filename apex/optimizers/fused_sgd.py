@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, group_by
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -34,13 +34,7 @@ class FusedSGD(FusedOptimizerBase):
     def __init__(self, params, lr=required, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False):
-        if lr is not required:
-            check_non_negative(lr, "lr")
-        check_non_negative(momentum, "momentum")
-        check_non_negative(weight_decay, "weight_decay")
-        check_non_negative(dampening, "dampening")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=False, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults, set_grad_none=set_grad_none)
@@ -69,20 +63,22 @@ class FusedSGD(FusedOptimizerBase):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._run_closure(closure)
         stash = getattr(self, "_amp_stash", None)
         explicit_master = stash is not None and hasattr(stash, "fp32_from_fp16_groups")
-        with_grads = None if explicit_master else self._check_grads()
-        if not explicit_master and self._unscale_or_skip(None):
-            return loss
+        if explicit_master:
+            loss, checked = self._run_closure(closure), None
+        else:
+            loss, checked = self._begin_step(closure)
+            if checked is None:
+                return loss
         scale = 1.0 / self.most_recent_scale
         for gid, group in enumerate(self.param_groups):
             if explicit_master:
-                sets = self._amp_sets(stash, gid)
+                for launch in self._amp_sets(stash, gid):
+                    self._launch(group, launch, scale, checked=False)
             else:
-                sets = [[[p.grad for p in with_grads[gid]], with_grads[gid]]]
-            for launch in sets:
-                self._launch(group, launch, scale, checked=not explicit_master)
+                c = checked[gid]
+                self._launch(group, [c.grads, c.params], scale, checked=True, dtype=c.dtype)
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
@@ -100,7 +96,9 @@ class FusedSGD(FusedOptimizerBase):
             sets.append([[a for a, _, _ in pairs], [b for _, b, _ in pairs], [c for _, _, c in pairs]])
         return sets
 
-    def _launch(self, group, launch, scale: float, checked: bool) -> None:
+    def _launch(self, group, launch, scale: float, checked: bool, dtype: torch.dtype | None = None) -> None:
+        """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket; ``dtype`` is the
+        one dtype of params and grads when the step's checks found it (the buckets then need no scan)."""
         grads, params = launch[0], launch[1]
         copies = launch[2] if len(launch) == 3 else None
         if not params:
@@ -110,22 +108,23 @@ class FusedSGD(FusedOptimizerBase):
         existing = [state[p].get("momentum_buffer") for p in params] if momentum != 0 else None
         fresh = [b is None for b in existing] if existing is not None else [False] * len(params)
         device = params[0].device
-        if (len({p.dtype for p in params}) == 1 and len({g.dtype for g in grads}) == 1
-                and (not any(fresh) or all(fresh))):
+        uniform = dtype is not None or (len({p.dtype for p in params}) == 1 and len({g.dtype for g in grads}) == 1)
+        if uniform and (not any(fresh) or all(fresh)):
             buckets = {(None, None, fresh[0]): range(len(params))}  # the usual step: one bucket
         else:
             buckets = group_by([(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)], len(params))
         for (_, _, first_run), idx in buckets.items():
-            ps = [params[i] for i in idx]
+            whole = len(idx) == len(params)  # the usual step: the lists as they are, no copies
+            ps = params if whole else [params[i] for i in idx]
             if momentum == 0:
                 bufs = ps  # never read nor written without momentum
             elif first_run:
                 bufs, _ = self.get_momentums(ps)
             else:
-                bufs = [existing[i] for i in idx]
-            lists = [[grads[i] for i in idx], ps, bufs]
+                bufs = existing if whole else [existing[i] for i in idx]
+            lists = [grads if whole else [grads[i] for i in idx], ps, bufs]
             if copies is not None:
-                lists.append([copies[i] for i in idx])
+                lists.append(copies if whole else [copies[i] for i in idx])
             self.multi_tensor_sgd(2048 * 32, self._overflow_buf(device), lists, group["weight_decay"],
                                   momentum, group["dampening"], group["lr"], group["nesterov"], first_run,
                                   self.wd_after_momentum, scale,

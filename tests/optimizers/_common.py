@@ -10,6 +10,8 @@ import torch
 # interpreter, which is slow per program, so it gets the same shapes minus the largest one.
 SHAPES_TORCH = [(1,), (3,), (4097,), (65537,), (5, 7, 3)]
 SHAPES_TRITON = [(1,), (3,), (4097,), (5, 7, 3)]
+# (dtype, tolerance of the relative error against the float64 reference) for the element-wise optimizers.
+PRECISIONS = [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]
 
 
 def shapes_for(backend: str) -> list[tuple[int, ...]]:

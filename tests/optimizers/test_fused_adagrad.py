@@ -9,8 +9,9 @@ import torch
 
 import apex
 from apex.optimizers import FusedAdagrad
-from apex.testing import TritonTrace
+from apex.testing import TritonTrace, rel_error
 from tests.optimizers._common import (
+    PRECISIONS,
     SHAPES_TRITON,
     assert_state_equal,
     clone_params,
@@ -48,11 +49,6 @@ def reference_adagrad(params, grads_per_step, *, lr, eps, weight_decay, w_mode, 
 
 OPTIONS = [dict(), dict(weight_decay=0.05), dict(weight_decay=0.05, adagrad_w_mode=True),
            dict(eps=1e-3, adagrad_w_mode=True)]
-PRECISIONS = [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
@@ -72,7 +68,7 @@ def test_matches_float64_reference(backend_name, opts, dtype, tol):
         opt.step()
     for p, r in zip(params, ref):
         assert p.dtype == dtype and opt.state[p]["sum"].dtype == dtype
-        assert _rel(p, r) <= tol, (p.shape, _rel(p, r))
+        assert rel_error(p, r) <= tol, (p.shape, rel_error(p, r))
         assert float(opt.state[p]["step"]) == STEPS
 
 
@@ -89,7 +85,7 @@ def test_equals_torch_optim_adagrad_and_checkpoints_move(weight_decay):
         ours.step()
         ref.step()
         for a, b in zip(params, twins):
-            assert _rel(a, b) <= 1e-6
+            assert rel_error(a, b) <= 1e-6
     back = clone_params(twins)
     ours2 = FusedAdagrad(back, lr=0.05, weight_decay=weight_decay)
     ours2.load_state_dict(copy.deepcopy(ref.state_dict()))
@@ -101,7 +97,7 @@ def test_equals_torch_optim_adagrad_and_checkpoints_move(weight_decay):
     ours2.step()
     ref.step()
     for a, b in zip(back, twins):
-        assert _rel(a, b) <= 1e-6
+        assert rel_error(a, b) <= 1e-6
 
 
 def test_state_dict_round_trip_resumes_bit_for_bit(backend_name):

@@ -11,7 +11,7 @@ import torch
 
 import apex
 from apex.optimizers import FusedAdam
-from apex.testing import TritonTrace
+from apex.testing import TritonTrace, rel_error
 from tests.optimizers._common import (
     assert_state_equal,
     clone_params,
@@ -70,10 +70,6 @@ PRECISIONS = [
 ]
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("dtype,master,tol", PRECISIONS, ids=lambda v: str(v))
 def test_matches_float64_reference(backend_name, opts, dtype, master, tol):
@@ -96,14 +92,14 @@ def test_matches_float64_reference(backend_name, opts, dtype, master, tol):
         st = opt.state[p]
         assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
         assert p.dtype == dtype
-        assert _rel(p, rp) <= tol, (p.shape, _rel(p, rp))
+        assert rel_error(p, rp) <= tol, (p.shape, rel_error(p, rp))
         if dtype == torch.float32 or master:
-            assert _rel(st["exp_avg"], rm) <= max(tol, 1e-6) * 4
-            assert _rel(st["exp_avg_sq"], rv) <= max(tol, 1e-6) * 4
+            assert rel_error(st["exp_avg"], rm) <= max(tol, 1e-6) * 4
+            assert rel_error(st["exp_avg_sq"], rv) <= max(tol, 1e-6) * 4
         if master:
             # fp32 arithmetic on the master; 1e-5 because coarse bf16 gradients can cancel the L2 term
             # exactly in one element, where m / (sqrt(v) + eps) is ill-conditioned.
-            assert _rel(st["master_param"], rp) <= 1e-5
+            assert rel_error(st["master_param"], rp) <= 1e-5
         assert float(st["step"]) == STEPS
 
 
@@ -122,10 +118,10 @@ def test_equals_torch_optim_step_for_step(adam_w_mode, capturable):
         ours.step()
         ref.step()
         for a, b in zip(params, theirs):
-            assert _rel(a, b) <= 1e-6
+            assert rel_error(a, b) <= 1e-6
     for a, b in zip(params, theirs):
         for key in ("exp_avg", "exp_avg_sq"):
-            assert _rel(ours.state[a][key], ref.state[b][key]) <= 1e-6
+            assert rel_error(ours.state[a][key], ref.state[b][key]) <= 1e-6
         assert float(ours.state[a]["step"]) == float(ref.state[b]["step"])
 
 
@@ -166,7 +162,7 @@ def test_checkpoint_moves_to_torch_adamw_and_back():
     _train(ours, params, 4, start=4)
     _train(adamw, twins, 4, start=4)
     for a, b in zip(params, twins):
-        assert _rel(a, b) <= 1e-6
+        assert rel_error(a, b) <= 1e-6
     # and back: an AdamW checkpoint continues in FusedAdam
     back = clone_params(twins)
     ours2 = FusedAdam(back, lr=1e-2, weight_decay=0.1)
@@ -174,7 +170,7 @@ def test_checkpoint_moves_to_torch_adamw_and_back():
     _train(ours2, back, 3, start=8)
     _train(adamw, twins, 3, start=8)
     for a, b in zip(back, twins):
-        assert _rel(a, b) <= 1e-6
+        assert rel_error(a, b) <= 1e-6
 
 
 def test_apex_checkpoint_with_group_step_loads():
@@ -410,5 +406,5 @@ def test_channels_last_params_and_grads_of_another_layout(backend_name):
         q.grad = g.clone()
         ours.step()
         ref.step()
-        assert _rel(p, q) <= 1e-6
+        assert rel_error(p, q) <= 1e-6
     assert ours.state[p]["exp_avg"].is_contiguous(memory_format=torch.channels_last)

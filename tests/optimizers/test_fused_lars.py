@@ -7,7 +7,7 @@ import torch
 
 import apex
 from apex.optimizers import Fused_LARS, FusedLARS
-from apex.testing import TritonTrace
+from apex.testing import TritonTrace, rel_error
 from tests.optimizers._common import SHAPES_TRITON, grads_for_step, make_params, set_grads, shapes_for
 
 STEPS = 10
@@ -47,10 +47,6 @@ OPTIONS = [dict(momentum=0.9, weight_decay=1e-4), dict(), dict(momentum=0.9, nes
            dict(momentum=0.8, dampening=0.2, weight_decay=1e-3, wd_after_momentum=True, trust_coefficient=0.01)]
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)], ids=str)
 def test_matches_float64_reference(backend_name, opts, dtype, tol):
@@ -65,7 +61,7 @@ def test_matches_float64_reference(backend_name, opts, dtype, tol):
         set_grads(params, grads[s])
         opt.step()
     for p, r in zip(params, ref):
-        assert _rel(p, r) <= tol, (p.shape, _rel(p, r))
+        assert rel_error(p, r) <= tol, (p.shape, rel_error(p, r))
 
 
 def test_skipped_group_uses_plain_lr(backend_name):
@@ -79,7 +75,7 @@ def test_skipped_group_uses_plain_lr(backend_name):
         set_grads(adapted + skipped, grads[s])
         opt.step()
     for p, r in zip(adapted + skipped, ref_a + ref_s):
-        assert _rel(p, r) <= 1e-6
+        assert rel_error(p, r) <= 1e-6
 
 
 def test_nonfinite_gradient_skips_the_step(backend_name):

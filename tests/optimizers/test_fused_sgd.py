@@ -11,8 +11,9 @@ import torch
 
 import apex
 from apex.optimizers import FusedSGD
-from apex.testing import TritonTrace
+from apex.testing import TritonTrace, rel_error
 from tests.optimizers._common import (
+    PRECISIONS,
     SHAPES_TRITON,
     assert_state_equal,
     clone_params,
@@ -57,11 +58,6 @@ OPTIONS = [
     dict(momentum=0.8, dampening=0.3, weight_decay=0.05, wd_after_momentum=True),
     dict(weight_decay=0.05),
 ]
-PRECISIONS = [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
@@ -80,7 +76,7 @@ def test_matches_float64_reference(backend_name, opts, dtype, tol):
         opt.step()
     for p, r in zip(params, ref):
         assert p.dtype == dtype
-        assert _rel(p, r) <= tol, (p.shape, _rel(p, r))
+        assert rel_error(p, r) <= tol, (p.shape, rel_error(p, r))
         if opts.get("momentum"):
             assert opt.state[p]["momentum_buffer"].dtype == dtype
 
@@ -100,7 +96,7 @@ def test_equals_torch_optim_sgd(opts):
         ours.step()
         ref.step()
         for a, b in zip(params, twins):
-            assert _rel(a, b) <= 1e-6
+            assert rel_error(a, b) <= 1e-6
     ref2 = torch.optim.SGD(clone_params(params), lr=0.05, **opts)
     ref2.load_state_dict(copy.deepcopy(ours.state_dict()))
 
