@@ -18,6 +18,7 @@ import torch
 from apex import _backend
 from apex.amp._amp_state import maybe_print
 from apex.amp.scaler import scale_into
+from apex.fp16_utils.fp16util import _masters_for_group
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -43,24 +44,10 @@ def lazy_init_with_master_weights(self) -> None:
     stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
     stash.model_to_master = {}
     for param_group in self.param_groups:
-        fp16_this_group, fp32_this_group, master_this_group = [], [], []
-        for i, param in enumerate(param_group["params"]):
-            if not param.requires_grad:
-                continue
-            if param.dtype in HALF_DTYPES:
-                fp16_this_group.append(param)
-                master = param.detach().clone().float()
-                master.requires_grad = True
-                param_group["params"][i] = master
-                master_this_group.append(master)
-                stash.model_to_master[id(param)] = (param, master)
-                if param in self.state:
-                    self.state[master] = self.state.pop(param)
-            elif param.dtype == torch.float32:
-                fp32_this_group.append(param)
-            else:
-                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                                f"Received {param.type()}")
+        fp16_this_group, fp32_this_group, master_this_group = _masters_for_group(
+            param_group, self.state, "Optimizer's parameters")
+        for param, master in zip(fp16_this_group, master_this_group):
+            stash.model_to_master[id(param)] = (param, master)
         stash.fp16_groups.append(fp16_this_group)
         stash.fp32_from_fp16_groups.append(master_this_group)
         stash.fp32_from_fp32_groups.append(fp32_this_group)
