@@ -66,7 +66,7 @@ class DigitsCNN(nn.Module):
 
         def conv_bn(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                                 nn.ReLU())
+                                 nn.ReLU(inplace=True))
 
         self.features = nn.Sequential(conv_bn(1, width), conv_bn(width, width), nn.MaxPool2d(2),
                                       conv_bn(width, 2 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten())
