@@ -15,9 +15,8 @@ import types
 
 import torch
 
-from apex import _backend
 from apex.amp._amp_state import maybe_print
-from apex.amp.scaler import scale_into
+from apex.fp16_utils._scaling import copy_masters_to_model
 from apex.fp16_utils.fp16util import _masters_for_group
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -29,14 +28,7 @@ class AmpOptimizerState:
 
 def _master_params_to_model_params(self) -> None:
     stash = self._amp_stash
-    if not stash.all_fp16_params:
-        return
-    if _backend.select(stash.all_fp16_params) == "torch":
-        # A plain rounding copy: no scale and no check needed (the masters are finite after a taken step).
-        with torch.no_grad():
-            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
-    else:
-        scale_into(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params, 1.0)
+    copy_masters_to_model(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params)
 
 
 def lazy_init_with_master_weights(self) -> None:

@@ -15,8 +15,7 @@ import warnings
 
 import torch
 
-from apex import _backend
-from apex.fp16_utils._scaling import LossScaler, scale_into
+from apex.fp16_utils._scaling import LossScaler, copy_masters_to_model
 from apex.fp16_utils.fp16util import _masters_for_group, clip_grad_norm
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -86,13 +85,7 @@ class FP16_Optimizer:
             p.grad.zero_()
 
     def _master_params_to_model_params(self) -> None:
-        if not self.all_fp16_params:
-            return
-        if _backend.select(self.all_fp16_params) == "torch":
-            with torch.no_grad():
-                torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
-        else:
-            scale_into(self._dummy_overflow_buf, self.all_fp32_from_fp16_params, self.all_fp16_params, 1.0)
+        copy_masters_to_model(self._dummy_overflow_buf, self.all_fp32_from_fp16_params, self.all_fp16_params)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the fp32 master gradients; returns their total norm, or -1 after an overflow."""
