@@ -34,14 +34,23 @@ _OPS = {
 __all__ = sorted(_OPS)
 
 
-def __getattr__(name: str):
-    module = _OPS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'amp_C' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def _lazy_names(module_name: str, table: dict, namespace: dict):
+    """PEP 562 ``__getattr__`` and ``__dir__`` for a compatibility module whose names live in ``table``
+    (name -> module holding it); a resolved name is cached in ``namespace``. Shared with
+    ``fused_layer_norm_cuda``; it imports nothing, so ``import amp_C`` stays cheap."""
+
+    def __getattr__(name: str):
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(table))
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_OPS))
+__getattr__, __dir__ = _lazy_names(__name__, _OPS, globals())

@@ -5,7 +5,7 @@ Names are resolved on first access from ``apex.ops``.
 
 from __future__ import annotations
 
-import importlib
+from amp_C import _lazy_names
 
 # name -> module holding it
 _OPS: dict[str, str] = {
@@ -23,11 +23,4 @@ _OPS: dict[str, str] = {
 
 __all__ = sorted(_OPS)
 
-
-def __getattr__(name: str):
-    module = _OPS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fused_layer_norm_cuda' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_names(__name__, _OPS, globals())

@@ -1,4 +1,5 @@
-"""Helpers shared by the example scripts: torchrun set-up, checkpoints, tables, plots, memory, checksums.
+"""Helpers shared by the example scripts: command-line options, torchrun set-up, checkpoints, tables, plots,
+memory, checksums.
 
 The examples import this file as a sibling module (``examples/`` is on ``sys.path`` when a script in it
 runs), so each example stays a plain script that ``python`` or ``torchrun`` can start directly.
@@ -6,6 +7,7 @@ runs), so each example stays a plain script that ``python`` or ``torchrun`` can 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import os
@@ -78,6 +80,22 @@ def cleanup_distributed(info: DistInfo, ok: bool = True) -> None:
         if ok:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def add_runtime_args(group) -> None:
+    """``--device``, ``--threads`` and ``--dist-timeout`` on an argparse parser or argument group."""
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    group.add_argument("--threads", type=int, default=0,
+                       help="CPU threads per rank (0: the idle cores, split among the local ranks)")
+    group.add_argument("--dist-timeout", type=float, default=120.0,
+                       help="seconds before a collective waiting on a dead or hung rank fails")
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Exit through ``parser.error`` naming the first option in ``names`` that is not positive."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
 
 
 def set_cpu_threads(requested: int, info: DistInfo) -> int:

@@ -39,9 +39,11 @@ from apex.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     DistInfo,
+    add_runtime_args,
     cleanup_distributed,
     format_table,
     gather_checksums,
+    require_positive,
     set_cpu_threads,
     setup_distributed,
 )
@@ -66,7 +68,7 @@ class DigitsCNN(nn.Module):
 
         def conv_bn(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                                 nn.ReLU())
+                                 nn.ReLU(inplace=True))
 
         self.features = nn.Sequential(conv_bn(1, width), conv_bn(width, width), nn.MaxPool2d(2),
                                       conv_bn(width, 2 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten())
@@ -146,16 +148,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trust-coefficient", type=float, default=0.02, help="LARC's trust coefficient")
     p.add_argument("--opt-level", default="O2", help="apex.amp opt_level")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads per rank (0: the idle cores, split among the local ranks)")
-    p.add_argument("--dist-timeout", type=float, default=120.0,
-                   help="seconds before a collective waiting on a dead or hung rank fails")
+    add_runtime_args(p)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "width"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
+    require_positive(p, args, ("epochs", "batch_size", "width"))
     return args
 
 

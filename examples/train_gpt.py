@@ -56,12 +56,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     CheckpointError,
     DistInfo,
+    add_runtime_args,
     cleanup_distributed,
     format_table,
     gather_checksums,
     load_checkpoint,
     peak_memory_mib,
     plot_losses,
+    require_positive,
     save_checkpoint,
     set_cpu_threads,
     setup_distributed,
@@ -533,11 +535,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--opt-level", default="O1", help="apex.amp opt_level")
     r.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
                    help="amp's half type: auto is bf16 on CPUs and fp16 on GPUs")
-    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    r.add_argument("--threads", type=int, default=0,
-                   help="CPU threads per rank (0: the idle cores, split among the local ranks)")
-    r.add_argument("--dist-timeout", type=float, default=120.0,
-                   help="seconds before a collective waiting on a dead or hung rank fails")
+    add_runtime_args(r)
     o = p.add_argument_group("outputs and checkpoints")
     o.add_argument("--out", default="runs/train_gpt", help="directory for metrics.json and the loss plot")
     o.add_argument("--compare", action="store_true",
@@ -553,10 +551,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compare and (args.save or args.resume):
         p.error("--compare does not checkpoint; drop --save/--resume")
-    for name in ("steps", "batch_size", "eval_interval", "eval_batches", "n_layer", "n_head", "n_embd",
-                 "block_size"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
+    require_positive(p, args, ("steps", "batch_size", "eval_interval", "eval_batches", "n_layer", "n_head",
+                               "n_embd", "block_size"))
     return args
 
 

@@ -26,6 +26,17 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _row_tile(pid, t, tiles_per_prog, M, cmask, BLOCK_M: tl.constexpr):
+    """Rows of the ``t``-th tile of program ``pid`` (programs own consecutive tiles), their mask, their
+    int64 offsets (no overflow on large inputs) and the 2-D mask with the column mask ``cmask``."""
+    rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    mask = rmask[:, None] & cmask[None, :]
+    return rows, rmask, rows64, mask
+
+
+@triton.jit
 def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, tiles_per_prog,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -37,10 +48,7 @@ def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, til
     if HAS_B:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, tiles_per_prog):
-        rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        mask = rmask[:, None] & cmask[None, :]
+        rows, rmask, rows64, mask = _row_tile(pid, t, tiles_per_prog, M, cmask, BLOCK_M)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -83,10 +91,7 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
         if HAS_B:  # the bias is only needed to undo the affine transform
             b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, tiles_per_prog):
-        rows = (pid * tiles_per_prog + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        mask = rmask[:, None] & cmask[None, :]
+        rows, rmask, rows64, mask = _row_tile(pid, t, tiles_per_prog, M, cmask, BLOCK_M)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = tl.load(V + rows64[:, None] * stride_v + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)

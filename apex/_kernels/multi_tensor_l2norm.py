@@ -56,38 +56,34 @@ def _partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials
 
 
 @triton.jit
-def _finalize_kernel(partials, n_partials, tensor_first, tensor_last, n_tensors, total_out, per_tensor_out,
-                     per_tensor_prev, alpha, beta,
-                     PER_TENSOR: tl.constexpr, MAX_NORM: tl.constexpr, BLEND: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _reduce_partials(partials, lo, hi, MAX_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """The norm from the partials ``[lo, hi)``: their max (max norm) or the root of their sum (L2)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(0, n_partials, BLOCK):
+    for off in range(lo, hi, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        p = tl.load(partials + idx, mask=idx < n_partials, other=0.0)
+        p = tl.load(partials + idx, mask=idx < hi, other=0.0)
         if MAX_NORM:
             acc = tl.maximum(acc, p)
         else:
             acc += p
     if MAX_NORM:
-        tl.store(total_out, tl.max(acc, axis=0))
+        norm = tl.max(acc, axis=0)
     else:
-        tl.store(total_out, tl.sqrt(tl.sum(acc, axis=0)))
+        norm = tl.sqrt(tl.sum(acc, axis=0))
+    return norm
+
+
+@triton.jit
+def _finalize_kernel(partials, n_partials, tensor_first, tensor_last, n_tensors, total_out, per_tensor_out,
+                     per_tensor_prev, alpha, beta,
+                     PER_TENSOR: tl.constexpr, MAX_NORM: tl.constexpr, BLEND: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    tl.store(total_out, _reduce_partials(partials, 0, n_partials, MAX_NORM, BLOCK))
     if PER_TENSOR:
         for t in range(0, n_tensors):
             lo = tl.load(tensor_first + t)
             hi = tl.load(tensor_last + t)
-            acc_t = tl.zeros([BLOCK], dtype=tl.float32)
-            for off in range(lo, hi, BLOCK):
-                idx = off + tl.arange(0, BLOCK)
-                p = tl.load(partials + idx, mask=idx < hi, other=0.0)
-                if MAX_NORM:
-                    acc_t = tl.maximum(acc_t, p)
-                else:
-                    acc_t += p
-            if MAX_NORM:
-                norm = tl.max(acc_t, axis=0)
-            else:
-                norm = tl.sqrt(tl.sum(acc_t, axis=0))
+            norm = _reduce_partials(partials, lo, hi, MAX_NORM, BLOCK)
             if BLEND:
                 # Apex's norm_out blend: L2 sqrt(a*old^2 + b*n^2), max a*old + b*n.
                 old = tl.load(per_tensor_prev + t)

@@ -46,12 +46,18 @@ def _tile(pc, pr, it, C, L, R, ITERS, BLOCK_R: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
-def _stats_kernel(x_ptr, s1_ptr, s2_ptr, shift_ptr, C, L, R, ITERS,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _channel_block(C, BLOCK_C: tl.constexpr):
+    """This program's column ``pc`` and row ``pr`` in the grid, its channels and their mask."""
     pc = tl.program_id(0)
     pr = tl.program_id(1)
     c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    return pc, pr, c, c < C
+
+
+@triton.jit
+def _stats_kernel(x_ptr, s1_ptr, s2_ptr, shift_ptr, C, L, R, ITERS,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pc, pr, c, cmask = _channel_block(C, BLOCK_C)
     # Shifted sums: Σ(x - x0) and Σ(x - x0)² with x0 the channel's first element keep fp32 accurate.
     shift = tl.load(x_ptr + c.to(tl.int64) * L, mask=cmask, other=0.0).to(tl.float32)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
@@ -70,10 +76,7 @@ def _stats_kernel(x_ptr, s1_ptr, s2_ptr, shift_ptr, C, L, R, ITERS,
 @triton.jit
 def _forward_kernel(x_ptr, z_ptr, y_ptr, scale_ptr, shift_ptr, C, L, R, ITERS,
                     HAS_Z: tl.constexpr, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pc = tl.program_id(0)
-    pr = tl.program_id(1)
-    c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    pc, pr, c, cmask = _channel_block(C, BLOCK_C)
     scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
     shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
     for it in range(ITERS):
@@ -103,10 +106,7 @@ def _grad_act(dy_ptr, x_ptr, z_ptr, off, mask, scale, shift, HAS_Z: tl.constexpr
 def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr, s1_ptr, s2_ptr,
                             C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pc = tl.program_id(0)
-    pr = tl.program_id(1)
-    c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    pc, pr, c, cmask = _channel_block(C, BLOCK_C)
     mean = tl.load(mean_ptr + c, mask=cmask, other=0.0)
     scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
     shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
@@ -125,10 +125,7 @@ def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr
 def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, scale_ptr, shift_ptr, mdy_ptr,
                            k_ptr, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
                            NEED_DZ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pc = tl.program_id(0)
-    pr = tl.program_id(1)
-    c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    pc, pr, c, cmask = _channel_block(C, BLOCK_C)
     mean = tl.load(mean_ptr + c, mask=cmask, other=0.0)
     scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
     shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)

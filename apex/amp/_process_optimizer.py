@@ -15,9 +15,9 @@ import types
 
 import torch
 
-from apex import _backend
 from apex.amp._amp_state import maybe_print
-from apex.amp.scaler import scale_into
+from apex.fp16_utils._scaling import copy_masters_to_model
+from apex.fp16_utils.fp16util import _masters_for_group
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -28,14 +28,7 @@ class AmpOptimizerState:
 
 def _master_params_to_model_params(self) -> None:
     stash = self._amp_stash
-    if not stash.all_fp16_params:
-        return
-    if _backend.select(stash.all_fp16_params) == "torch":
-        # A plain rounding copy: no scale and no check needed (the masters are finite after a taken step).
-        with torch.no_grad():
-            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
-    else:
-        scale_into(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params, 1.0)
+    copy_masters_to_model(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params)
 
 
 def lazy_init_with_master_weights(self) -> None:
@@ -43,24 +36,10 @@ def lazy_init_with_master_weights(self) -> None:
     stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
     stash.model_to_master = {}
     for param_group in self.param_groups:
-        fp16_this_group, fp32_this_group, master_this_group = [], [], []
-        for i, param in enumerate(param_group["params"]):
-            if not param.requires_grad:
-                continue
-            if param.dtype in HALF_DTYPES:
-                fp16_this_group.append(param)
-                master = param.detach().clone().float()
-                master.requires_grad = True
-                param_group["params"][i] = master
-                master_this_group.append(master)
-                stash.model_to_master[id(param)] = (param, master)
-                if param in self.state:
-                    self.state[master] = self.state.pop(param)
-            elif param.dtype == torch.float32:
-                fp32_this_group.append(param)
-            else:
-                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                                f"Received {param.type()}")
+        fp16_this_group, fp32_this_group, master_this_group = _masters_for_group(
+            param_group, self.state, "Optimizer's parameters")
+        for param, master in zip(fp16_this_group, master_this_group):
+            stash.model_to_master[id(param)] = (param, master)
         stash.fp16_groups.append(fp16_this_group)
         stash.fp32_from_fp16_groups.append(master_this_group)
         stash.fp32_from_fp32_groups.append(fp32_this_group)

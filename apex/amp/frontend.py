@@ -92,7 +92,21 @@ class Properties:
             self.options[name] = value
 
 
-class O3:
+class _OptLevel:
+    """A preset: ``properties`` gets ``enabled``, the level's name, then ``settings`` in order (each through
+    the checks of :class:`Properties`)."""
+
+    settings: dict = {}
+
+    def __call__(self, properties):
+        properties.enabled = True
+        properties.opt_level = type(self).__name__
+        for name, value in self.settings.items():
+            setattr(properties, name, value)
+        return properties
+
+
+class O3(_OptLevel):
     brief = "O3:  Pure FP16 training."
     more = ("Calls .half() on your model, converting the entire model to FP16.\n"
             "A casting operation is also inserted to cast incoming Tensors to FP16,\n"
@@ -101,18 +115,14 @@ class O3:
             "It's also possible training may 'just work' in this mode.\n"
             "If not, try other optimization levels.")
 
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O3"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = False
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        return properties
+    settings = {"cast_model_type": torch.float16,
+                "patch_torch_functions": False,
+                "keep_batchnorm_fp32": False,
+                "master_weights": False,
+                "loss_scale": 1.0}
 
 
-class O2:
+class O2(_OptLevel):
     brief = "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n"
     more = ("Calls .half() on your model, converting the entire model (except for batchnorms)\n"
             "to FP16.  Batchnorms are retained in FP32 for additional stability.\n"
@@ -122,18 +132,14 @@ class O2:
             "these master weights, then copy the master weights into the FP16 model weights.\n"
             "Master weights can also improve convergence and stability.")
 
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O2"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = True
-        properties.master_weights = True
-        properties.loss_scale = "dynamic"
-        return properties
+    settings = {"cast_model_type": torch.float16,
+                "patch_torch_functions": False,
+                "keep_batchnorm_fp32": True,
+                "master_weights": True,
+                "loss_scale": "dynamic"}
 
 
-class O1:
+class O1(_OptLevel):
     brief = "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n"
     more = ("The type of your model's weights is not altered.  However, internally,\n"
             "Pytorch functions are patched to cast any Tensor Core-friendly ops to FP16 for speed,\n"
@@ -142,32 +148,24 @@ class O1:
             "O1 is the safest way to try mixed precision training, and is recommended when\n"
             "trying mixed precision training for the first time.")
 
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O1"
-        properties.cast_model_type = None
-        properties.patch_torch_functions = True
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = None
-        properties.loss_scale = "dynamic"
-        return properties
+    settings = {"cast_model_type": None,
+                "patch_torch_functions": True,
+                "keep_batchnorm_fp32": None,
+                "master_weights": None,
+                "loss_scale": "dynamic"}
 
 
-class O0:
+class O0(_OptLevel):
     brief = "O0:  Pure FP32 training.\n"
     more = ("Your models are checked to make sure parameters are FP32, but otherwise the\n"
             "types of weights and internal Pytorch operations are not altered.  This mode disables any\n"
             "FP16 arithmetic, although other optimizations like DDP interop may still be requested.\n")
 
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O0"
-        properties.cast_model_type = torch.float32
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        return properties
+    settings = {"cast_model_type": torch.float32,
+                "patch_torch_functions": False,
+                "keep_batchnorm_fp32": None,
+                "master_weights": False,
+                "loss_scale": 1.0}
 
 
 opt_levels = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}

@@ -55,6 +55,20 @@ def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: floa
         _scale_into_torch(noop_flag, [inputs[i] for i in bad], [outputs[i] for i in bad], scale)
 
 
+def copy_masters_to_model(noop_flag: torch.Tensor, masters: list, model_params: list) -> None:
+    """Round the fp32 masters into the half model parameters after a step.
+
+    On CPUs a plain rounding copy (no scale, no check: the masters are finite after a taken step); on GPUs
+    ``scale_into`` with a scale of 1 (one Triton launch per dtype group)."""
+    if not model_params:
+        return
+    if _backend.select(model_params) == "torch":
+        with torch.no_grad():
+            torch._foreach_copy_(model_params, masters)
+    else:
+        scale_into(noop_flag, masters, model_params, 1.0)
+
+
 def _scale_into_torch(noop_flag, inputs, outputs, scale: float) -> None:
     found = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
     scale_t = torch.full((1,), scale, dtype=torch.float32, device=noop_flag.device)

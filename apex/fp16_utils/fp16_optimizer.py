@@ -15,9 +15,8 @@ import warnings
 
 import torch
 
-from apex import _backend
-from apex.fp16_utils._scaling import LossScaler, scale_into
-from apex.fp16_utils.fp16util import clip_grad_norm
+from apex.fp16_utils._scaling import LossScaler, copy_masters_to_model
+from apex.fp16_utils.fp16util import _masters_for_group, clip_grad_norm
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -36,25 +35,9 @@ class FP16_Optimizer:
         self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
         for i, param_group in enumerate(self.optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
-            fp16_this, fp32_this, master_this = [], [], []
-            for j, param in enumerate(param_group["params"]):
-                if not param.requires_grad:
-                    continue
-                if param.dtype in _HALF:
-                    self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
-                    fp16_this.append(param)
-                    master = param.detach().clone().float()
-                    master.requires_grad = True
-                    param_group["params"][j] = master
-                    master_this.append(master)
-                    if param in self.optimizer.state:
-                        self.optimizer.state[master] = self.optimizer.state.pop(param)
-                elif param.dtype == torch.float32:
-                    self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
-                    fp32_this.append(param)
-                else:
-                    raise TypeError("Wrapped parameters must be float32, float16 or bfloat16 tensors. "
-                                    f"Received {param.type()}")
+            fp16_this, fp32_this, master_this = _masters_for_group(
+                param_group, self.optimizer.state, "Wrapped parameters",
+                on_param=lambda p: self.maybe_print(f"FP16_Optimizer received {p.type()} with {p.size()}"))
             self.fp16_groups.append(fp16_this)
             self.fp32_from_fp16_groups.append(master_this)
             self.fp32_from_fp32_groups.append(fp32_this)
@@ -102,13 +85,7 @@ class FP16_Optimizer:
             p.grad.zero_()
 
     def _master_params_to_model_params(self) -> None:
-        if not self.all_fp16_params:
-            return
-        if _backend.select(self.all_fp16_params) == "torch":
-            with torch.no_grad():
-                torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
-        else:
-            scale_into(self._dummy_overflow_buf, self.all_fp32_from_fp16_params, self.all_fp16_params, 1.0)
+        copy_masters_to_model(self._dummy_overflow_buf, self.all_fp32_from_fp16_params, self.all_fp16_params)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the fp32 master gradients; returns their total norm, or -1 after an overflow."""

@@ -127,6 +127,36 @@ def master_params_to_model_params(model_params, master_params, flat_master: bool
         model.data.copy_(master.data)
 
 
+def _masters_for_group(param_group: dict, state, what: str, on_param=None):
+    """Replace each trainable fp16/bf16 parameter of an optimizer's ``param_group`` by an fp32 master copy.
+
+    A half parameter's optimizer ``state`` entry moves to its master; fp32 parameters stay. ``on_param`` is
+    called with each accepted parameter, in order. Returns ``(half_params, fp32_params, masters)``. Any
+    other dtype raises a TypeError that starts with ``what``.
+    """
+    half_params, fp32_params, masters = [], [], []
+    for i, param in enumerate(param_group["params"]):
+        if not param.requires_grad:
+            continue
+        if param.dtype in (torch.float16, torch.bfloat16):
+            if on_param is not None:
+                on_param(param)
+            half_params.append(param)
+            master = param.detach().clone().float()
+            master.requires_grad = True
+            param_group["params"][i] = master
+            masters.append(master)
+            if param in state:
+                state[master] = state.pop(param)
+        elif param.dtype == torch.float32:
+            if on_param is not None:
+                on_param(param)
+            fp32_params.append(param)
+        else:
+            raise TypeError(f"{what} must be float32, float16 or bfloat16 tensors. Received {param.type()}")
+    return half_params, fp32_params, masters
+
+
 def to_python_float(t) -> float:
     """``t.item()`` for tensors, ``t[0]`` for indexables."""
     if hasattr(t, "item"):

@@ -27,7 +27,24 @@ def _any_nonfinite(tensors) -> bool:
     return bool(torch.cat([f.to(flags[0].device) for f in flags]).any().item())
 
 
-class LossScaler:
+class _ScalerBase:
+    """What both scalers share: the scale ``cur_scale`` and the scaled backward."""
+
+    cur_scale: float
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_gradient(self, module, grad_in, grad_out):
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss, retain_graph: bool = False) -> None:
+        scaled_loss = loss * self.loss_scale
+        scaled_loss.backward(retain_graph=retain_graph)
+
+
+class LossScaler(_ScalerBase):
     """A static loss scale (``FP16_Optimizer(static_loss_scale=...)``)."""
 
     def __init__(self, scale: float = 1):
@@ -43,19 +60,8 @@ class LossScaler:
     def update_scale(self, overflow: bool) -> None:
         pass
 
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
 
-    def scale_gradient(self, module, grad_in, grad_out):
-        return tuple(self.loss_scale * g for g in grad_in)
-
-    def backward(self, loss, retain_graph: bool = False) -> None:
-        scaled_loss = loss * self.loss_scale
-        scaled_loss.backward(retain_graph=retain_graph)
-
-
-class DynamicLossScaler:
+class DynamicLossScaler(_ScalerBase):
     """Dynamic loss scale: halve on overflow (not below 1), double after ``scale_window`` clean iterations."""
 
     def __init__(self, init_scale: float = 2 ** 32, scale_factor: float = 2.0, scale_window: int = 1000):
@@ -81,14 +87,3 @@ class DynamicLossScaler:
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
             self.cur_scale *= self.scale_factor
         self.cur_iter += 1
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_gradient(self, module, grad_in, grad_out):
-        return tuple(self.loss_scale * g for g in grad_in)
-
-    def backward(self, loss, retain_graph: bool = False) -> None:
-        scaled_loss = loss * self.loss_scale
-        scaled_loss.backward(retain_graph=retain_graph)

@@ -187,9 +187,38 @@ class FusedRMSNormFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------- modules
-_REPR = "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
+class _FusedNorm(torch.nn.Module):
+    """Shared construction of the fused norm modules: ``_AFFINE`` names each affine parameter (in
+    registration order) and its initialiser."""
 
-class FusedLayerNorm(torch.nn.Module):
+    _AFFINE: dict = {}
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = torch.Size(as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        for name in self._AFFINE:
+            if self.elementwise_affine:
+                setattr(self, name, Parameter(torch.empty(*self.normalized_shape)))
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            for name, init_ in self._AFFINE.items():
+                init_(getattr(self, name))
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+class FusedLayerNorm(_FusedNorm):
     r"""Layer normalisation over the trailing ``normalized_shape`` dimensions.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
@@ -199,27 +228,7 @@ class FusedLayerNorm(torch.nn.Module):
     instead of the input for the backward.
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False):
-        super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = torch.Size(as_shape(normalized_shape))
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*self.normalized_shape))
-            self.bias = Parameter(torch.empty(*self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            init.zeros_(self.bias)
+    _AFFINE = {"weight": init.ones_, "bias": init.zeros_}
 
     def forward(self, input: Tensor) -> Tensor:
         if self.elementwise_affine:
@@ -227,11 +236,8 @@ class FusedLayerNorm(torch.nn.Module):
                                            self.memory_efficient)
         return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
-    def extra_repr(self) -> str:
-        return _REPR.format(**self.__dict__)
 
-
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(_FusedNorm):
     r"""RMS normalisation over the trailing ``normalized_shape`` dimensions.
 
     .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot \gamma
@@ -240,33 +246,13 @@ class FusedRMSNorm(torch.nn.Module):
     input dtype. ``memory_efficient=True`` saves the output instead of the input for the backward.
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False):
-        super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = torch.Size(as_shape(normalized_shape))
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
+    _AFFINE = {"weight": init.ones_}
 
     def forward(self, input: Tensor) -> Tensor:
         if self.elementwise_affine:
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                          self.memory_efficient)
         return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
-
-    def extra_repr(self) -> str:
-        return _REPR.format(**self.__dict__)
 
 
 def _mixed_affine_kwargs(cls_name: str, kwargs: dict) -> None:

@@ -67,6 +67,15 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def promote(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The promotion of the given dtypes; ``None`` entries (absent parameters) are skipped."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        if d is not None:
+            out = torch.promote_types(out, d)
+    return out
+
+
 def _select_for_device(device_type: str) -> str:
     return _backend.select(torch.empty(0, device=device_type))
 

@@ -17,17 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apex.ops._norm import check_args, rows_view, select, stats_dtype, use_kernel
+from apex.ops._norm import check_args, promote, rows_view, select, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
-
-
-def _promote(*dtypes) -> torch.dtype:
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        if d is not None:
-            out = torch.promote_types(out, d)
-    return out
 
 
 def _native_ok(x_dtype, weight, bias) -> bool:
@@ -42,7 +34,7 @@ def _forward_torch(x, shape, weight, bias, eps, out_dtype):
     if out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
         y, mean, rstd = torch.native_layer_norm(x, list(shape), weight, bias, eps)
     else:
-        ct = _promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
+        ct = promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
         cast = (lambda p: p.to(ct) if p is not None else None)
         y, mean, rstd = torch.native_layer_norm(x.to(ct), list(shape), cast(weight), cast(bias), eps)
         y = y.to(out_dtype)
@@ -54,7 +46,7 @@ def _backward_torch(dy, mean, rstd, v, shape, weight, bias, memory_efficient, dx
     k = len(shape)
     lead = v.shape[:v.dim() - k]
     stat_shape = tuple(lead) + (1,) * k
-    ct = _promote(torch.float32 if memory_efficient else v.dtype, dy.dtype,
+    ct = promote(torch.float32 if memory_efficient else v.dtype, dy.dtype,
                   *(p.dtype if p is not None else None for p in (weight, bias)))
     cast = (lambda p: p.to(ct) if p is not None else None)
     rstd_c = rstd.reshape(stat_shape).to(stats_dtype(ct))
@@ -202,7 +194,7 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
 def _layer_norm_torch(x, shape, weight, bias, eps, out_dtype):
     if out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
         return F.layer_norm(x, shape, weight, bias, eps)
-    ct = _promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
+    ct = promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
     cast = (lambda p: p.to(ct) if p is not None else None)
     return F.layer_norm(x.to(ct), shape, cast(weight), cast(bias), eps).to(out_dtype)
 

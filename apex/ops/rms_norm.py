@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from apex.ops._norm import check_args, rows_view, stats_dtype, use_kernel
+from apex.ops._norm import check_args, promote, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
-
-
-def _promote(*dtypes) -> torch.dtype:
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        if d is not None:
-            out = torch.promote_types(out, d)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- torch
@@ -38,7 +30,7 @@ def _forward_torch(x, n, weight, eps, out_dtype):
     y = torch.mul(x2, rstd.unsqueeze(-1))  # promotes half inputs to fp32
     if weight is not None:
         w = weight.reshape(-1)
-        y = y.mul_(w) if _promote(y.dtype, w.dtype) == y.dtype else y * w
+        y = y.mul_(w) if promote(y.dtype, w.dtype) == y.dtype else y * w
     return y.to(out_dtype).reshape(x.shape), rstd
 
 
@@ -46,7 +38,7 @@ def _backward_torch(dy, rstd, v, n, weight, memory_efficient, dx_dtype):
     # PyTorch's fused LayerNorm backward with mean 0 gives rstd·(g − mean(g) − x̂·mean(g·x̂)) for
     # g = weight·dy, and Σ dy·x̂ for the weight; RMSNorm's dx lacks the −mean(g) term, so it is added
     # back: three passes over the data instead of the six of an operator-by-operator backward.
-    ct = _promote(torch.float32, v.dtype, dy.dtype, weight.dtype if weight is not None else None)
+    ct = promote(torch.float32, v.dtype, dy.dtype, weight.dtype if weight is not None else None)
     v2 = v.reshape(-1, n).to(ct)
     dy2 = dy.reshape(-1, n).to(ct)
     r = rstd.reshape(-1, 1).to(ct)

@@ -46,11 +46,14 @@ def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
-def _weights(x: torch.Tensor, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_shift(x: torch.Tensor, mean, invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel affine map of the normalisation, ``y = x * scale + shift``, in the accumulation
+    dtype (a missing weight is one, a missing bias zero)."""
     C, acc = x.shape[1], acc_dtype(x)
     w = weight.to(acc) if weight is not None else torch.ones(C, dtype=acc, device=x.device)
     b = bias.to(acc) if bias is not None else torch.zeros(C, dtype=acc, device=x.device)
-    return w, b
+    scale = w * invstd
+    return scale, b - mean * scale
 
 
 def _v(t):
@@ -80,9 +83,7 @@ def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False) -> torch.Tensor:
     """``y = x * scale + shift (+ z)`` (then relu with ``fuse_relu``), in ``x``'s dtype."""
-    w, b = _weights(x, weight, bias)
-    scale = w * invstd
-    shift = b - mean * scale
+    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
@@ -116,17 +117,13 @@ def _dy_act(dy, x, scale, shift, z, fuse_relu):
 def relu_grad(dy, x, mean, invstd, weight, bias, z=None) -> torch.Tensor:
     """``dy * (y > 0)`` for the fused relu, in fp32 (PyTorch ops): lets the PyTorch path mask ``dy`` once
     for both backward passes (the Triton kernels recompute the mask on the fly instead)."""
-    w, b = _weights(x, weight, bias)
-    scale = w * invstd
-    shift = b - mean * scale
+    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
     return _dy_act(_v(dy), _v(x), scale, shift, _v(z), True).view(x.shape)
 
 
 def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False):
     """Local per-channel ``(sum_dy, sum_dy_xmu)`` in fp32 (``dy`` after the fused relu's mask)."""
-    w, b = _weights(x, weight, bias)
-    scale = w * invstd
-    shift = b - mean * scale
+    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
@@ -145,9 +142,7 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_r
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_dy_xmu, z=None,
                               fuse_relu: bool = False, need_dz: bool = False):
     """``(dx, dz)`` in ``x``'s dtype (``dz`` only with ``need_dz``, else None)."""
-    w, b = _weights(x, weight, bias)
-    scale = w * invstd
-    shift = b - mean * scale
+    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 

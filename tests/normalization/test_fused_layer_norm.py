@@ -52,6 +52,18 @@ def _grads(y, leaves, dy):
     return torch.autograd.grad(y, leaves, dy)
 
 
+def _check_cases(backend_name, cases, leaves, leaves64, dy):
+    """Each case is ``(ours, ref, n_leaves)``: the output and the gradients of the first ``n_leaves`` of
+    ``leaves`` must match the float64 reference to 1e-5."""
+    for ours, ref, n_leaves in cases:
+        with _trace(backend_name):
+            y = ours()
+            g = _grads(y, leaves[:n_leaves], dy)
+        r = ref()
+        assert_rel_close(y, r, tol=1e-5)
+        assert_rel_close(list(g), list(_grads(r, leaves64[:n_leaves], dy.double())), tol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------- modules
 def test_module_parameters_reset_and_repr():
     m = FusedLayerNorm(8)
@@ -168,13 +180,7 @@ def test_functional_forms_match_float64(backend_name):
         (lambda: fused_rms_norm(x, (10,), 1e-6, True), lambda: _rms64(x64, (10,), None, 1e-6), 1),
         (lambda: mixed_dtype_fused_rms_norm_affine(x, w, (10,)), lambda: _rms64(x64, (10,), w64, 1e-6), 2),
     ]
-    for ours, ref, n_leaves in cases:
-        with _trace(backend_name):
-            y = ours()
-            g = _grads(y, [x, w, b][:n_leaves], dy)
-        r = ref()
-        assert_rel_close(y, r, tol=1e-5)
-        assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
+    _check_cases(backend_name, cases, [x, w, b], [x64, w64, b64], dy)
 
 
 def test_manual_rms_norm_follows_apex():
@@ -224,13 +230,7 @@ def test_autograd_functions_apex_argument_order(backend_name, mem_eff):
          lambda: _rms64(x64, ns, w64, 1e-5), 2),
         (lambda: FusedRMSNormFunction.apply(x, ns, 1e-5, mem_eff), lambda: _rms64(x64, ns, None, 1e-5), 1),
     ]
-    for ours, ref, n_leaves in cases:
-        with _trace(backend_name):
-            y = ours()
-            g = _grads(y, [x, w, b][:n_leaves], dy)
-        r = ref()
-        assert_rel_close(y, r, tol=1e-5)
-        assert_rel_close(list(g), list(_grads(r, [x64, w64, b64][:n_leaves], dy.double())), tol=1e-5)
+    _check_cases(backend_name, cases, [x, w, b], [x64, w64, b64], dy)
     # Defaults: memory_efficient may be left out, as Apex's callers do.
     assert FusedRMSNormFunction.apply(x, ns, 1e-5).shape == x.shape
     xb = x.detach().to(torch.bfloat16)

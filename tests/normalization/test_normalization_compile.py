@@ -21,6 +21,17 @@ class _TwoLayer(torch.nn.Module):
         return self.norm2(self.fc2(torch.relu(self.norm1(self.fc1(x)))))
 
 
+def _assert_matches_eager(compiled, eager, x, params):
+    """The compiled function's output and gradients (of ``x`` and ``params``) match eager's to 1e-5."""
+    leaves = [x, *params]
+    y = compiled(x)
+    grads = torch.autograd.grad(y.square().sum(), leaves)
+    y_ref = eager(x)
+    ref = torch.autograd.grad(y_ref.square().sum(), leaves)
+    assert_rel_close(y, y_ref, tol=1e-5)
+    assert_rel_close(list(grads), list(ref), tol=1e-5)
+
+
 def test_compiled_two_layer_model_matches_eager():
     torch._dynamo.reset()
     model = _TwoLayer()
@@ -28,13 +39,7 @@ def test_compiled_two_layer_model_matches_eager():
         model.norm1.weight.copy_(1 + 0.25 * torch.randn(32))
         model.norm2.weight.copy_(1 + 0.25 * torch.randn(32))
     x = torch.randn(8, 32, requires_grad=True)
-    compiled = torch.compile(model, fullgraph=True)
-    y = compiled(x)
-    grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
-    y_ref = model(x)
-    ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
-    assert_rel_close(y, y_ref, tol=1e-5)
-    assert_rel_close(list(grads), list(ref), tol=1e-5)
+    _assert_matches_eager(torch.compile(model, fullgraph=True), model, x, model.parameters())
 
 
 def test_triton_path_traces_as_custom_ops():
@@ -54,10 +59,5 @@ def test_triton_path_traces_as_custom_ops():
         return out + h
 
     with apex.backend("triton"):
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-        y = compiled(x)
-        grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
-        y_ref = step(x)
-        ref = torch.autograd.grad(y_ref.square().sum(), [x, *model.parameters()])
-    assert_rel_close(y, y_ref, tol=1e-5)
-    assert_rel_close(list(grads), list(ref), tol=1e-5)
+        _assert_matches_eager(torch.compile(step, fullgraph=True, backend="aot_eager"), step, x,
+                              model.parameters())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,19 +10,8 @@ from hypothesis import strategies as st
 
 import apex
 from apex.ops import layer_norm as L
-from apex.testing import TritonTrace, assert_rel_close
-
-# (input shape, normalized_shape)
-SHAPES = [((1, 1), (1,)), ((3, 7), (7,)), ((17, 4097), (4097,)), ((2, 5, 768), (768,)), ((3, 4, 6), (4, 6))]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _trace(backend_name, *tensors):
-    if backend_name != "triton":
-        return contextlib.nullcontext(None)
-    tr = TritonTrace(bounds=True)
-    tr.watch(*tensors)
-    return tr
+from apex.testing import assert_rel_close
+from tests.ops._norms import DTYPES, SHAPES, run, trace
 
 
 def _params(ns, dtype, affine=True):
@@ -60,12 +47,6 @@ def _close(outs, refs, dtype=None, *, tol=None, baseline=None, name="output"):
             assert_rel_close(o, r, dtype, tol=tol, baseline=bl, name=f"{name}[{i}]")
 
 
-def _run(fn, x, w, dy, *extra):
-    leaves = [x] + ([w] if w is not None else []) + [e for e in extra if e is not None]
-    y = fn()
-    return y, torch.autograd.grad(y, leaves, dy)
-
-
 @pytest.mark.parametrize("mem_eff", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,ns", SHAPES, ids=str)
@@ -74,8 +55,8 @@ def test_layer_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
     x = torch.randn(shape).to(dtype).requires_grad_()
     w, b = _params(ns, dtype)
     dy = torch.randn(shape).to(dtype)
-    with _trace(backend_name, x, w, b, dy) as tr:
-        y, grads = _run(lambda: L.layer_norm(x, ns, w, b, eps, mem_eff), x, w, dy, b)
+    with trace(backend_name, x, w, b, dy) as tr:
+        y, grads = run(lambda: L.layer_norm(x, ns, w, b, eps, mem_eff), x, w, dy, b)
     if tr is not None:
         assert tr.launches == 3  # forward, backward, dweight/dbias reduction
     ref_y, ref_g = _ref(x, ns, w, b, dy, eps)
@@ -85,7 +66,7 @@ def test_layer_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
         _close(grads, ref_g, tol=1e-5, name="grads")
     else:
         with apex.backend("torch"):
-            by, bg = _run(lambda: F.layer_norm(x, ns, w, b, eps), x, w, dy, b)
+            by, bg = run(lambda: F.layer_norm(x, ns, w, b, eps), x, w, dy, b)
         assert_rel_close(y, ref_y, dtype, baseline=by, name="y")
         _close(grads, ref_g, dtype, baseline=bg, name="grads")
 
@@ -94,8 +75,8 @@ def test_layer_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
 def test_layer_norm_no_affine(backend_name, mem_eff):
     x = torch.randn(9, 33, requires_grad=True)
     dy = torch.randn(9, 33)
-    with _trace(backend_name, x, dy) as tr:
-        y, (dx,) = _run(lambda: L.layer_norm(x, (33,), None, None, 1e-5, mem_eff), x, None, dy)
+    with trace(backend_name, x, dy) as tr:
+        y, (dx,) = run(lambda: L.layer_norm(x, (33,), None, None, 1e-5, mem_eff), x, None, dy)
     if tr is not None:
         assert tr.launches == 2
     ref_y, (ref_dx,) = _ref(x, (33,), None, None, dy, 1e-5)
@@ -113,8 +94,8 @@ def test_layer_norm_non_contiguous(backend_name, layout):
     w, b = _params((100,), torch.float32)
     dy = torch.randn(22, 100)[::2]  # non-contiguous gradient too
     assert not x.is_contiguous() and not dy.is_contiguous()
-    with _trace(backend_name, x, w, b, dy):
-        y, grads = _run(lambda: L.layer_norm(x, (100,), w, b, 1e-5), x, w, dy, b)
+    with trace(backend_name, x, w, b, dy):
+        y, grads = run(lambda: L.layer_norm(x, (100,), w, b, 1e-5), x, w, dy, b)
     ref_y, ref_g = _ref(x, (100,), w, b, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
@@ -125,8 +106,8 @@ def test_layer_norm_mixed_dtypes(backend_name):
     x = torch.randn(13, 257).to(torch.bfloat16).requires_grad_()
     w, b = _params((257,), torch.float32)
     dy = torch.randn(13, 257)
-    with _trace(backend_name, x, w, b, dy):
-        y, grads = _run(lambda: L.layer_norm(x, (257,), w, b, 1e-5, out_dtype=torch.float32), x, w, dy, b)
+    with trace(backend_name, x, w, b, dy):
+        y, grads = run(lambda: L.layer_norm(x, (257,), w, b, 1e-5, out_dtype=torch.float32), x, w, dy, b)
     assert y.dtype == torch.float32 and grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
     ref_y, ref_g = _ref(x, (257,), w, b, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
@@ -143,8 +124,8 @@ def test_layer_norm_wide_row_and_many_rows(backend_name, shape):
     x = torch.randn(shape, requires_grad=True)
     w, b = _params(shape[-1:], torch.float32)
     dy = torch.randn(shape)
-    with _trace(backend_name, x, w, b, dy):
-        y, grads = _run(lambda: L.layer_norm(x, shape[-1:], w, b, 1e-5), x, w, dy, b)
+    with trace(backend_name, x, w, b, dy):
+        y, grads = run(lambda: L.layer_norm(x, shape[-1:], w, b, 1e-5), x, w, dy, b)
     ref_y, ref_g = _ref(x, shape[-1:], w, b, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
@@ -154,8 +135,8 @@ def test_layer_norm_backward_is_deterministic(backend_name):
     x = torch.randn(300, 64, requires_grad=True)
     w, b = _params((64,), torch.float32)
     dy = torch.randn(300, 64)
-    first = _run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
-    second = _run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
+    first = run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
+    second = run(lambda: L.layer_norm(x, (64,), w, b), x, w, dy, b)[1]
     for a, c in zip(first, second):
         assert torch.equal(a, c)
 
@@ -211,8 +192,8 @@ def test_layer_norm_random_shapes(rows, n, affine, backend):
     x = torch.randn(rows, n, requires_grad=True)
     w, b = _params((n,), torch.float32, affine)
     dy = torch.randn(rows, n)
-    with apex.backend(backend), _trace(backend, x, w, b, dy):
-        y, grads = _run(lambda: L.layer_norm(x, (n,), w, b, 1e-5), x, w, dy, b)
+    with apex.backend(backend), trace(backend, x, w, b, dy):
+        y, grads = run(lambda: L.layer_norm(x, (n,), w, b, 1e-5), x, w, dy, b)
     ref_y, ref_g = _ref(x, (n,), w, b, dy, 1e-5)
     _close([y], [ref_y], tol=1e-5)
     _close(grads, ref_g, tol=1e-5)

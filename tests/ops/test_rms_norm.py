@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,18 +10,8 @@ from hypothesis import strategies as st
 
 import apex
 from apex.ops import rms_norm as R
-from apex.testing import TritonTrace, assert_rel_close
-
-SHAPES = [((1, 1), (1,)), ((3, 7), (7,)), ((17, 4097), (4097,)), ((2, 5, 768), (768,)), ((3, 4, 6), (4, 6))]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _trace(backend_name, *tensors):
-    if backend_name != "triton":
-        return contextlib.nullcontext(None)
-    tr = TritonTrace(bounds=True)
-    tr.watch(*tensors)
-    return tr
+from apex.testing import assert_rel_close
+from tests.ops._norms import DTYPES, SHAPES, run, trace
 
 
 def _weight(ns, dtype, affine=True):
@@ -44,11 +32,6 @@ def _ref(x, ns, w, dy, eps):
     return y, torch.autograd.grad(y, [x64] + ([w64] if w is not None else []), dy.double())
 
 
-def _run(fn, x, w, dy):
-    y = fn()
-    return y, torch.autograd.grad(y, [x] + ([w] if w is not None else []), dy)
-
-
 @pytest.mark.parametrize("mem_eff", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,ns", SHAPES, ids=str)
@@ -57,15 +40,15 @@ def test_rms_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
     x = torch.randn(shape).to(dtype).requires_grad_()
     w = _weight(ns, dtype)
     dy = torch.randn(shape).to(dtype)
-    with _trace(backend_name, x, w, dy) as tr:
-        y, grads = _run(lambda: R.rms_norm(x, ns, w, eps, mem_eff), x, w, dy)
+    with trace(backend_name, x, w, dy) as tr:
+        y, grads = run(lambda: R.rms_norm(x, ns, w, eps, mem_eff), x, w, dy)
     if tr is not None:
         assert tr.launches == 3  # forward, backward, dweight reduction
     ref_y, ref_g = _ref(x, ns, w, dy, eps)
     assert y.dtype == dtype and [g.dtype for g in grads] == [dtype] * 2
     # With one element per row, dx ∝ 1 − x̂² cancels catastrophically in any fp32 arithmetic: the fp32
     # bound is 1e-5 or twice PyTorch's own error, whichever is larger.
-    by, bg = _run(lambda: F.rms_norm(x, ns, w, eps), x, w, dy)
+    by, bg = run(lambda: F.rms_norm(x, ns, w, eps), x, w, dy)
     tol = 1e-5 if dtype == torch.float32 else None
     if mem_eff and ns == (1,) and dtype != torch.float32:
         # Rebuilding x̂ = ±1 from a half-precision output leaves nothing of 1 − x̂²: skip dx there.
@@ -78,8 +61,8 @@ def test_rms_norm_matches_float64(backend_name, shape, ns, dtype, mem_eff):
 def test_rms_norm_no_affine(backend_name, mem_eff):
     x = torch.randn(9, 33, requires_grad=True)
     dy = torch.randn(9, 33)
-    with _trace(backend_name, x, dy) as tr:
-        y, (dx,) = _run(lambda: R.rms_norm(x, (33,), None, 1e-5, mem_eff), x, None, dy)
+    with trace(backend_name, x, dy) as tr:
+        y, (dx,) = run(lambda: R.rms_norm(x, (33,), None, 1e-5, mem_eff), x, None, dy)
     if tr is not None:
         assert tr.launches == 2
     ref_y, (ref_dx,) = _ref(x, (33,), None, dy, 1e-5)
@@ -94,8 +77,8 @@ def test_rms_norm_non_contiguous(backend_name, layout):
     w = _weight((100,), torch.float32)
     dy = torch.randn(22, 100)[::2]
     assert not x.is_contiguous() and not dy.is_contiguous()
-    with _trace(backend_name, x, w, dy):
-        y, grads = _run(lambda: R.rms_norm(x, (100,), w, 1e-5), x, w, dy)
+    with trace(backend_name, x, w, dy):
+        y, grads = run(lambda: R.rms_norm(x, (100,), w, 1e-5), x, w, dy)
     ref_y, ref_g = _ref(x, (100,), w, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
@@ -105,8 +88,8 @@ def test_rms_norm_mixed_dtypes(backend_name):
     x = torch.randn(13, 257).to(torch.bfloat16).requires_grad_()
     w = _weight((257,), torch.float32)
     dy = torch.randn(13, 257)
-    with _trace(backend_name, x, w, dy):
-        y, (dx, dw) = _run(lambda: R.rms_norm(x, (257,), w, 1e-5, out_dtype=torch.float32), x, w, dy)
+    with trace(backend_name, x, w, dy):
+        y, (dx, dw) = run(lambda: R.rms_norm(x, (257,), w, 1e-5, out_dtype=torch.float32), x, w, dy)
     assert y.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
     ref_y, (ref_dx, ref_dw) = _ref(x, (257,), w, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
@@ -119,8 +102,8 @@ def test_rms_norm_wide_row_and_many_rows(backend_name, shape):
     x = torch.randn(shape, requires_grad=True)
     w = _weight(shape[-1:], torch.float32)
     dy = torch.randn(shape)
-    with _trace(backend_name, x, w, dy):
-        y, grads = _run(lambda: R.rms_norm(x, shape[-1:], w, 1e-5), x, w, dy)
+    with trace(backend_name, x, w, dy):
+        y, grads = run(lambda: R.rms_norm(x, shape[-1:], w, 1e-5), x, w, dy)
     ref_y, ref_g = _ref(x, shape[-1:], w, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
@@ -171,8 +154,8 @@ def test_rms_norm_random_shapes(rows, n, affine, backend):
     x = torch.randn(rows, n, requires_grad=True)
     w = _weight((n,), torch.float32, affine)
     dy = torch.randn(rows, n)
-    with apex.backend(backend), _trace(backend, x, w, dy):
-        y, grads = _run(lambda: R.rms_norm(x, (n,), w, 1e-5), x, w, dy)
+    with apex.backend(backend), trace(backend, x, w, dy):
+        y, grads = run(lambda: R.rms_norm(x, (n,), w, 1e-5), x, w, dy)
     ref_y, ref_g = _ref(x, (n,), w, dy, 1e-5)
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
