@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,14 @@ def metrics(out: Path) -> dict:
 
 
 def torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               script, *args, cwd=cwd)
+    cmd = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args)
+    proc = run(*cmd, cwd=cwd)
+    if proc.returncode != 0 and any(s in proc.stderr for s in ("terminate called", "SIGABRT", "SIGSEGV")):
+        # Gloo on an overloaded machine has been seen to abort a rank while tearing down its connections,
+        # after training finished. Say so and run once more; a second failure fails the test.
+        warnings.warn(f"torchrun aborted during shutdown, retrying once:\n{proc.stderr[-2000:]}", stacklevel=2)
+        proc = run(*cmd, cwd=cwd)
+    return proc
 
 
 def rank_checksums(stdout: str) -> dict[int, str]:
