@@ -72,20 +72,23 @@ def _time(fn: Callable[[], object], repeats: int, warmup: int) -> float:
 
 
 def time_pair(ours: Callable, theirs: Callable, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
-    """Median milliseconds of each, measured interleaved in one run so machine noise hits both alike."""
+    """Median milliseconds of each, measured interleaved in one run so machine noise hits both alike.
+
+    The order alternates every repeat (ours first, then theirs first), so neither side always runs right
+    after the other has filled or evicted the caches.
+    """
     for _ in range(warmup):
         ours()
         theirs()
-    a, b = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        ours()
-        t1 = time.perf_counter()
-        theirs()
-        t2 = time.perf_counter()
-        a.append(t1 - t0)
-        b.append(t2 - t1)
-    return statistics.median(a) * 1e3, statistics.median(b) * 1e3
+    samples: dict[int, list[float]] = {0: [], 1: []}
+    fns = (ours, theirs)
+    for i in range(repeats):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for which in order:
+            t0 = time.perf_counter()
+            fns[which]()
+            samples[which].append(time.perf_counter() - t0)
+    return statistics.median(samples[0]) * 1e3, statistics.median(samples[1]) * 1e3
 
 
 def run_case(case: Case, *, time_it: bool = True, count_it: bool = True) -> Result:

@@ -2,7 +2,7 @@
 
 Minimum traffic: 28 bytes per fp32 parameter (read g, p, m, v; write p, m, v). With the trust ratio the
 Triton path makes three passes (the global gradient norm, then moments + per-tensor norms, then the
-update), requesting 44 bytes per parameter; every byte it touches is one of the 28 (unique bytes)."""
+update), moving 44 bytes per parameter."""
 
 from __future__ import annotations
 
@@ -13,5 +13,5 @@ from benchmarks.optimizers._loop_refs import LoopLAMB
 
 def cases():
     return cases_for("FusedLAMB", lambda ps: FusedLAMB(ps, lr=1e-3), lambda ps: LoopLAMB(ps, lr=1e-3), 28,
-                     note="triton bytes = distinct addresses (16 B/param: g, p, m, v each touched); "
-                     "requested 44 B/param (norm pass 4, moments 24, apply 16) vs the 28 B minimum")
+                     note="3 passes: global gradient norm (4 B/param), moments + per-tensor norms (24), "
+                     "apply (16); the 28 B minimum is a single pass")

@@ -13,5 +13,5 @@ from benchmarks.optimizers._loop_refs import LoopNovoGrad
 def cases():
     return cases_for("FusedNovoGrad", lambda ps: FusedNovoGrad(ps, lr=1e-3, betas=(0.95, 0.98)),
                      lambda ps: LoopNovoGrad(ps, lr=1e-3), 20,
-                     note="triton bytes = distinct addresses (12 B/param); requested 24 B/param "
-                     "(norm pass 4, update 20) vs the 20 B minimum")
+                     note="3 passes: the gradient norms (4 B/param), then the update (20 B/param), "
+                     "against the single-pass 20 B minimum")
