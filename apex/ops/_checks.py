@@ -47,29 +47,35 @@ def check_tensor_lists(
     lengths = [len(lst) for lst in tensor_lists]
     if len(set(lengths)) != 1:
         raise ValueError(f"{name}: every list must have the same length, got lengths {lengths}")
-    device = None
+    device = tensor_lists[0][0].device if tensor_lists[0] else None
+    ref = tensor_lists[0]
     for li, lst in enumerate(tensor_lists):
         allowed_dtypes = (list_dtypes or {}).get(li, dtypes)
+        # The common case (every tensor fine) stays cheap: a per-tensor error message is built only
+        # when a check fails, by _diagnose.
         for ti, t in enumerate(lst):
-            where = f"{name}[{li}][{ti}]"
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in allowed_dtypes:
-                raise TypeError(f"{where} has dtype {t.dtype}; expected one of "
-                                f"{', '.join(str(d) for d in allowed_dtypes)}")
-            if not t.is_contiguous():
-                raise ValueError(f"{where} must be contiguous (call .contiguous() first)")
-            if t.is_sparse:
-                raise ValueError(f"{where} must be dense, got a sparse tensor")
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
-                                 "all tensors must be on one device")
-            ref = tensor_lists[0][ti]
-            if (same_shape and t.shape != ref.shape) or t.numel() != ref.numel():
-                raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape "
-                                 f"{tuple(ref.shape)}")
+            if not (isinstance(t, torch.Tensor) and t.dtype in allowed_dtypes and t.layout == torch.strided
+                    and t.is_contiguous() and t.device == device
+                    and (t.shape == ref[ti].shape if same_shape else t.numel() == ref[ti].numel())):
+                _diagnose(name, li, ti, t, allowed_dtypes, device, ref[ti], same_shape)
+    return device
+
+
+def _diagnose(name, li, ti, t, allowed_dtypes, device, ref, same_shape) -> None:
+    where = f"{name}[{li}][{ti}]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed_dtypes:
+        raise TypeError(f"{where} has dtype {t.dtype}; expected one of "
+                        f"{', '.join(str(d) for d in allowed_dtypes)}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{where} must be dense, got a {t.layout} tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"{where} must be contiguous (call .contiguous() first)")
+    if t.device != device:
+        raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
+                         "all tensors must be on one device")
+    raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape {tuple(ref.shape)}")
     return device
 
 

@@ -73,23 +73,27 @@ def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0,
     return total, (per if per_tensor else per[:0])
 
 
-def _prologue(noop_flag, tensor_lists, n_lists):
+def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
+    if not validate:  # the caller (an apex optimizer) has checked every tensor
+        return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
     device = check_tensor_lists(tensor_lists, n_lists)
     check_noop_flag(noop_flag, device)
     return device
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
-                        per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
-    device = _prologue(noop_flag, tensor_lists, 1)
+                        per_tensor: bool | None = False, *,
+                        validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor))
 
 
 def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
-                           per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
-    device = _prologue(noop_flag, tensor_lists, 1)
+                           per_tensor: bool | None = False, *,
+                           validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), skip_if_flagged=True)

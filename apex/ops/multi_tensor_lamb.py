@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
+from apex.ops import _cpu_blocks
 from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists
 
 
@@ -29,6 +30,10 @@ def _check(noop_flag, tensor_lists, n_lists):
     device = check_tensor_lists(tensor_lists, n_lists, same_shape=True)
     check_noop_flag(noop_flag, device)
     return device
+
+
+def _device_of(tensor_lists) -> torch.device | None:
+    return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
 
 
 def _as_float(x, name: str) -> float:
@@ -52,13 +57,15 @@ def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
 def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
                       grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
-                      use_nvlamb: bool | None = False, *, workspace: list | None = None) -> None:
+                      use_nvlamb: bool | None = False, *, workspace: list | None = None,
+                      validate: bool = True) -> None:
     """LAMB step on ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` (one dtype per tensor
     index; fp32/fp16/bf16). ``mode``: 0 = L2 regularisation, 1 = decoupled weight decay (AdamW).
 
     ``workspace`` (apex's addition): fp32 tensors shaped like the parameters that the PyTorch path may
-    use for the update instead of allocating it every call."""
-    device = _check(noop_flag, tensor_lists, 4)
+    use for the update instead of allocating it every call. ``validate=False`` skips the per-tensor checks
+    (for callers, such as apex's optimizers, that have made them)."""
+    device = _check(noop_flag, tensor_lists, 4) if validate else _device_of(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
@@ -74,19 +81,22 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
                          max_grad_norm: torch.Tensor, use_nvlamb: bool | None, found_inf: torch.Tensor,
                          inv_scale: torch.Tensor, *, workspace: list | None = None,
-                         grad_workspace: list | None = None) -> None:
+                         grad_workspace: list | None = None, validate: bool = True) -> None:
     """Mixed-precision LAMB: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 master
     weights, ``[grads, masters, exp_avgs, exp_avg_sqs, model_params]``. ``lr``, ``step``, ``max_grad_norm``
     and ``inv_scale`` are device tensors (no host synchronisation on the Triton path); gradients are
     multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero. ``workspace`` and
     ``grad_workspace`` (apex's additions): reusable fp32 buffers shaped like the masters for the PyTorch
-    path's update and fp32 gradients."""
-    device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
-    check_noop_flag(noop_flag, device)
+    path's update and fp32 gradients; ``validate=False`` skips the per-tensor checks."""
+    if validate:
+        device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
+        check_noop_flag(noop_flag, device)
+    else:
+        device = _device_of(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     lists = [list(x) for x in tensor_lists]
-    for i, (a, b) in enumerate(zip(lists[0], lists[1])):
+    for i, (a, b) in enumerate(zip(lists[0], lists[1]) if validate else ()):
         if a.shape != b.shape:
             raise ValueError(f"tensor_lists[0][{i}] has shape {tuple(a.shape)} but tensor_lists[1][{i}] has "
                              f"shape {tuple(b.shape)}")
@@ -129,8 +139,8 @@ def _fusable(g, p, m, v, kw) -> bool:
     """Whether ``torch._fused_adamw_`` computes this step's moments and Adam direction exactly as LAMB
     does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging."""
     return (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]
-            and all(t.device.type == "cpu" for t in g)
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for lst in (p, m, v) for t in lst))
+            and all(t.is_cpu for t in g)
+            and all(t.is_cpu and t.dtype == torch.float32 for lst in (p, m, v) for t in lst))
 
 
 def _host(x) -> float:
@@ -140,39 +150,50 @@ def _host(x) -> float:
 def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, grad_workspace, lr, beta1, beta2, eps, step,
                       bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
                       skip_on_noop=False, **_) -> None:
-    """CPU LAMB in four multi-threaded passes: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
+    """CPU LAMB in four passes per tensor: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
     leaves ``u = m̂ / (sqrt(v̂) + eps)`` in it (and updates m and v); then the decay term, the two norms
     and ``p -= ratio * u``. Scalars are read on the host (cheap on a CPU). fp32 gradients are divided in
     place by the clip factor (and multiplied by ``inv_scale``) when those are not 1 (Apex's kernel
-    overwrites them with the update); other gradients are first copied into fp32 buffers."""
+    overwrites them with the update); other gradients are first copied into fp32 buffers. The passes run
+    block by block (``_cpu_blocks``), so that each tensor comes from memory about once."""
     if skip_on_noop and bool(noop_flag.item()):
         return
     u = workspace if workspace is not None else [torch.empty_like(t) for t in p]
-    torch._foreach_zero_(u)
+    g32 = None
     if any(t.dtype != torch.float32 for t in g):
         g32 = grad_workspace if grad_workspace is not None else [torch.empty_like(t) for t in p]
-        torch._foreach_copy_(g32, g)
-        g = g32
     gn, maxn = _host(grad_norm), _host(max_grad_norm)
     # Apex: ĝ = (g * inv_scale) / clip, i.e. g divided by clip / inv_scale.
     divisor = (gn / maxn if gn > maxn else 1.0) / (_host(inv_scale) if inv_scale is not None else 1.0)
     # Without bias correction: a step so large that beta**step is 0, i.e. corrections of exactly 1.
     step_t = torch.tensor(_host(step) if bias_correction else 2.0 ** 60)
-    torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
-                        weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
-                        grad_scale=torch.tensor(divisor) if divisor != 1.0 else None, found_inf=None)
-    if weight_decay != 0.0:
-        torch._foreach_add_(u, p, alpha=weight_decay)
+    grad_scale = torch.tensor(divisor) if divisor != 1.0 else None
     lr = _host(lr)
-    if use_nvlamb or weight_decay != 0.0:
-        un = torch.stack(torch._foreach_norm(u))
-        pn = torch.stack(torch._foreach_norm(p))
-        ratio = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, 1.0), 1.0) * lr
-        torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
-    else:
-        torch._foreach_add_(p, u, alpha=-lr)
-    if out is not None:
-        torch._foreach_copy_(out, p)
+    trust = use_nvlamb or weight_decay != 0.0
+
+    def part(g, p, m, v, u, g32, out):
+        torch._foreach_zero_(u)
+        if g32[0] is not None:
+            torch._foreach_copy_(g32, g)
+            g = g32
+        torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
+                            weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=None)
+        if weight_decay != 0.0:
+            torch._foreach_add_(u, p, alpha=weight_decay)
+        if trust:
+            norms = torch.stack(torch._foreach_norm(u + p))
+            un, pn = norms[:len(u)], norms[len(u):]
+            ratio = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, 1.0), 1.0) * lr
+            torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
+        else:
+            torch._foreach_add_(p, u, alpha=-lr)
+        if out[0] is not None:
+            torch._foreach_copy_(out, p)
+
+    none = [None] * len(p)
+    _cpu_blocks.run(part, _cpu_blocks.blocks(p), g, p, m, v, u, none if g32 is None else g32,
+                    none if out is None else out)
 
 
 def _f32(ts: list) -> list:

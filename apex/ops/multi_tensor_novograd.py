@@ -23,6 +23,7 @@ import math
 import torch
 
 from apex import _backend
+from apex.ops import _cpu_blocks
 from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
 
 
@@ -37,10 +38,14 @@ def _check_norms(grad_norms, n: int, device) -> None:
 def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                           lr: float, beta1: float, beta2: float, epsilon: float, step: int,
                           bias_correction: int, weight_decay: float, grad_averaging: int, moment_mode: int,
-                          norm_type: int) -> None:
-    """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16)."""
-    device = check_tensor_lists(tensor_lists, 3, same_shape=True)
-    check_noop_flag(noop_flag, device)
+                          norm_type: int, *, validate: bool = True) -> None:
+    """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16). ``validate=False``
+    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them)."""
+    if validate:
+        device = check_tensor_lists(tensor_lists, 3, same_shape=True)
+        check_noop_flag(noop_flag, device)
+    else:
+        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
     if norm_type not in (0, 2):
         raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
     if moment_mode not in (0, 1):
@@ -92,33 +97,44 @@ def _f32(ts: list) -> list:
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
                    weight_decay, reg_inside_moment) -> None:
     """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
-    size (the per-tensor factors are folded into 0-dim scalars)::
+    size (the per-tensor factors are folded into 0-dim scalars). Two passes, each block by block
+    (``_cpu_blocks``): the gradient norms, then::
 
         decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - (lr / (bc1*d_i)) * m
         inside:     m = beta1*m + (beta3/d_i)*g + beta3*wd*p;  p = p - (lr/bc1) * m
     """
     ord_ = float("inf") if norm_type == 0 else 2.0
-    new = torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32))
+    parts = _cpu_blocks.blocks(p)
+    # Pass 1, the gradient norms; then the per-tensor factors, as 0-dim tensors.
+    new = torch.cat(_cpu_blocks.run(lambda g: torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32)),
+                                    parts, g, threads=False))
     mark_found_inf(noop_flag, (~torch.isfinite(new)).any())
     _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
     denom = grad_norms / bc2 + eps
-    gf, pf, mf = _f32(g), _f32(p), _f32(m)
-    if reg_inside_moment:
-        torch._foreach_mul_(mf, beta1)
-        torch._foreach_addcmul_(mf, gf, list((beta3 / denom).unbind()))
-        if weight_decay != 0.0:
-            torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
-        torch._foreach_add_(pf, mf, alpha=-lr / bc1)
-    else:
-        if beta3 == 1.0 - beta1:
-            torch._foreach_lerp_(mf, gf, beta3)
-        else:
+    factors = list((beta3 / denom if reg_inside_moment else lr / (bc1 * denom)).unbind())
+    all32 = all(t.dtype == torch.float32 for lst in (g, p, m) for t in lst)
+
+    def part(g, p, m, factors):  # pass 2, block by block: the moments and the parameters
+        gf, pf, mf = (g, p, m) if all32 else (_f32(g), _f32(p), _f32(m))
+        if reg_inside_moment:
             torch._foreach_mul_(mf, beta1)
-            torch._foreach_add_(mf, gf, alpha=beta3)
-        if weight_decay != 0.0:
-            torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
-        torch._foreach_addcmul_(pf, mf, list((lr / (bc1 * denom)).unbind()), value=-1.0)
-    for dst, src in ((p, pf), (m, mf)):
-        pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+            torch._foreach_addcmul_(mf, gf, factors)
+            if weight_decay != 0.0:
+                torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
+            torch._foreach_add_(pf, mf, alpha=-lr / bc1)
+        else:
+            if beta3 == 1.0 - beta1:
+                torch._foreach_lerp_(mf, gf, beta3)
+            else:
+                torch._foreach_mul_(mf, beta1)
+                torch._foreach_add_(mf, gf, alpha=beta3)
+            if weight_decay != 0.0:
+                torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
+            torch._foreach_addcmul_(pf, mf, factors, value=-1.0)
+        for dst, src in ((p, pf), (m, mf)) if not all32 else ():
+            pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+    # Both passes only stream memory: a second core adds no bandwidth, so no worker threads.
+    _cpu_blocks.run(part, parts, g, p, m, factors, threads=False)

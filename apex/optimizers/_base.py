@@ -76,6 +76,12 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def trusted(op) -> dict:
+    """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an op a
+    subclass swapped in."""
+    return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
+
+
 def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
     """Clear gradients: ``None`` when ``set_to_none`` (default: the optimizer's ``set_grad_none``), else
     zeros."""
@@ -239,9 +245,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     @staticmethod
     def _trusted(op) -> dict:
-        """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an
-        op a subclass swapped in."""
-        return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
+        return trusted(op)
 
     # -- step counters ---------------------------------------------------------------------------------------
     def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:

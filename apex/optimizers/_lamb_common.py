@@ -42,31 +42,35 @@ def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
     """For each param group, its parameters that have a gradient, after checking every one of them."""
     out = []
     for gi, group in enumerate(optimizer.param_groups):
-        device = None
+        params = group["params"]
+        device = params[0].device if params else None
         ps = []
-        for pi, p in enumerate(group["params"]):
-            where = f"param_groups[{gi}]['params'][{pi}]"
-            if p.dtype not in dtypes:
-                raise RuntimeError(f"{name} supports {', '.join(map(str, dtypes))} parameters; {where} is "
-                                   f"{p.dtype}")
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ParamMismatchError(f"{name}: {where} is on {p.device} but the group's first parameter "
-                                         f"is on {device}; a parameter group must live on one device")
+        for pi, p in enumerate(params):
             g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam "
-                                   "instead")
-            if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
-                raise ParamMismatchError(
-                    f"{name}: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device} but the "
-                    f"parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
-            ps.append(p)
+            # One cheap test per parameter; the message is built only when it fails.
+            if p.dtype not in dtypes or p.device != device or (
+                    g is not None and (g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape
+                                       or g.device != device)):
+                _diagnose(name, gi, pi, p, device, dtypes)
+            if g is not None:
+                ps.append(p)
         out.append(ps)
     return out
+
+
+def _diagnose(name: str, gi: int, pi: int, p: torch.Tensor, device, dtypes) -> None:
+    where = f"param_groups[{gi}]['params'][{pi}]"
+    if p.dtype not in dtypes:
+        raise RuntimeError(f"{name} supports {', '.join(map(str, dtypes))} parameters; {where} is {p.dtype}")
+    if p.device != device:
+        raise ParamMismatchError(f"{name}: {where} is on {p.device} but the group's first parameter is on "
+                                 f"{device}; a parameter group must live on one device")
+    g = p.grad
+    if g.is_sparse:
+        raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
+    raise ParamMismatchError(
+        f"{name}: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device} but the parameter is "
+        f"{p.dtype} {tuple(p.shape)} on {p.device}")
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
-from apex.optimizers._base import run_closure, zero_grad
+from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
@@ -86,27 +86,26 @@ class FusedLAMB(torch.optim.Optimizer):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedLAMB")
-        grads = [grad_of(p) for ps in per_group for p in ps]
+        grads_per_group = [[grad_of(p) for p in ps] for ps in per_group]
+        grads = [g for gs in grads_per_group for g in gs]
         if grads:
             device = grads[0].device
             if self._dummy_overflow_buf.device != device:
                 self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
             global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
-                                                        False)[0]
+                                                        False, **trusted(self.multi_tensor_l2norm))[0]
         max_grad_norm = self.defaults["max_grad_norm"]
-        for group, ps in zip(self.param_groups, per_group):
+        for group, p, g in zip(self.param_groups, per_group, grads_per_group):
             group["step"] = group.get("step", 0) + 1
-            if not ps:
+            if not p:
                 continue
             beta1, beta2 = group["betas"]
-            g, p, m, v = [], [], [], []
-            for param in ps:
+            m, v = [], []
+            for param in p:
                 state = self.state[param]
-                if len(state) == 0:
+                if not state:
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                g.append(grad_of(param))
-                p.append(param)
                 m.append(state["exp_avg"])
                 v.append(state["exp_avg_sq"])
             args = (_CHUNK_SIZE, self._dummy_overflow_buf, [g, p, m, v], group["lr"], beta1, beta2,
@@ -114,7 +113,7 @@ class FusedLAMB(torch.optim.Optimizer):
                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
                     self.use_nvlamb)
             if self.multi_tensor_lamb is multi_tensor_lamb:
-                self.multi_tensor_lamb(*args, workspace=self._workspace_for(p))
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(p), validate=False)
             else:  # a subclass's own op, called the Apex way
                 self.multi_tensor_lamb(*args)
         return loss
@@ -122,7 +121,7 @@ class FusedLAMB(torch.optim.Optimizer):
     def _workspace_for(self, params: list) -> list | None:
         """Reused fp32 buffers for the CPU path's update (allocating them every step costs more than the
         step's arithmetic)."""
-        if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        if not all(p.is_cpu and p.dtype == torch.float32 for p in params):
             return None
         out = []
         for p in params:

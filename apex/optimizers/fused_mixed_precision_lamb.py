@@ -6,7 +6,7 @@ import torch
 
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
-from apex.optimizers._base import run_closure, zero_grad
+from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
@@ -165,7 +165,8 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
             return loss
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
-        grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False)[0]
+        grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
+                                             **trusted(self.multi_tensor_l2norm))[0]
         for group, full, ps in zip(self.param_groups, self.param_groups_full_precision, per_group):
             if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
                 self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
@@ -197,9 +198,9 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                         group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
                         1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
                         self.use_nvlamb, found_inf, inv_scale)
-                if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].device.type == "cpu":
+                if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].is_cpu:
                     self.multi_tensor_lamb(*args, workspace=self._buffers(lists[1], "update"),
-                                           grad_workspace=self._buffers(lists[1], "grad"))
+                                           grad_workspace=self._buffers(lists[1], "grad"), validate=False)
                 else:
                     self.multi_tensor_lamb(*args)
         return loss

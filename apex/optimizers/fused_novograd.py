@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
-from apex.optimizers._base import run_closure, zero_grad
+from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     ParamMismatchError,
     check_group_hyperparameters,
@@ -124,5 +124,6 @@ class FusedNovoGrad(torch.optim.Optimizer):
                                            group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
                                            group["step"], 1 if group["bias_correction"] else 0,
                                            group["weight_decay"], 1 if group["grad_averaging"] else 0,
-                                           self.moment_mode, group["norm_type"])
+                                           self.moment_mode, group["norm_type"],
+                                           **trusted(self.multi_tensor_novograd))
         return loss

@@ -1,0 +1,169 @@
+"""The CPU block runner behind the LAMB and NovoGrad PyTorch paths: partition, worker threads, and results
+that do not depend on how the lists are cut or on which thread runs a block."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import amp_C
+from apex.ops import _cpu_blocks
+from apex.testing import assert_rel_close
+
+# Ragged sizes, all below PyTorch's 32K-element parallel threshold, so every tensor's arithmetic is the
+# same whichever thread runs it.
+SIZES = [1, 7, 300, 4097, 0, 1000, 5000, 17, 8191, 2049, 3, 9000, 640, 12000, 1, 4500]
+
+
+@given(st.lists(st.integers(0, 5000), max_size=40), st.integers(1, 6000))
+@settings(max_examples=60, deadline=None)
+def test_blocks_cover_the_list_in_order(sizes, limit):
+    ts = [torch.empty(n) for n in sizes]
+    parts = _cpu_blocks.blocks(ts, limit)
+    assert [i for part in parts for i in part] == list(range(len(sizes)))
+    for part in parts:
+        assert part, "no empty blocks"
+        assert len(part) == 1 or sum(sizes[i] for i in part) <= limit
+
+
+def test_blocks_keep_non_cpu_lists_whole():
+    ts = [torch.empty(10**6, device="meta"), torch.empty(3, device="meta")]
+    assert _cpu_blocks.blocks(ts, 10) == [[0, 1]]
+
+
+def test_workers_setting(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "0")
+    assert _cpu_blocks.workers() == 0
+    monkeypatch.setenv("APEX_CPU_WORKERS", "3")
+    assert _cpu_blocks.workers() == 3
+    monkeypatch.setenv("APEX_CPU_WORKERS", "two")
+    with pytest.raises(ValueError, match="APEX_CPU_WORKERS"):
+        _cpu_blocks.workers()
+
+
+def test_run_returns_results_in_order_and_uses_single_threaded_workers(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "2")
+    monkeypatch.setattr(_cpu_blocks, "BLOCK_ELEMENTS", 100)
+    before = torch.get_num_threads()
+    ts = [torch.empty(n) for n in (5, 200, 40, 70, 10, 300)]
+    parts = _cpu_blocks.blocks(ts)
+
+    def where(ts):
+        return [t.numel() for t in ts], threading.current_thread().name, torch.get_num_threads()
+
+    out = _cpu_blocks.run(where, parts, ts)
+    assert [n for sizes, _, _ in out for n in sizes] == [5, 200, 40, 70, 10, 300]
+    by_thread = {tuple(sizes): (name, threads) for sizes, name, threads in out}
+    # One-tensor blocks of at least BLOCK_ELEMENTS stay on the calling thread, with all its threads.
+    assert by_thread[(200,)] == (threading.current_thread().name, before)
+    small = [v for k, v in by_thread.items() if k not in ((200,), (300,))]
+    assert small and all(name == "apex-cpu-worker" and threads == 1 for name, threads in small)
+    assert torch.get_num_threads() == before
+
+
+def test_worker_errors_reach_the_caller(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "2")
+    ts = [torch.empty(4) for _ in range(6)]
+
+    def fail(ts):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        _cpu_blocks.run(fail, [[0, 1], [2, 3], [4, 5]], ts)
+
+
+def test_workers_take_the_callers_grad_mode(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "2")
+    ts = [torch.ones(3, requires_grad=True) for _ in range(4)]
+
+    def bump(ts):
+        torch._foreach_add_(ts, 1.0)
+
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        _cpu_blocks.run(bump, [[0, 1], [2, 3]], ts)
+    with torch.no_grad():
+        _cpu_blocks.run(bump, [[0, 1], [2, 3]], ts)
+    assert all(bool((t == 2).all()) for t in ts)
+
+
+def test_a_run_inside_a_worker_runs_inline(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "2")
+    ts = [torch.full((2,), float(i)) for i in range(4)]
+
+    def outer(ts):
+        return sum(_cpu_blocks.run(lambda xs: float(sum(x.sum() for x in xs)), [[0], [1]], ts[:2] * 1))
+
+    out = _cpu_blocks.run(outer, [[0, 1], [2, 3]], ts)
+    assert out == [2.0, 10.0]
+
+
+def _lamb_lists(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=gen) * (0.1 if k >= 2 else 1.0) for n in SIZES] for k in range(4)]
+
+
+def _lamb_step(lists, wd):
+    lists[3] = [v.abs() for v in lists[3]]
+    norm = torch.linalg.vector_norm(torch.cat([g for g in lists[0]]))
+    amp_C.multi_tensor_lamb(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.9, 0.999, 1e-6, 3, 1, wd,
+                            1, 1, norm.reshape(1), 1.0, False)
+    return lists
+
+
+def _novograd_step(lists):
+    g, p, m = lists[:3]
+    norms = torch.rand(len(g), generator=torch.Generator().manual_seed(1)) + 0.5
+    amp_C.multi_tensor_novograd(2048, torch.zeros(1, dtype=torch.int32), [g, p, m], norms, 1e-2, 0.95, 0.98,
+                                1e-8, 3, 1, 0.01, 1, 1, 2)
+    return [p, m, [norms]]
+
+
+@pytest.mark.parametrize("op", ["lamb", "lamb_no_decay", "novograd"])
+@pytest.mark.parametrize("block", [1, 700, 10_000])
+def test_results_do_not_depend_on_blocks_or_workers(monkeypatch, op, block):
+    def run(block_elements, workers):
+        monkeypatch.setattr(_cpu_blocks, "BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setenv("APEX_CPU_WORKERS", str(workers))
+        lists = _lamb_lists()
+        with torch.no_grad():
+            if op == "novograd":
+                return _novograd_step(lists)
+            return _lamb_step(lists, 0.0 if op == "lamb_no_decay" else 0.01)[1:]
+
+    whole = run(10**9, 0)
+    for workers in (0, 2):
+        got = run(block, workers)
+        for a, b in zip(got, whole):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+
+
+def test_lamb_blocked_with_workers_matches_float64():
+    """The blocked, threaded path still computes LAMB (checked against one float64 step)."""
+    lists = _lamb_lists(seed=3)
+    ref = [[t.double() for t in lst] for lst in lists]
+    ref[3] = [v.abs() for v in ref[3]]
+    with torch.no_grad():
+        _cpu_blocks.BLOCK_ELEMENTS, saved = 500, _cpu_blocks.BLOCK_ELEMENTS
+        try:
+            out = _lamb_step(lists, 0.01)
+        finally:
+            _cpu_blocks.BLOCK_ELEMENTS = saved
+    g, p, m, v = ref
+    gn = torch.linalg.vector_norm(torch.cat(g))
+    clip = gn if gn > 1.0 else 1.0
+    for i in range(len(p)):
+        gi = g[i] / clip
+        mi = 0.9 * m[i] + 0.1 * gi
+        vi = 0.999 * v[i] + 0.001 * gi * gi
+        u = (mi / (1 - 0.9 ** 3)) / ((vi / (1 - 0.999 ** 3)).sqrt() + 1e-6) + 0.01 * p[i]
+        pn, un = p[i].norm(), u.norm()
+        ratio = pn / un if pn > 0 and un > 0 else 1.0
+        expected = p[i] - 1e-2 * ratio * u
+        if expected.numel():
+            assert_rel_close(out[1][i], expected)
+            assert_rel_close(out[2][i], mi)
