@@ -68,7 +68,9 @@ def workers() -> int:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"APEX_CPU_WORKERS must be a non-negative integer, got {env!r}") from None
+            n = -1
+        if n < 0:
+            raise ValueError(f"APEX_CPU_WORKERS must be a non-negative integer, got {env!r}")
     else:
         n = torch.get_num_threads()
     return n if n > 1 else 0

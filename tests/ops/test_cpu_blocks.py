@@ -40,9 +40,10 @@ def test_workers_setting(monkeypatch):
     assert _cpu_blocks.workers() == 0
     monkeypatch.setenv("APEX_CPU_WORKERS", "3")
     assert _cpu_blocks.workers() == 3
-    monkeypatch.setenv("APEX_CPU_WORKERS", "two")
-    with pytest.raises(ValueError, match="APEX_CPU_WORKERS"):
-        _cpu_blocks.workers()
+    for bad in ("two", "-1"):
+        monkeypatch.setenv("APEX_CPU_WORKERS", bad)
+        with pytest.raises(ValueError, match="APEX_CPU_WORKERS"):
+            _cpu_blocks.workers()
 
 
 def test_run_returns_results_in_order_and_uses_single_threaded_workers(monkeypatch):
