@@ -66,7 +66,7 @@ def _diagnose(name: str, gi: int, pi: int, p: torch.Tensor, device, dtypes) -> N
         raise ParamMismatchError(f"{name}: {where} is on {p.device} but the group's first parameter is on "
                                  f"{device}; a parameter group must live on one device")
     g = p.grad
-    if g.is_sparse:
+    if g.layout != torch.strided:
         raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
     raise ParamMismatchError(
         f"{name}: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device} but the parameter is "
