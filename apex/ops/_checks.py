@@ -20,6 +20,11 @@ def check_noop_flag(noop_flag: object, device: torch.device | None = None) -> to
     return noop_flag
 
 
+def first_device(tensor_lists) -> torch.device | None:
+    """The device of ``tensor_lists[0][0]`` (None when there is none): for callers that skip the checks."""
+    return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+
+
 def check_tensor_lists(
     tensor_lists: object,
     n_lists: int | Sequence[int] | None = None,
@@ -76,7 +81,6 @@ def _diagnose(name, li, ti, t, allowed_dtypes, device, ref, same_shape) -> None:
         raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
                          "all tensors must be on one device")
     raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape {tuple(ref.shape)}")
-    return device
 
 
 def as_scalar_tensor(value, device: torch.device, name: str, dtype=torch.float32) -> torch.Tensor:

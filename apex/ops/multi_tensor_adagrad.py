@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
@@ -24,7 +24,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
         device = check_tensor_lists(tensor_lists, 3)
         check_noop_flag(noop_flag, device)
     else:  # the caller (an apex optimizer) has checked every tensor
-        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+        device = first_device(tensor_lists)
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
     if device is None or not tensor_lists[0]:

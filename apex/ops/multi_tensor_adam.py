@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists
+from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, first_device
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
@@ -60,7 +60,7 @@ def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_corre
                                     list_dtypes={4: (torch.float32,)})
         check_noop_flag(noop_flag, device)
     else:  # the caller (an apex optimizer) has checked every tensor
-        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+        device = first_device(tensor_lists)
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (AdamW), got {mode!r}")
     if device is None or not tensor_lists[0]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 
 
 def _empty_result(device, n: int, per_tensor: bool):
@@ -75,7 +75,7 @@ def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0,
 
 def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
     if not validate:  # the caller (an apex optimizer) has checked every tensor
-        return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+        return first_device(tensor_lists)
     device = check_tensor_lists(tensor_lists, n_lists)
     check_noop_flag(noop_flag, device)
     return device

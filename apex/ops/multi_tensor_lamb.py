@@ -23,17 +23,13 @@ import torch
 
 from apex import _backend
 from apex.ops import _cpu_blocks
-from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists
+from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists, first_device
 
 
 def _check(noop_flag, tensor_lists, n_lists):
     device = check_tensor_lists(tensor_lists, n_lists, same_shape=True)
     check_noop_flag(noop_flag, device)
     return device
-
-
-def _device_of(tensor_lists) -> torch.device | None:
-    return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
 
 
 def _as_float(x, name: str) -> float:
@@ -65,7 +61,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     ``workspace`` (apex's addition): fp32 tensors shaped like the parameters that the PyTorch path may
     use for the update instead of allocating it every call. ``validate=False`` skips the per-tensor checks
     (for callers, such as apex's optimizers, that have made them)."""
-    device = _check(noop_flag, tensor_lists, 4) if validate else _device_of(tensor_lists)
+    device = _check(noop_flag, tensor_lists, 4) if validate else first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
@@ -92,7 +88,7 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
         device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
         check_noop_flag(noop_flag, device)
     else:
-        device = _device_of(tensor_lists)
+        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     lists = [list(x) for x in tensor_lists]

@@ -24,7 +24,7 @@ import torch
 
 from apex import _backend
 from apex.ops import _cpu_blocks
-from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 
 
 def _check_norms(grad_norms, n: int, device) -> None:
@@ -45,7 +45,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         device = check_tensor_lists(tensor_lists, 3, same_shape=True)
         check_noop_flag(noop_flag, device)
     else:
-        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+        device = first_device(tensor_lists)
     if norm_type not in (0, 2):
         raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
     if moment_mode not in (0, 1):

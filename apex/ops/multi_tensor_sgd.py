@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
@@ -32,7 +32,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         device = check_tensor_lists(tensor_lists, (3, 4))
         check_noop_flag(noop_flag, device)
     else:  # the caller (an apex optimizer) has checked every tensor
-        device = tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     lists = [list(lst) for lst in tensor_lists]

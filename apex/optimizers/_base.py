@@ -243,10 +243,6 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             m = state["master_param"] = p.detach().float().clone()
         return m
 
-    @staticmethod
-    def _trusted(op) -> dict:
-        return trusted(op)
-
     # -- step counters ---------------------------------------------------------------------------------------
     def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:
         """Add 1 to the (CPU, fp32) ``state['step']`` of each of ``params`` and return the new values.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by, trusted
 
 
 class FusedAdagrad(FusedOptimizerBase):
@@ -64,5 +64,5 @@ class FusedAdagrad(FusedOptimizerBase):
                          else [[lst[i] for i in idx] for lst in (grads, params, sums)])
                 self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(device), lists, group["lr"], group["eps"],
                                           self.adagrad_w_mode, group["weight_decay"],
-                                          **self._trusted(self.multi_tensor_adagrad))
+                                          **trusted(self.multi_tensor_adagrad))
         return loss

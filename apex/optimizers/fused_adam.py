@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from apex.optimizers._base import FusedOptimizerBase, check_betas, check_non_negative, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_betas, check_non_negative, group_by, trusted
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -157,8 +157,8 @@ class FusedAdam(FusedOptimizerBase):
                 op = (self.multi_tensor_adam_capturable_master if has_master
                       else self.multi_tensor_adam_capturable)
                 op(2048 * 32, noop, lists, lr, beta1, beta2, group["eps"], steps[idx[0]], self.adam_w_mode,
-                   bias_correction, group["weight_decay"], inv_scale, **self._trusted(op))
+                   bias_correction, group["weight_decay"], inv_scale, **trusted(op))
             else:
                 self.multi_tensor_adam(2048 * 32, self._overflow_buf(device), lists, group["lr"], beta1,
                                        beta2, group["eps"], int(key[2]), self.adam_w_mode, bias_correction,
-                                       group["weight_decay"], **self._trusted(self.multi_tensor_adam))
+                                       group["weight_decay"], **trusted(self.multi_tensor_adam))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, group_by
+from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, group_by, trusted
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -128,4 +128,4 @@ class FusedSGD(FusedOptimizerBase):
             self.multi_tensor_sgd(2048 * 32, self._overflow_buf(device), lists, group["weight_decay"],
                                   momentum, group["dampening"], group["lr"], group["nesterov"], first_run,
                                   self.wd_after_momentum, scale,
-                                  **(self._trusted(self.multi_tensor_sgd) if checked else {}))
+                                  **(trusted(self.multi_tensor_sgd) if checked else {}))
