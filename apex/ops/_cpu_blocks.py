@@ -16,6 +16,13 @@ in the same order; only the summation order inside a norm of a tensor above 32K 
 from a multi-threaded run (it is the same from run to run). Cross-tensor reductions (a global norm) stay
 outside ``run``.
 
+Creating a tensor object costs about a microsecond on the CPU, as much as the arithmetic of a tensor of a
+few thousand elements, so a step over many small tensors must not create any per tensor.
+``Workspace`` holds what a step can reuse: a ``Layout`` (the blocks, and inside each block its tensors
+smallest first, so that tensors of one size lie side by side in a flat buffer and one 2-D view covers
+them: ``class_norms`` takes all their norms in one call), flat fp32 buffers with views shaped like the
+tensors, and per-tensor scalars with 0-dim views that ``torch._foreach_*`` ops take as a list.
+
 The workers are daemon threads started on first use (again in a forked child, which inherits no
 threads); they run each task in the caller's grad mode (which is per thread). ``APEX_CPU_WORKERS`` sets
 their number (``0`` or ``1``: everything on the calling thread). Passes that only stream memory gain
@@ -29,6 +36,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +69,121 @@ def blocks(tensors: Sequence[torch.Tensor], max_elements: int | None = None) -> 
     return out
 
 
+class Block(NamedTuple):
+    """One block of a ``Layout``."""
+
+    order: list[int]  # its tensors (indices into the list), smallest first
+    start: int  # position of order[0] in Layout.perm
+    offset: int  # where the block starts in a flat buffer laid out as Layout.perm
+    numel: int
+    classes: tuple[tuple[int, int, int, int], ...]  # (position in order, count, numel, offset in block)
+
+
+class Layout:
+    """The blocks of a list of tensors with ``sizes`` elements (as ``blocks``), each ordered smallest
+    first. ``perm`` is the concatenation of the blocks' orders: the order of a flat buffer of the whole
+    list, in which every run of same-sized tensors of a block (a class) is one 2-D view."""
+
+    def __init__(self, sizes: Sequence[int], max_elements: int | None = None):
+        self.sizes = tuple(int(n) for n in sizes)
+        self.blocks: list[Block] = []
+        self.perm: list[int] = []
+        offset = 0
+        for part in blocks([_Sized(n) for n in self.sizes], max_elements):
+            order = sorted(part, key=lambda i: self.sizes[i])  # stable: equal sizes keep their order
+            classes, j, at = [], 0, 0
+            while j < len(order):
+                n, k = self.sizes[order[j]], 1
+                while j + k < len(order) and self.sizes[order[j + k]] == n:
+                    k += 1
+                classes.append((j, k, n, at))
+                j, at = j + k, at + k * n
+            self.blocks.append(Block(order, len(self.perm), offset, at, tuple(classes)))
+            self.perm.extend(order)
+            offset += at
+        self.numel = offset
+
+
+class _Sized:
+    """A stand-in with ``numel`` and ``is_cpu`` for ``blocks``."""
+
+    __slots__ = ("n",)
+    is_cpu = True
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+def scratch(n: int, slot: int = 0) -> torch.Tensor:
+    """``n`` fp32 elements of this thread's scratch buffer number ``slot`` (kept for the next call)."""
+    bufs = getattr(_LOCAL, "scratch", None)
+    if bufs is None:
+        bufs = _LOCAL.scratch = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = bufs[slot] = torch.empty(max(n, BLOCK_ELEMENTS), dtype=torch.float32)
+    return buf[:n]
+
+
+def class_norms(flat: torch.Tensor, block: Block, out: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
+    """``out[j] = ‖tensor order[j]‖`` (fp32) for a block whose tensors lie in ``flat`` in its order: one
+    ``vector_norm`` per class of same-sized tensors."""
+    for j, k, n, at in block.classes:
+        if n:
+            torch.linalg.vector_norm(flat[at:at + k * n].view(k, n), ord, dim=1, out=out[j:j + k])
+        else:
+            out[j:j + k].zero_()
+    return out
+
+
+class Workspace:
+    """Reusable buffers for CPU steps over lists of tensors with ``shapes``: their ``Layout``; flat fp32
+    buffers in layout order with views shaped like the tensors (``buffer``); per-tensor fp32 scalars in
+    layout order with 0-dim views (``scalars``). Views are created once, not per step."""
+
+    def __init__(self, shapes: Sequence[torch.Size]):
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.layout = Layout([s.numel() for s in self.shapes])
+        self._buffers: dict = {}
+        self._scalars: dict = {}
+        self._perm: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> Workspace:
+        return cls([t.shape for t in tensors])
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return [t.shape for t in tensors] == self.shapes
+
+    def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat fp32 buffer of all the elements and its views, in layout order."""
+        if name not in self._buffers:
+            flat = torch.empty(self.layout.numel, dtype=torch.float32)
+            views, at = [], 0
+            for i in self.layout.perm:
+                n = self.shapes[i].numel()
+                views.append(flat[at:at + n].view(self.shapes[i]))
+                at += n
+            self._buffers[name] = (flat, views)
+        return self._buffers[name]
+
+    def perm_index(self) -> torch.Tensor:
+        """``layout.perm`` as an int64 tensor (to gather per-tensor values in layout order)."""
+        if self._perm is None:
+            self._perm = torch.tensor(self.layout.perm, dtype=torch.int64)
+        return self._perm
+
+    def scalars(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One fp32 number per tensor, in layout order, and its 0-dim views."""
+        if name not in self._scalars:
+            vec = torch.empty(len(self.shapes), dtype=torch.float32)
+            self._scalars[name] = (vec, list(vec.unbind()))
+        return self._scalars[name]
+
+
 def workers() -> int:
     """How many worker threads ``run`` may use (0: none)."""
     env = os.environ.get("APEX_CPU_WORKERS", "").strip()
@@ -76,24 +199,28 @@ def workers() -> int:
     return n if n > 1 else 0
 
 
-def run(fn: Callable, parts: list[list[int]], *lists: Sequence, threads: bool = True) -> list:
+def run(fn: Callable, parts: list[list[int]], *lists: Sequence, threads: bool = True,
+        per_part: Sequence | None = None) -> list:
     """``fn(*[[lst[i] for i in part] for lst in lists])`` for each part; the results, in part order.
+    With ``per_part``, ``fn(per_part[k], ...)`` for part ``k``.
 
     With workers, the parts holding one tensor of at least ``BLOCK_ELEMENTS`` elements run first on the
     calling thread, then the others concurrently on the workers (part ``k`` of them on worker
     ``k mod n``, so the assignment is the same every call). ``threads=False``: all on the calling thread
     (for passes that only stream memory, where a second core adds no bandwidth)."""
-    def pick(part):
-        return tuple([lst[i] for i in part] for lst in lists)
+    def pick(k):
+        part = parts[k]
+        picked = tuple([lst[i] for i in part] for lst in lists)
+        return picked if per_part is None else (per_part[k], *picked)
 
     n = workers() if threads and len(parts) > 1 else 0
     if n == 0 or getattr(_LOCAL, "worker", False):
-        return [fn(*pick(part)) for part in parts]
+        return [fn(*pick(k)) for k in range(len(parts))]
     results: list = [None] * len(parts)
     small = []
     for k, part in enumerate(parts):
         if len(part) == 1 and lists[0][part[0]].numel() >= BLOCK_ELEMENTS:
-            results[k] = fn(*pick(part))
+            results[k] = fn(*pick(k))
         else:
             small.append(k)
     if not small:
@@ -102,7 +229,7 @@ def run(fn: Callable, parts: list[list[int]], *lists: Sequence, threads: bool = 
     pool = _POOL.get(n)
     shares = [small[i::n] for i in range(n)]
     grad = torch.is_grad_enabled()
-    futures = [pool.submit(i, _run_share, (fn, [pick(parts[k]) for k in share], grad))
+    futures = [pool.submit(i, _run_share, (fn, [pick(k) for k in share], grad))
                for i, share in enumerate(shares)]
     errors = [f.exception() for f in futures]  # waits for every worker, even when one fails
     for e in errors:

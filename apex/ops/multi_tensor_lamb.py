@@ -53,14 +53,14 @@ def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
 def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
                       grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
-                      use_nvlamb: bool | None = False, *, workspace: list | None = None,
+                      use_nvlamb: bool | None = False, *, workspace: _cpu_blocks.Workspace | None = None,
                       validate: bool = True) -> None:
     """LAMB step on ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` (one dtype per tensor
     index; fp32/fp16/bf16). ``mode``: 0 = L2 regularisation, 1 = decoupled weight decay (AdamW).
 
-    ``workspace`` (apex's addition): fp32 tensors shaped like the parameters that the PyTorch path may
-    use for the update instead of allocating it every call. ``validate=False`` skips the per-tensor checks
-    (for callers, such as apex's optimizers, that have made them)."""
+    ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
+    PyTorch path reuses from call to call instead of building its buffers every call. ``validate=False``
+    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them)."""
     device = _check(noop_flag, tensor_lists, 4) if validate else first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
@@ -76,14 +76,14 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                          beta1: float, beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int,
                          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
                          max_grad_norm: torch.Tensor, use_nvlamb: bool | None, found_inf: torch.Tensor,
-                         inv_scale: torch.Tensor, *, workspace: list | None = None,
-                         grad_workspace: list | None = None, validate: bool = True) -> None:
+                         inv_scale: torch.Tensor, *, workspace: _cpu_blocks.Workspace | None = None,
+                         validate: bool = True) -> None:
     """Mixed-precision LAMB: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` or, with fp32 master
     weights, ``[grads, masters, exp_avgs, exp_avg_sqs, model_params]``. ``lr``, ``step``, ``max_grad_norm``
     and ``inv_scale`` are device tensors (no host synchronisation on the Triton path); gradients are
-    multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero. ``workspace`` and
-    ``grad_workspace`` (apex's additions): reusable fp32 buffers shaped like the masters for the PyTorch
-    path's update and fp32 gradients; ``validate=False`` skips the per-tensor checks."""
+    multiplied by ``inv_scale``; nothing is updated when ``noop_flag`` is non-zero. ``workspace`` (apex's
+    addition): a ``_cpu_blocks.Workspace`` for the masters' shapes, reused by the PyTorch path from call
+    to call; ``validate=False`` skips the per-tensor checks."""
     if validate:
         device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
         check_noop_flag(noop_flag, device)
@@ -115,49 +115,58 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=tensors["max_grad_norm"].float(),
          use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True,
-         workspace=workspace, grad_workspace=grad_workspace)
+         workspace=workspace)
 
 
-def _run(noop_flag, g, p, m, v, out, workspace=None, grad_workspace=None, **kw) -> None:
+def _run(noop_flag, g, p, m, v, out, workspace=None, **kw) -> None:
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor_lamb as kernels
 
         kernels.lamb(noop_flag, g, p, m, v, out, **kw)
         return
     if _fusable(g, p, m, v, kw):
-        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, grad_workspace=grad_workspace,
-                          **kw)
+        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, **kw)
         return
     lamb_torch(noop_flag, g, p, m, v, out, **kw)
 
 
 def _fusable(g, p, m, v, kw) -> bool:
     """Whether ``torch._fused_adamw_`` computes this step's moments and Adam direction exactly as LAMB
-    does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging."""
-    return (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]
-            and all(t.is_cpu for t in g)
-            and all(t.is_cpu and t.dtype == torch.float32 for lst in (p, m, v) for t in lst))
+    does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging. It pairs the elements
+    of its tensors by memory offset, so the gradients and moments must be contiguous like the
+    workspace's buffer."""
+    if not (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]):
+        return False
+    f32 = torch.float32
+    for a, b, c, d in zip(g, p, m, v):
+        if not (b.is_cpu and a.is_cpu and b.dtype is f32 and c.dtype is f32 and d.dtype is f32
+                and a.is_contiguous() and c.is_contiguous() and d.is_contiguous()):
+            return False
+    return True
 
 
 def _host(x) -> float:
     return float(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, grad_workspace, lr, beta1, beta2, eps, step,
+def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, step,
                       bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
                       skip_on_noop=False, **_) -> None:
-    """CPU LAMB in four passes per tensor: ``torch._fused_adamw_`` run on a zeroed buffer with lr=-1
-    leaves ``u = m̂ / (sqrt(v̂) + eps)`` in it (and updates m and v); then the decay term, the two norms
-    and ``p -= ratio * u``. Scalars are read on the host (cheap on a CPU). fp32 gradients are divided in
-    place by the clip factor (and multiplied by ``inv_scale``) when those are not 1 (Apex's kernel
-    overwrites them with the update); other gradients are first copied into fp32 buffers. The passes run
-    block by block (``_cpu_blocks``), so that each tensor comes from memory about once."""
+    """CPU LAMB block by block (``_cpu_blocks``), each block's tensors smallest first, in a flat fp32
+    buffer ``u`` of the workspace: the parameters are copied into it (their norms: one call per run of
+    same-sized tensors), scaled by the weight decay, and ``torch._fused_adamw_`` run on it with lr=-1
+    adds ``m̂ / (sqrt(v̂) + eps)`` (and updates m and v); then the update norms and
+    ``p -= ratio * u`` with the ratios as 0-dim views. No tensor object is created per parameter.
+    Scalars are read on the host (cheap on a CPU). fp32 gradients are divided in place by the clip
+    factor (and multiplied by ``inv_scale``) when those are not 1 (Apex's kernel overwrites them with the
+    update); other gradients are first copied into an fp32 buffer."""
     if skip_on_noop and bool(noop_flag.item()):
         return
-    u = workspace if workspace is not None else [torch.empty_like(t) for t in p]
-    g32 = None
-    if any(t.dtype != torch.float32 for t in g):
-        g32 = grad_workspace if grad_workspace is not None else [torch.empty_like(t) for t in p]
+    ws = workspace if workspace is not None and workspace.fits(p) else _cpu_blocks.Workspace.of(p)
+    layout = ws.layout
+    u_flat, u_views = ws.buffer("update")
+    g32_views = ws.buffer("grad")[1] if any(t.dtype != torch.float32 for t in g) else None
+    ratio, ratio_views = ws.scalars("ratio")
     gn, maxn = _host(grad_norm), _host(max_grad_norm)
     # Apex: ĝ = (g * inv_scale) / clip, i.e. g divided by clip / inv_scale.
     divisor = (gn / maxn if gn > maxn else 1.0) / (_host(inv_scale) if inv_scale is not None else 1.0)
@@ -166,30 +175,41 @@ def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, grad_workspace, 
     grad_scale = torch.tensor(divisor) if divisor != 1.0 else None
     lr = _host(lr)
     trust = use_nvlamb or weight_decay != 0.0
+    one = torch.ones(())
 
-    def part(g, p, m, v, u, g32, out):
-        torch._foreach_zero_(u)
-        if g32[0] is not None:
-            torch._foreach_copy_(g32, g)
-            g = g32
-        torch._fused_adamw_(u, g, m, v, [], [step_t] * len(p), lr=-1.0, beta1=beta1, beta2=beta2,
+    def part(blk, g, p, m, v, out):
+        k, at = len(blk.order), blk.start
+        u = u_flat[blk.offset:blk.offset + blk.numel]
+        uv = u_views[at:at + k]
+        norms = _cpu_blocks.scratch(2 * k) if trust else None
+        if trust or weight_decay != 0.0:
+            torch._foreach_copy_(uv, p)
+        if trust:
+            pn = _cpu_blocks.class_norms(u, blk, norms[k:])
+        if weight_decay != 0.0:
+            u.mul_(weight_decay)
+        else:
+            u.zero_()
+        if g32_views is not None:
+            torch._foreach_copy_(g32_views[at:at + k], g)
+            g = g32_views[at:at + k]
+        # u = wd * p - lr * m̂ / (sqrt(v̂) + eps) with lr = -1
+        torch._fused_adamw_(uv, g, m, v, [], [step_t] * k, lr=-1.0, beta1=beta1, beta2=beta2,
                             weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=None)
-        if weight_decay != 0.0:
-            torch._foreach_add_(u, p, alpha=weight_decay)
         if trust:
-            norms = torch.stack(torch._foreach_norm(u + p))
-            un, pn = norms[:len(u)], norms[len(u):]
-            ratio = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, 1.0), 1.0) * lr
-            torch._foreach_addcmul_(p, u, list(ratio.unbind()), value=-1.0)
+            un = _cpu_blocks.class_norms(u, blk, norms[:k])
+            r = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, one), one)
+            torch.mul(r, lr, out=ratio[at:at + k])
+            torch._foreach_addcmul_(p, uv, ratio_views[at:at + k], value=-1.0)
         else:
-            torch._foreach_add_(p, u, alpha=-lr)
+            torch._foreach_add_(p, uv, alpha=-lr)
         if out[0] is not None:
             torch._foreach_copy_(out, p)
 
     none = [None] * len(p)
-    _cpu_blocks.run(part, _cpu_blocks.blocks(p), g, p, m, v, u, none if g32 is None else g32,
-                    none if out is None else out)
+    _cpu_blocks.run(part, [b.order for b in layout.blocks], g, p, m, v, none if out is None else out,
+                    per_part=layout.blocks)
 
 
 def _f32(ts: list) -> list:

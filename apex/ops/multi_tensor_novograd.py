@@ -38,9 +38,12 @@ def _check_norms(grad_norms, n: int, device) -> None:
 def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                           lr: float, beta1: float, beta2: float, epsilon: float, step: int,
                           bias_correction: int, weight_decay: float, grad_averaging: int, moment_mode: int,
-                          norm_type: int, *, validate: bool = True) -> None:
+                          norm_type: int, *, workspace: _cpu_blocks.Workspace | None = None,
+                          validate: bool = True) -> None:
     """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16). ``validate=False``
-    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them)."""
+    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them);
+    ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
+    PyTorch path reuses from call to call."""
     if validate:
         device = check_tensor_lists(tensor_lists, 3, same_shape=True)
         check_noop_flag(noop_flag, device)
@@ -79,7 +82,8 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         if empty:  # no chunks: the blend sees a zero norm
             _blend(grad_norms, empty, torch.zeros(len(empty), device=device), alpha, beta, norm_type)
         return
-    novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type, **kw)
+    novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type,
+                   workspace=workspace, **kw)
 
 
 def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> None:
@@ -95,30 +99,32 @@ def _f32(ts: list) -> list:
 
 
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
-                   weight_decay, reg_inside_moment) -> None:
+                   weight_decay, reg_inside_moment, workspace: _cpu_blocks.Workspace | None = None) -> None:
     """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
-    size (the per-tensor factors are folded into 0-dim scalars). Two passes, each block by block
-    (``_cpu_blocks``): the gradient norms, then::
+    size. First the gradient norms (one call), their blend into ``grad_norms`` and the per-tensor factors
+    ``f_i``, written into 0-dim views that the workspace makes once; then, block by block
+    (``_cpu_blocks``)::
 
-        decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - (lr / (bc1*d_i)) * m
-        inside:     m = beta1*m + (beta3/d_i)*g + beta3*wd*p;  p = p - (lr/bc1) * m
+        decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - f_i * m,  f_i = lr / (bc1*d_i)
+        inside:     m = beta1*m + f_i*g + beta3*wd*p;  p = p - (lr/bc1) * m,              f_i = beta3 / d_i
     """
     ord_ = float("inf") if norm_type == 0 else 2.0
-    parts = _cpu_blocks.blocks(p)
-    # Pass 1, the gradient norms; then the per-tensor factors, as 0-dim tensors.
-    new = torch.cat(_cpu_blocks.run(lambda g: torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32)),
-                                    parts, g, threads=False))
-    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())
+    ws = workspace if workspace is not None and workspace.fits(p) else _cpu_blocks.Workspace.of(p)
+    new = torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32))
+    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
     _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
     denom = grad_norms / bc2 + eps
-    factors = list((beta3 / denom if reg_inside_moment else lr / (bc1 * denom)).unbind())
-    all32 = all(t.dtype == torch.float32 for lst in (g, p, m) for t in lst)
+    factors, factor_views = ws.scalars("factor")
+    torch.index_select(beta3 / denom if reg_inside_moment else lr / (bc1 * denom), 0, ws.perm_index(),
+                       out=factors)
+    all32 = {t.dtype for lst in (g, p, m) for t in lst} == {torch.float32}
 
-    def part(g, p, m, factors):  # pass 2, block by block: the moments and the parameters
+    def part(blk, g, p, m):
+        fv = factor_views[blk.start:blk.start + len(blk.order)]
         gf, pf, mf = (g, p, m) if all32 else (_f32(g), _f32(p), _f32(m))
         if reg_inside_moment:
             torch._foreach_mul_(mf, beta1)
-            torch._foreach_addcmul_(mf, gf, factors)
+            torch._foreach_addcmul_(mf, gf, fv)
             if weight_decay != 0.0:
                 torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
             torch._foreach_add_(pf, mf, alpha=-lr / bc1)
@@ -130,11 +136,12 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
                 torch._foreach_add_(mf, gf, alpha=beta3)
             if weight_decay != 0.0:
                 torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
-            torch._foreach_addcmul_(pf, mf, factors, value=-1.0)
+            torch._foreach_addcmul_(pf, mf, fv, value=-1.0)
         for dst, src in ((p, pf), (m, mf)) if not all32 else ():
             pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
             if pairs:
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
-    # Both passes only stream memory: a second core adds no bandwidth, so no worker threads.
-    _cpu_blocks.run(part, parts, g, p, m, factors, threads=False)
+    # The update only streams memory: a second core adds no bandwidth, so no worker threads.
+    _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], g, p, m, per_part=ws.layout.blocks,
+                    threads=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
 from apex.optimizers._base import run_closure, trusted, zero_grad
@@ -71,7 +72,7 @@ class FusedLAMB(torch.optim.Optimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none
         self.use_nvlamb = use_nvlamb
-        self._workspace: dict = {}
+        self._workspace: dict[int, Workspace] = {}
 
     def add_param_group(self, param_group: dict) -> None:
         check_group_hyperparameters(self, param_group)
@@ -95,7 +96,7 @@ class FusedLAMB(torch.optim.Optimizer):
             global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
                                                         False, **trusted(self.multi_tensor_l2norm))[0]
         max_grad_norm = self.defaults["max_grad_norm"]
-        for group, p, g in zip(self.param_groups, per_group, grads_per_group):
+        for gi, (group, p, g) in enumerate(zip(self.param_groups, per_group, grads_per_group)):
             group["step"] = group.get("step", 0) + 1
             if not p:
                 continue
@@ -113,20 +114,17 @@ class FusedLAMB(torch.optim.Optimizer):
                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
                     self.use_nvlamb)
             if self.multi_tensor_lamb is multi_tensor_lamb:
-                self.multi_tensor_lamb(*args, workspace=self._workspace_for(p), validate=False)
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(gi, p), validate=False)
             else:  # a subclass's own op, called the Apex way
                 self.multi_tensor_lamb(*args)
         return loss
 
-    def _workspace_for(self, params: list) -> list | None:
-        """Reused fp32 buffers for the CPU path's update (allocating them every step costs more than the
-        step's arithmetic)."""
-        if not all(p.is_cpu and p.dtype == torch.float32 for p in params):
+    def _workspace_for(self, gi: int, params: list) -> Workspace | None:
+        """The CPU path's reusable buffers for group ``gi`` (building them every step costs more than the
+        step's arithmetic); kept outside the state dict."""
+        if not params[0].is_cpu:
             return None
-        out = []
-        for p in params:
-            buf = self._workspace.get(p)
-            if buf is None or buf.shape != p.shape:
-                buf = self._workspace[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
-            out.append(buf)
-        return out
+        ws = self._workspace.get(gi)
+        if ws is None or not ws.fits(params):
+            ws = self._workspace[gi] = Workspace.of(params)
+        return ws

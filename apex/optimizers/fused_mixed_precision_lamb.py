@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
 from apex.optimizers._base import run_closure, trusted, zero_grad
@@ -167,7 +168,8 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         max_grad_norm = self.defaults["max_grad_norm"] * scale
         grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
                                              **trusted(self.multi_tensor_l2norm))[0]
-        for group, full, ps in zip(self.param_groups, self.param_groups_full_precision, per_group):
+        for gi, (group, full, ps) in enumerate(zip(self.param_groups, self.param_groups_full_precision,
+                                                   per_group)):
             if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
                 self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
             group["step"] += (self._dummy_overflow_buf != 1).to(torch.int)
@@ -191,7 +193,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                 else:
                     for lst, t in zip(plain, (grad_of(p), p, state["exp_avg"], state["exp_avg_sq"])):
                         lst.append(t)
-            for lists in (mixed, plain):
+            for kind, lists in enumerate((mixed, plain)):
                 if not lists[0]:
                     continue
                 args = (_CHUNK_SIZE, self._dummy_overflow_buf, lists, group["lr"], beta1, beta2, group["eps"],
@@ -199,22 +201,16 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                         1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
                         self.use_nvlamb, found_inf, inv_scale)
                 if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].is_cpu:
-                    self.multi_tensor_lamb(*args, workspace=self._buffers(lists[1], "update"),
-                                           grad_workspace=self._buffers(lists[1], "grad"), validate=False)
+                    self.multi_tensor_lamb(*args, workspace=self._workspace_for((gi, kind), lists[1]),
+                                           validate=False)
                 else:
                     self.multi_tensor_lamb(*args)
         return loss
 
-    def _buffers(self, params: list, kind: str) -> list | None:
-        """Reused fp32 buffers for the CPU path (allocating them every step costs more than the step's
-        arithmetic); kept outside the state dict."""
-        if any(p.dtype != torch.float32 for p in params):
-            return None
-        out = []
-        for p in params:
-            buf = self._workspace.get((id(p), kind))
-            if buf is None or buf.shape != p.shape:
-                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
-                self._workspace[(id(p), kind)] = buf
-            out.append(buf)
-        return out
+    def _workspace_for(self, key: tuple, params: list) -> Workspace:
+        """The CPU path's reusable buffers for one list of a group (building them every step costs more
+        than the step's arithmetic); kept outside the state dict."""
+        ws = self._workspace.get(key)
+        if ws is None or not ws.fits(params):
+            ws = self._workspace[key] = Workspace.of(params)
+        return ws

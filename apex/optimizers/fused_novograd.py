@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
 from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
@@ -61,6 +62,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
         self.moment_mode = 0 if reg_inside_moment else 1
         self.set_grad_none = set_grad_none
+        self._workspace: dict[tuple[int, int], Workspace] = {}
 
     def add_param_group(self, param_group: dict) -> None:
         check_group_hyperparameters(self, param_group)
@@ -76,25 +78,25 @@ class FusedNovoGrad(torch.optim.Optimizer):
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
-        per_group = params_with_grads(self, "FusedNovoGrad")
+        per_group = [_by_dtype(ps) for ps in params_with_grads(self, "FusedNovoGrad")]
         # Check the stored norms against this step's parameters before changing anything.
-        for gi, (group, ps) in enumerate(zip(self.param_groups, per_group)):
+        for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
             if "exp_avg_sq" not in group:
                 continue
             norms = group["exp_avg_sq"]
             for slot, dt in enumerate(_SLOTS):
-                count = sum(1 for p in ps if p.dtype == dt)
+                count = len(by_dtype[dt])
                 have = norms[slot].numel() if slot < len(norms) and norms[slot] is not None else 0
                 if count != have:
                     raise ParamMismatchError(
                         f"FusedNovoGrad: param_groups[{gi}] has {count} {dt} parameters with gradients but "
                         f"{have} running norms; the set of parameters with gradients must not change "
                         "between steps")
-        for group, ps in zip(self.param_groups, per_group):
+        for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
-            by_dtype = {dt: [p for p in ps if p.dtype == dt] for dt in _SLOTS}
-            device = ps[0].device if ps else self._dummy_overflow_buf.device
+            first = next((ps[0] for ps in by_dtype.values() if ps), None)
+            device = first.device if first is not None else self._dummy_overflow_buf.device
             if self._dummy_overflow_buf.device != device:
                 self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
             if "exp_avg_sq" not in group:
@@ -109,21 +111,39 @@ class FusedNovoGrad(torch.optim.Optimizer):
                         ord_ = float("inf") if group["norm_type"] == 0 else 2.0
                         norms.append(torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float32)))
                 group["exp_avg_sq"] = norms
+            state = self.state
             for slot, dt in enumerate(_SLOTS):
                 params = by_dtype[dt]
                 if not params:
                     continue
                 g, m = [], []
                 for p in params:
-                    state = self.state[p]
-                    if len(state) == 0:
-                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st = state[p]
+                    if not st:
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     g.append(grad_of(p))
-                    m.append(state["exp_avg"])
+                    m.append(st["exp_avg"])
+                extra = trusted(self.multi_tensor_novograd)
+                if self.multi_tensor_novograd is multi_tensor_novograd and params[0].is_cpu:
+                    extra["workspace"] = self._workspace_for((gi, slot), params)
                 self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [g, params, m],
                                            group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
                                            group["step"], 1 if group["bias_correction"] else 0,
                                            group["weight_decay"], 1 if group["grad_averaging"] else 0,
-                                           self.moment_mode, group["norm_type"],
-                                           **trusted(self.multi_tensor_novograd))
+                                           self.moment_mode, group["norm_type"], **extra)
         return loss
+
+    def _workspace_for(self, key: tuple[int, int], params: list) -> Workspace:
+        """The CPU path's reusable buffers for one dtype slot of a group; kept outside the state dict."""
+        ws = self._workspace.get(key)
+        if ws is None or not ws.fits(params):
+            ws = self._workspace[key] = Workspace.of(params)
+        return ws
+
+
+def _by_dtype(params: list) -> dict:
+    """The parameters of each slot dtype, in order (one pass)."""
+    out = {dt: [] for dt in _SLOTS}
+    for p in params:
+        out[p.dtype].append(p)
+    return out

@@ -35,6 +35,54 @@ def test_blocks_keep_non_cpu_lists_whole():
     assert _cpu_blocks.blocks(ts, 10) == [[0, 1]]
 
 
+@given(st.lists(st.sampled_from([0, 1, 3, 64, 100, 700]), max_size=40), st.integers(1, 2000))
+@settings(max_examples=60, deadline=None)
+def test_layout_orders_each_block_by_size_in_classes(sizes, limit):
+    layout = _cpu_blocks.Layout(sizes, limit)
+    assert sorted(layout.perm) == list(range(len(sizes)))
+    parts = _cpu_blocks.blocks([torch.empty(n) for n in sizes], limit)
+    assert [sorted(b.order) for b in layout.blocks] == parts
+    offset = start = 0
+    for b in layout.blocks:
+        assert (b.offset, b.start) == (offset, start)
+        assert [sizes[i] for i in b.order] == sorted(sizes[i] for i in b.order)
+        at = j = 0
+        for first, count, n, where in b.classes:
+            assert (first, where) == (j, at) and count > 0
+            assert all(sizes[i] == n for i in b.order[first:first + count])
+            j, at = j + count, at + count * n
+        assert (j, at) == (len(b.order), b.numel)
+        offset, start = offset + b.numel, start + len(b.order)
+    assert layout.numel == offset == sum(sizes)
+
+
+@pytest.mark.parametrize("ord", [2.0, float("inf")])
+def test_class_norms_match_one_norm_per_tensor(ord):
+    shapes = [(3, 4), (12,), (0,), (5,), (2, 6), (7,), (0, 3), (5,), (1,)]
+    ws = _cpu_blocks.Workspace(shapes)
+    flat, views = ws.buffer("x")
+    gen = torch.Generator().manual_seed(0)
+    flat.copy_(torch.randn(flat.numel(), generator=gen))
+    for pos, i in enumerate(ws.layout.perm):
+        assert views[pos].shape == shapes[i]
+    for b in ws.layout.blocks:
+        out = _cpu_blocks.class_norms(flat[b.offset:b.offset + b.numel], b, torch.full((len(b.order),), -1.0), ord)
+        expected = [torch.linalg.vector_norm(views[b.start + j].double(), ord) if views[b.start + j].numel()
+                    else torch.zeros((), dtype=torch.float64) for j in range(len(b.order))]
+        assert_rel_close(out, torch.stack(expected))
+
+
+def test_workspace_reuses_its_buffers_and_scalar_views():
+    ws = _cpu_blocks.Workspace.of([torch.empty(3, 2), torch.empty(5)])
+    assert ws.fits([torch.ones(3, 2), torch.ones(5)])
+    assert not ws.fits([torch.ones(6), torch.ones(5)]) and not ws.fits([torch.ones(3, 2)])
+    assert ws.buffer("u")[0] is ws.buffer("u")[0]
+    vec, views = ws.scalars("r")
+    vec.copy_(torch.tensor([2.0, 3.0]))
+    assert [float(v) for v in views] == [2.0, 3.0] and all(v.dim() == 0 for v in views)
+    assert ws.perm_index().tolist() == ws.layout.perm == [1, 0]  # the 5-element tensor first
+
+
 def test_workers_setting(monkeypatch):
     monkeypatch.setenv("APEX_CPU_WORKERS", "0")
     assert _cpu_blocks.workers() == 0
