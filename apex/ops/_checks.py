@@ -38,7 +38,10 @@ def check_tensor_lists(
 
     ``n_lists``: the accepted number(s) of lists. Every list must have the same length; tensors at the
     same index must have the same number of elements (and shape with ``same_shape``); every tensor must
-    be contiguous, of a dtype in ``dtypes`` (or ``list_dtypes[i]`` for list ``i``), and on one device.
+    be of a dtype in ``dtypes`` (or ``list_dtypes[i]`` for list ``i``) and on one device. As in Apex, a
+    tensor may be contiguous or channels_last (``is_contiguous(memory_format=...)``): the kernels pair the
+    elements of the tensors at one index by memory offset, so a non-contiguous one must have the shape
+    and strides of ``tensor_lists[0][i]``.
     """
     if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(lst, (list, tuple))
                                                               for lst in tensor_lists):
@@ -60,10 +63,32 @@ def check_tensor_lists(
         # when a check fails, by _diagnose.
         for ti, t in enumerate(lst):
             if not (isinstance(t, torch.Tensor) and t.dtype in allowed_dtypes and t.layout == torch.strided
-                    and t.is_contiguous() and t.device == device
-                    and (t.shape == ref[ti].shape if same_shape else t.numel() == ref[ti].numel())):
+                    and t.device == device
+                    and (t.shape == ref[ti].shape if same_shape else t.numel() == ref[ti].numel())
+                    and (t.is_contiguous() and (li == 0 or ref[ti].is_contiguous()) or _layout_ok(t, ref[ti], li))):
                 _diagnose(name, li, ti, t, allowed_dtypes, device, ref[ti], same_shape)
     return device
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory in some order."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout_ok(t: torch.Tensor, ref: torch.Tensor, li: int) -> bool:
+    """The slow part of the layout check: a list-0 tensor may be channels_last (Apex's rule); a tensor of
+    another list must then have its shape and strides."""
+    if li == 0:
+        return (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                or t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    return t.shape == ref.shape and t.stride() == ref.stride()
 
 
 def _diagnose(name, li, ti, t, allowed_dtypes, device, ref, same_shape) -> None:
@@ -75,11 +100,14 @@ def _diagnose(name, li, ti, t, allowed_dtypes, device, ref, same_shape) -> None:
                         f"{', '.join(str(d) for d in allowed_dtypes)}")
     if t.layout != torch.strided:
         raise ValueError(f"{where} must be dense, got a {t.layout} tensor")
-    if not t.is_contiguous():
-        raise ValueError(f"{where} must be contiguous (call .contiguous() first)")
     if t.device != device:
         raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
                          "all tensors must be on one device")
+    if (t.shape == ref.shape if same_shape else t.numel() == ref.numel()):
+        if li == 0:
+            raise ValueError(f"{where} must be contiguous or channels_last (call .contiguous() first)")
+        raise ValueError(f"{where} must have the memory layout of {name}[0][{ti}]: strides "
+                         f"{tuple(t.stride())} vs {tuple(ref.stride())} (call .contiguous() on both)")
     raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape {tuple(ref.shape)}")
 
 
