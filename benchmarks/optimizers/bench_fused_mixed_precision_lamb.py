@@ -14,15 +14,17 @@ from benchmarks.optimizers._loop_refs import LoopLAMB
 
 
 def _loop(params):
-    # The loop baseline keeps fp32 masters too: it steps fp32 copies and rounds them into the model.
+    # The loop baseline keeps fp32 masters too: each step it takes the model's bf16 gradients in fp32 (as
+    # the optimizer does: they arrive in bf16 from every backward), steps the fp32 copies and rounds them
+    # into the model.
     masters = [torch.nn.Parameter(p.detach().float()) for p in params]
-    for m, p in zip(masters, params):
-        m.grad = p.grad.float()
     inner = LoopLAMB(masters, lr=1e-3)
 
     class _Step:
         @torch.no_grad()
         def step(self):
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
             inner.step()
             for m, p in zip(masters, params):
                 p.copy_(m)
