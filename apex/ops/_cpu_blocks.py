@@ -251,11 +251,19 @@ class _Workers:
 
     def __init__(self, n: int):
         self.pid = os.getpid()
-        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
-        ready = threading.Barrier(n + 1)
-        for q in self.queues:
+        self.queues: list[queue.SimpleQueue] = []
+        self.grow(n)
+
+    def grow(self, n: int) -> None:
+        """Start workers until there are ``n`` (the existing ones keep their queues and numbers)."""
+        new = [queue.SimpleQueue() for _ in range(n - len(self.queues))]
+        if not new:
+            return
+        ready = threading.Barrier(len(new) + 1)
+        for q in new:
             threading.Thread(target=self._serve, args=(q, ready), daemon=True, name="apex-cpu-worker").start()
         ready.wait()
+        self.queues = self.queues + new  # a new list: a caller iterating the old one is unaffected
         # set_num_threads in a worker also changed the count that threads started later begin with;
         # put back this thread's count.
         torch.set_num_threads(torch.get_num_threads())
@@ -284,7 +292,8 @@ class _Workers:
 
 
 class _Pool:
-    """The process's workers: created on first use, grown on demand, re-created after a fork."""
+    """The process's workers: created on first use, grown on demand (never replaced, so no thread is left
+    idle), re-created after a fork (the child inherits no threads)."""
 
     def __init__(self):
         self._workers: _Workers | None = None
@@ -293,8 +302,10 @@ class _Pool:
     def get(self, n: int) -> _Workers:
         with self._lock:
             w = self._workers
-            if w is None or w.pid != os.getpid() or len(w.queues) < n:
+            if w is None or w.pid != os.getpid():
                 w = self._workers = _Workers(n)
+            else:
+                w.grow(n)
             return w
 
 

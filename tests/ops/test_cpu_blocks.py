@@ -216,3 +216,17 @@ def test_lamb_blocked_with_workers_matches_float64():
         if expected.numel():
             assert_rel_close(out[1][i], expected)
             assert_rel_close(out[2][i], mi)
+
+
+def test_more_workers_add_threads_without_leaving_idle_ones(monkeypatch):
+    def workers_alive():
+        return sum(t.name == "apex-cpu-worker" for t in threading.enumerate())
+
+    ts = [torch.ones(2) for _ in range(8)]
+    parts = [[i] for i in range(8)]
+    for n in (2, 3, 5, 3):
+        monkeypatch.setenv("APEX_CPU_WORKERS", str(n))
+        names = _cpu_blocks.run(lambda xs: threading.get_ident(), parts, ts)
+        assert len(set(names)) == n
+    # The pool grew to 5 (or more, for an earlier test in this process) and every thread is still in it.
+    assert workers_alive() == len(_cpu_blocks._POOL.get(1).queues) >= 5
