@@ -182,9 +182,8 @@ def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2
         u = u_flat[blk.offset:blk.offset + blk.numel]
         uv = u_views[at:at + k]
         norms = _cpu_blocks.scratch(2 * k) if trust else None
-        if trust or weight_decay != 0.0:
+        if trust:  # (a weight decay implies the trust ratio)
             torch._foreach_copy_(uv, p)
-        if trust:
             pn = _cpu_blocks.class_norms(u, blk, norms[k:])
         if weight_decay != 0.0:
             u.mul_(weight_decay)
