@@ -70,6 +70,19 @@ class FusedNovoGrad(torch.optim.Optimizer):
             raise ValueError(f"Invalid norm_type: {param_group['norm_type']!r} (expected 2 or 0)")
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, then, as Apex does, the running norms
+        (``group["exp_avg_sq"]``) moved to the device of the group's parameters (a checkpoint loaded with
+        ``map_location="cpu"`` would leave them on the CPU), as the contiguous fp32 tensors the update
+        takes."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group["params"] and "exp_avg_sq" in group:
+                device = group["params"][0].device
+                group["exp_avg_sq"] = [
+                    n.to(device=device, dtype=torch.float32).contiguous() if isinstance(n, torch.Tensor) else n
+                    for n in group["exp_avg_sq"]]
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear the gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` option)."""
         zero_grad(self, set_to_none)

@@ -131,6 +131,29 @@ def test_state_dict_round_trip_is_bit_exact(backend_name):
     assert torch.equal(opt_a.param_groups[0]["exp_avg_sq"][1], opt_b.param_groups[0]["exp_avg_sq"][1])
 
 
+def test_loaded_norms_become_fp32_on_the_params_device():
+    """As Apex's load_state_dict moves the running norms to the parameters' device; they also come back
+    as the fp32 tensors the update takes (here from a checkpoint whose norms were stored in fp64)."""
+    a = [torch.nn.Parameter(torch.randn(s)) for s in ((5,), (3, 4))]
+    opt_a = FusedNovoGrad(a, lr=1e-2)
+    for p in a:
+        p.grad = torch.randn(p.shape)
+    opt_a.step()
+    saved = copy.deepcopy(opt_a.state_dict())
+    saved["param_groups"][0]["exp_avg_sq"] = [n.double() for n in saved["param_groups"][0]["exp_avg_sq"]]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    opt_b = FusedNovoGrad(b, lr=1e-2)
+    opt_b.load_state_dict(saved)
+    norms = opt_b.param_groups[0]["exp_avg_sq"]
+    assert all(n.dtype == torch.float32 and n.device == b[0].device for n in norms)
+    for pa, pb in zip(a, b):
+        pa.grad = torch.randn(pa.shape)
+        pb.grad = pa.grad.clone()
+    opt_a.step()
+    opt_b.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_grad_scaler_inf_step_changes_nothing(backend_name):
     params = [torch.nn.Parameter(torch.randn(s)) for s in (3, 4097)]
     opt = FusedNovoGrad(params, lr=1e-2)
