@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import torch
 
+from apex.ops._cpu_norms import ROW_ELEMENTS, long_norm
+
 # Elements per block: 1 MiB per fp32 list, so the four to six lists of a step stay in the cache between
 # passes.
 BLOCK_ELEMENTS = 1 << 18
@@ -130,9 +132,12 @@ def scratch(n: int, slot: int = 0) -> torch.Tensor:
 
 def class_norms(flat: torch.Tensor, block: Block, out: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
     """``out[j] = ‖tensor order[j]‖`` (fp32) for a block whose tensors lie in ``flat`` in its order: one
-    ``vector_norm`` per class of same-sized tensors."""
+    ``vector_norm`` per class of same-sized tensors (``_cpu_norms.long_norm`` for each long one)."""
     for j, k, n, at in block.classes:
-        if n:
+        if n > ROW_ELEMENTS and ord == 2.0:
+            for i in range(k):
+                long_norm(flat[at + i * n:at + (i + 1) * n], out=out[j + i])
+        elif n:
             torch.linalg.vector_norm(flat[at:at + k * n].view(k, n), ord, dim=1, out=out[j:j + k])
         else:
             out[j:j + k].zero_()

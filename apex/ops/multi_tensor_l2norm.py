@@ -22,6 +22,7 @@ import torch
 
 from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
+from apex.ops._cpu_norms import fp32_norms
 
 
 def _empty_result(device, n: int, per_tensor: bool):
@@ -32,12 +33,12 @@ def _empty_result(device, n: int, per_tensor: bool):
 def _torch_norms(xs, per_tensor: bool, ord: float = 2.0, inv_scale=None):
     nonempty = [x for x in xs if x.numel() > 0]
     if len(nonempty) == len(xs):
-        per = torch.stack(torch._foreach_norm(xs, ord, dtype=torch.float32))
+        per = fp32_norms(xs, ord)
     else:
         per = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
         if nonempty:
             idx = torch.tensor([i for i, x in enumerate(xs) if x.numel() > 0], device=xs[0].device)
-            per[idx] = torch.stack(torch._foreach_norm(nonempty, ord, dtype=torch.float32))
+            per[idx] = fp32_norms(nonempty, ord)
     if nonempty:
         if inv_scale is not None:
             # ‖s·x‖ = |s|·‖x‖ for both norms; the fp32 accumulation cannot overflow before the scaling.

@@ -24,6 +24,7 @@ import torch
 from apex import _backend
 from apex.ops import _cpu_blocks
 from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists, first_device
+from apex.ops._cpu_norms import fp32_norms
 
 
 def _check(noop_flag, tensor_lists, n_lists):
@@ -268,8 +269,8 @@ def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_
     if adam_w and weight_decay != 0.0:
         torch._foreach_add_(u, pf, alpha=weight_decay)
     if trust:
-        un = torch.stack(torch._foreach_norm(u))
-        pn = torch.stack(torch._foreach_norm(pf))
+        un = fp32_norms(u)
+        pn = fp32_norms(pf)
         ratio = torch.where((un != 0) & (pn != 0), lr * (pn / un), lr * torch.ones_like(un))
         torch._foreach_mul_(u, list(ratio.unbind()))
     else:

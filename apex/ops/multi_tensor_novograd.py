@@ -25,6 +25,7 @@ import torch
 from apex import _backend
 from apex.ops import _cpu_blocks
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
+from apex.ops._cpu_norms import fp32_norms
 
 
 def _check_norms(grad_norms, n: int, device) -> None:
@@ -110,7 +111,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
     """
     ord_ = float("inf") if norm_type == 0 else 2.0
     ws = workspace if workspace is not None and workspace.fits(p) else _cpu_blocks.Workspace.of(p)
-    new = torch.stack(torch._foreach_norm(g, ord_, dtype=torch.float32))
+    new = fp32_norms(g, ord_)
     mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
     _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
     denom = grad_norms / bc2 + eps

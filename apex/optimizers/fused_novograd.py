@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from apex.ops._cpu_blocks import Workspace
+from apex.ops._cpu_norms import fp32_norms
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
 from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
@@ -122,7 +123,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
                         norms.append(torch.zeros(len(grads), dtype=torch.float32, device=device))
                     else:  # start from the first step's norms, so the first blend changes nothing
                         ord_ = float("inf") if group["norm_type"] == 0 else 2.0
-                        norms.append(torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float32)))
+                        norms.append(fp32_norms(grads, ord_))
                 group["exp_avg_sq"] = norms
             state = self.state
             for slot, dt in enumerate(_SLOTS):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._cpu_norms import ROW_ELEMENTS, long_norm
+
 
 class LARC:
     """Wrap ``optimizer`` so that its ``step()`` uses LARC's per-parameter learning rates.
@@ -83,8 +85,8 @@ class LARC:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    param_norm = torch.norm(p.data)
-                    grad_norm = torch.norm(p.grad.data)
+                    param_norm = _norm(p.data)
+                    grad_norm = _norm(p.grad.data)
                     if param_norm != 0 and grad_norm != 0:
                         adaptive_lr = self.trust_coefficient * param_norm / (
                             grad_norm + param_norm * weight_decay + self.eps)
@@ -97,6 +99,14 @@ class LARC:
         finally:
             for group, wd in zip(self.optim.param_groups, weight_decays):
                 group["weight_decay"] = wd
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """``torch.norm(t)``, row by row for a long CPU tensor, whose one-accumulator sum would lose accuracy
+    (``apex.ops._cpu_norms``)."""
+    if t.is_cpu and t.numel() > ROW_ELEMENTS:
+        return long_norm(t).to(t.dtype)
+    return torch.norm(t)
 
 
 # ``from apex.parallel.LARC import LARC`` (Apex's spelling) and ``apex.parallel.LARC(...)`` both work:

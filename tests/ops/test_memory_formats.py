@@ -56,9 +56,9 @@ def test_channels_last_gives_the_contiguous_values(op, backend_name):
     out_plain, out_cl = fn(flag(), plain), fn(flag(), cl)
     for a, b in zip([t for lst in plain for t in lst], [t for lst in cl for t in lst]):
         assert b.is_contiguous(memory_format=torch.channels_last)  # updated in place, layout kept
-        assert_rel_close(b, a, 1e-6)
+        assert_rel_close(b, a, tol=1e-6)
     if out_plain is not None:
-        assert_rel_close(out_cl, out_plain, 1e-6)
+        assert_rel_close(out_cl, out_plain, tol=1e-6)
 
 
 @pytest.mark.parametrize("op", [op for op, (_, n, _) in OPS.items() if n > 1])

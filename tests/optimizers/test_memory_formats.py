@@ -39,7 +39,7 @@ def test_channels_last_weight_matches_contiguous(name, grad_layout):
     ref_w, ref_state = _run(name, torch.contiguous_format, torch.contiguous_format)
     w, state = _run(name, torch.channels_last, grad_layout)
     assert w.is_contiguous(memory_format=torch.channels_last)
-    assert_rel_close(w, ref_w, 1e-6)
+    assert_rel_close(w, ref_w, tol=1e-6)
     assert state.keys() == ref_state.keys() and state
     for key in state:
-        assert_rel_close(state[key], ref_state[key], 1e-6)
+        assert_rel_close(state[key], ref_state[key], tol=1e-6)
