@@ -32,6 +32,21 @@ def long_norm(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(parts, out=out)
 
 
+def row_norms(x2: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.linalg.vector_norm(x2, dim=-1, dtype=dtype)`` of a 2-D tensor whose rows may be long: on
+    the CPU a row longer than ``ROW_ELEMENTS`` is normed in pieces of that length, combined."""
+    n = x2.shape[-1]
+    if n <= ROW_ELEMENTS or not x2.is_cpu:
+        return torch.linalg.vector_norm(x2, 2.0, dim=-1, dtype=dtype)
+    k = n // ROW_ELEMENTS
+    pieces = torch.linalg.vector_norm(x2[:, :k * ROW_ELEMENTS].reshape(x2.shape[0], k, ROW_ELEMENTS), 2.0,
+                                      dim=-1, dtype=dtype)
+    if n > k * ROW_ELEMENTS:
+        tail = torch.linalg.vector_norm(x2[:, k * ROW_ELEMENTS:], 2.0, dim=-1, dtype=dtype)
+        pieces = torch.cat([pieces, tail.unsqueeze(-1)], dim=-1)
+    return torch.linalg.vector_norm(pieces, 2.0, dim=-1)
+
+
 def fp32_norms(xs: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
     """``‖x_i‖`` (``ord`` 2 or inf) accumulated in fp32, as one 1-D fp32 tensor: one
     ``torch._foreach_norm`` call, with ``long_norm`` for the L2 norms of long CPU tensors."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._cpu_norms import row_norms
 from apex.ops._norm import check_args, promote, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
@@ -25,7 +26,7 @@ Tensor = torch.Tensor
 def _forward_torch(x, n, weight, eps, out_dtype):
     sd = stats_dtype(x.dtype)
     x2 = x.reshape(-1, n)
-    ms = torch.linalg.vector_norm(x2, dim=-1, dtype=sd).square_().div_(max(n, 1))
+    ms = row_norms(x2, sd).square_().div_(max(n, 1))
     rstd = ms.add_(eps).rsqrt_()
     y = torch.mul(x2, rstd.unsqueeze(-1))  # promotes half inputs to fp32
     if weight is not None:
