@@ -195,3 +195,35 @@ def test_multi_tensor_lamb_random_lists(backend_name, sizes, wd, mode, step, sca
         if sizes[i]:
             assert_rel_close(lists[1][i], p_r, tol=1e-6, name=f"p{i}")
             assert_rel_close(lists[3][i], v_r, tol=1e-6, name=f"v{i}")
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(0,), (1,), (5,), (3, 5), (15,), (64,), (8, 8), (700,)]), min_size=1,
+                       max_size=12),
+       block=st.sampled_from([1, 100, 1000, 1 << 18]), wd=st.sampled_from([0.0, 0.01]), nvlamb=st.booleans())
+def test_cpu_workspace_layout_matches_float64(shapes, block, wd, nvlamb):
+    """The fused CPU path's workspace (blocks of tensors ordered by size, runs of same-sized tensors normed
+    as one 2-D view) on lists with repeated sizes and shapes, cut into blocks of any size."""
+    import apex
+    from apex.ops import _cpu_blocks
+
+    saved = _cpu_blocks.BLOCK_ELEMENTS
+    gen = torch.Generator().manual_seed(len(shapes) + block)
+    lists = [[torch.randn(s, generator=gen) * (0.1 if k >= 2 else 1.0) for s in shapes] for k in range(4)]
+    lists[3] = [v.abs() for v in lists[3]]
+    gnorm = _global_norm(lists[0])
+    ref = _ref(lists, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, step=3, bias_correction=1, wd=wd,
+               grad_averaging=1, mode=1, gnorm=gnorm, max_norm=1.0, nvlamb=nvlamb)
+    try:
+        _cpu_blocks.BLOCK_ELEMENTS = block
+        with apex.backend("torch"):
+            amp_C.multi_tensor_lamb(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.9, 0.999, 1e-6, 3, 1,
+                                    wd, 1, 1, torch.tensor([gnorm]), 1.0, nvlamb)
+    finally:
+        _cpu_blocks.BLOCK_ELEMENTS = saved
+    for i, (p_r, m_r, v_r) in enumerate(ref):
+        if lists[1][i].numel():
+            assert lists[1][i].shape == shapes[i]
+            assert_rel_close(lists[1][i], p_r, tol=1e-6, name=f"p{i}")
+            assert_rel_close(lists[2][i], m_r, tol=1e-6, name=f"m{i}")
+            assert_rel_close(lists[3][i], v_r, tol=1e-6, name=f"v{i}")
