@@ -52,7 +52,7 @@ def make_cases(name: str, ours, theirs: dict, per_param_rw: int,
                 return opt_a.step, opt_b.step
 
             cases.append(Case(f"{name} {size_label} fp32 vs {label}", timed=timed, torch_label=label,
-                              repeats=5, warmup=1))
+                              repeats=15, warmup=2))
 
     def counted():
         a = with_grads(params_mixed(60, 2000, seed=3))

@@ -49,9 +49,9 @@ def cases_for(name: str, make_ours, make_loop, bytes_per_elem: int, dtype=torch.
 
     small = [random.Random(1).choice([1, 7, 300, 1000, 4097]) for _ in range(100)]
     return [
-        Case(f"{name} 1x10M", timed=timed(BIG), torch_label="per-param loop", repeats=5, warmup=1),
-        Case(f"{name} 1000 mixed", timed=timed(mixed_sizes()), torch_label="per-param loop", repeats=5,
-             warmup=1),
+        Case(f"{name} 1x10M", timed=timed(BIG), torch_label="per-param loop", repeats=11, warmup=2),
+        Case(f"{name} 1000 mixed", timed=timed(mixed_sizes()), torch_label="per-param loop", repeats=11,
+             warmup=2),
         Case(f"{name} 1x65537 (counted)", counted=counted([65_537])),
         Case(f"{name} 100 mixed (counted)", counted=counted(small)),
     ]
