@@ -221,9 +221,10 @@ def test_cpu_workspace_layout_matches_float64(shapes, block, wd, nvlamb):
                                     wd, 1, 1, torch.tensor([gnorm]), 1.0, nvlamb)
     finally:
         _cpu_blocks.BLOCK_ELEMENTS = saved
-    for i, (p_r, m_r, v_r) in enumerate(ref):
-        if lists[1][i].numel():
-            assert lists[1][i].shape == shapes[i]
-            assert_rel_close(lists[1][i], p_r, tol=1e-6, name=f"p{i}")
-            assert_rel_close(lists[2][i], m_r, tol=1e-6, name=f"m{i}")
-            assert_rel_close(lists[3][i], v_r, tol=1e-6, name=f"v{i}")
+    assert [tuple(t.shape) for t in lists[1]] == shapes
+
+    def flat(ts):  # one relative error per list: a one-element moment can cancel to nearly zero
+        return torch.cat([t.reshape(-1) for t in ts])
+
+    for k, name in ((1, "params"), (2, "exp_avg"), (3, "exp_avg_sq")):
+        assert_rel_close(flat(lists[k]), flat([r[k - 1] for r in ref]), tol=1e-6, name=name)
