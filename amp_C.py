@@ -1,8 +1,9 @@
 """Compatibility module for code that does ``import amp_C`` (Megatron-LM, NeMo, fairseq, Apex's tests).
 
 Every name is an apex operation with Apex's signature ``op(chunk_size, noop_flag, tensor_lists, *args)``,
-running a Triton multi-tensor kernel on GPUs and PyTorch's foreach/fused operators on CPUs. Names are
-resolved on first access, so ``import amp_C`` stays cheap.
+running a Triton multi-tensor kernel on GPUs and PyTorch's foreach/fused operators on CPUs. Like Apex's
+kernels, the ops write their tensors' data outside autograd, so parameters that require grad may be
+passed without ``torch.no_grad()``. Names are resolved on first access, so ``import amp_C`` stays cheap.
 """
 
 from __future__ import annotations

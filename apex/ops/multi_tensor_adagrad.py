@@ -18,6 +18,7 @@ from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
+@torch.no_grad()
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
                          mode: int, weight_decay: float, *, validate: bool = True) -> None:
     if validate:

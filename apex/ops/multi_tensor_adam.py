@@ -29,6 +29,7 @@ from apex import _backend
 from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, first_device
 
 
+@torch.no_grad()
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
                       weight_decay: float, *, validate: bool = True) -> None:
@@ -36,6 +37,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
           inv_scale=None, capturable=False, n_lists=(4, 5), validate=validate)
 
 
+@torch.no_grad()
 def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
                                  beta1: float, beta2: float, epsilon: float, step: torch.Tensor, mode: int,
                                  bias_correction: int, weight_decay: float, inv_scale: torch.Tensor, *,
@@ -44,6 +46,7 @@ def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tenso
           inv_scale=inv_scale, capturable=True, n_lists=4, validate=validate)
 
 
+@torch.no_grad()
 def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                         lr: torch.Tensor, beta1: float, beta2: float, epsilon: float,
                                         step: torch.Tensor, mode: int, bias_correction: int,

@@ -13,6 +13,7 @@ from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
 
 
+@torch.no_grad()
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
                        arg_to_check: int) -> None:
     device = check_tensor_lists(tensor_lists, 3)

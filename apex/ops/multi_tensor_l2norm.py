@@ -82,6 +82,7 @@ def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
     return device
 
 
+@torch.no_grad()
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                         per_tensor: bool | None = False, *,
                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +92,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor))
 
 
+@torch.no_grad()
 def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                            per_tensor: bool | None = False, *,
                            validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +102,7 @@ def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_list
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), skip_if_flagged=True)
 
 
+@torch.no_grad()
 def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float,
                               per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     device = _prologue(noop_flag, tensor_lists, 2)
@@ -108,6 +111,7 @@ def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_l
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), outs=tensor_lists[1], scale=float(scale))
 
 
+@torch.no_grad()
 def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                 inv_scale: torch.Tensor,
                                 per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +124,7 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), inv_scale=inv)
 
 
+@torch.no_grad()
 def multi_tensor_norm_out_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, out: torch.Tensor,
                                alpha: float, beta: float, norm_type: int) -> None:
     device = _prologue(noop_flag, tensor_lists, 1)

@@ -51,6 +51,7 @@ def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
     return t.reshape(-1)[:1].float()
 
 
+@torch.no_grad()
 def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
                       grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
@@ -73,6 +74,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
          inv_scale=None, skip_on_noop=False, workspace=workspace)
 
 
+@torch.no_grad()
 def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
                          beta1: float, beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int,
                          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
@@ -281,6 +283,7 @@ def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_
         torch._foreach_copy_(out, pf)
 
 
+@torch.no_grad()
 def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                   per_tensor_decay: torch.Tensor, step: int, beta1: float, beta2: float,
                                   epsilon: float, global_grad_norm: torch.Tensor,
@@ -326,6 +329,7 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     torch._foreach_copy_(upd, u)
 
 
+@torch.no_grad()
 def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                   per_tensor_param_norm: torch.Tensor, per_tensor_update_norm: torch.Tensor,
                                   lr: float, weight_decay: float, use_nvlamb: bool | None = False) -> None:

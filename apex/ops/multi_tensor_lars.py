@@ -36,6 +36,7 @@ def _norms(x, n: int, name: str, device) -> torch.Tensor:
     return x.reshape(-1).to(device=device, dtype=torch.float32)
 
 
+@torch.no_grad()
 def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                       param_norms: torch.Tensor, lr: float, trust_coefficient: float, epsilon: float,
                       weight_decay: float, momentum: float, dampening: float, nesterov: bool, first_run: bool,

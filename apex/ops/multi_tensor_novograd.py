@@ -36,6 +36,7 @@ def _check_norms(grad_norms, n: int, device) -> None:
         raise ValueError(f"grad_norms is on {grad_norms.device} but the tensors are on {device}")
 
 
+@torch.no_grad()
 def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                           lr: float, beta1: float, beta2: float, epsilon: float, step: int,
                           bias_correction: int, weight_decay: float, grad_averaging: int, moment_mode: int,

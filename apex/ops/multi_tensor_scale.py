@@ -16,6 +16,7 @@ from apex import _backend
 from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, mark_found_inf
 
 
+@torch.no_grad()
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                        scale: float | torch.Tensor) -> None:
     device = check_tensor_lists(tensor_lists, 2)

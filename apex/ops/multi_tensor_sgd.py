@@ -25,6 +25,7 @@ from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
+@torch.no_grad()
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
                      dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
                      scale: float = 1.0, *, validate: bool = True) -> None:
