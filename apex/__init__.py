@@ -50,4 +50,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SUBMODULES))
+    # The public names only, not this module's own imports (importlib, typing's names).
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

@@ -120,6 +120,13 @@ def test_subpackages_reachable_as_attributes(name):
     assert out.strip() == f"apex.{name}"
 
 
+def test_dir_lists_the_public_names_only():
+    import apex
+
+    public = [n for n in dir(apex) if not n.startswith("_")]
+    assert public == sorted(n for n in apex.__all__ if not n.startswith("_"))
+
+
 def test_unknown_attribute_raises():
     import apex
 
