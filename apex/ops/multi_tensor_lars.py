@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
 def _norms(x, n: int, name: str, device) -> torch.Tensor:
@@ -40,9 +40,14 @@ def _norms(x, n: int, name: str, device) -> torch.Tensor:
 def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                       param_norms: torch.Tensor, lr: float, trust_coefficient: float, epsilon: float,
                       weight_decay: float, momentum: float, dampening: float, nesterov: bool, first_run: bool,
-                      wd_after_momentum: bool, scale: float, is_skipped: bool) -> None:
-    device = check_tensor_lists(tensor_lists, (3, 4))
-    check_noop_flag(noop_flag, device)
+                      wd_after_momentum: bool, scale: float, is_skipped: bool, *, validate: bool = True) -> None:
+    """``validate=False`` (apex's addition) skips the per-tensor checks, for callers such as apex's
+    ``FusedLARS`` that have made them."""
+    if validate:
+        device = check_tensor_lists(tensor_lists, (3, 4))
+        check_noop_flag(noop_flag, device)
+    else:
+        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     lists = [list(lst) for lst in tensor_lists]
@@ -65,45 +70,57 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
         return
     ok = (gn > 0) & (pn > 0)
     ratio = torch.where(ok, tc * pn / (gn + pn * wd + eps), torch.ones_like(pn))
-    lrs = (lr * ratio).tolist()
-    _lars_torch(lists, lrs, wd=wd, momentum=float(momentum), dampening=float(dampening),
+    _lars_torch(lists, (lr * ratio).float(), wd=wd, momentum=float(momentum), dampening=float(dampening),
                 nesterov=bool(nesterov), first_run=bool(first_run), wd_after_momentum=bool(wd_after_momentum),
                 scale=float(scale))
 
 
-def _lars_torch(lists, lrs, *, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale):
+def _lars_torch(lists, lrs: torch.Tensor, *, wd, momentum, dampening, nesterov, first_run, wd_after_momentum,
+                scale):
+    """In-place ``torch._foreach_*`` ops in fp32 with the per-tensor rates as 0-dim tensors, so no
+    temporary of the parameters' size: with ``d = scale * g (+ wd * w)``,
+
+    * momentum: ``buf = momentum * buf - (1 - dampening) * lr_i * d`` (``-lr_i * d`` on the first run), then
+      ``w += buf``, or with nesterov ``w += momentum * buf - lr_i * d``;
+    * no momentum: ``w -= lr_i * d``;
+
+    and ``w -= lr_i * wd * w`` (the old ``w``) with ``wd_after_momentum``. The gradients are only read;
+    other dtypes go through fp32 copies."""
     g, w, buf = lists[:3]
     copies = lists[3] if len(lists) == 4 else None
-    # fp32 tensors are used in place (gradients only read); others through fp32 copies.
-    g32 = [x.float() for x in g]
-    if scale != 1.0:
-        g32 = torch._foreach_mul(g32, scale)
+    rates = list(lrs.unbind())
     w32 = [x if x.dtype == torch.float32 else x.float() for x in w]
-    if wd != 0.0 and not wd_after_momentum:
-        g32 = torch._foreach_add(g32, w32, alpha=wd)
-    neg_lr_g = torch._foreach_mul(g32, [-v for v in lrs])
+    # The terms of -lr_i * d in w's update come from the old w, so they go first; buf's from the old w too.
+    wd_in_d = wd != 0.0 and not wd_after_momentum
     if momentum != 0.0:
         b32 = [x if x.dtype == torch.float32 else x.float() for x in buf]
         if first_run:
-            torch._foreach_copy_(b32, neg_lr_g)
+            torch._foreach_zero_(b32)
+            k = 1.0
         else:
             torch._foreach_mul_(b32, momentum)
-            torch._foreach_add_(b32, neg_lr_g, alpha=1.0 - dampening)
-        back = [i for i in range(len(buf)) if b32[i] is not buf[i]]
-        if back:
-            torch._foreach_copy_([buf[i] for i in back], [b32[i] for i in back])
+            k = 1.0 - dampening
+        torch._foreach_addcmul_(b32, g, rates, value=-k * scale)
+        if wd_in_d:
+            torch._foreach_addcmul_(b32, w32, rates, value=-k * wd)
+        _write_back(buf, b32)
+        if wd != 0.0 and (nesterov or wd_after_momentum):  # -lr_i * wd * w, from d (nesterov) or after
+            torch._foreach_addcmul_(w32, w32, rates, value=-wd)
         if nesterov:
-            upd = torch._foreach_add(neg_lr_g, b32, alpha=momentum)
+            torch._foreach_addcmul_(w32, g, rates, value=-scale)
+            torch._foreach_add_(w32, b32, alpha=momentum)
         else:
-            upd = b32
+            torch._foreach_add_(w32, b32)
     else:
-        upd = neg_lr_g
-    if wd != 0.0 and wd_after_momentum:
-        decay = torch._foreach_mul(w32, [-v * wd for v in lrs])
-        upd = torch._foreach_add(upd, decay)
-    torch._foreach_add_(w32, upd)
-    back = [i for i in range(len(w)) if w32[i] is not w[i]]
-    if back:
-        torch._foreach_copy_([w[i] for i in back], [w32[i] for i in back])
+        if wd != 0.0:
+            torch._foreach_addcmul_(w32, w32, rates, value=-wd)
+        torch._foreach_addcmul_(w32, g, rates, value=-scale)
+    _write_back(w, w32)
     if copies is not None:
         torch._foreach_copy_(copies, w32)
+
+
+def _write_back(dst: list, src: list) -> None:
+    pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, check_sgd_hyperparameters, group_by
+from apex.optimizers._base import (
+    FusedOptimizerBase,
+    check_non_negative,
+    check_sgd_hyperparameters,
+    group_by,
+    trusted,
+)
 
 
 class FusedLARS(FusedOptimizerBase):
@@ -69,8 +75,10 @@ class FusedLARS(FusedOptimizerBase):
                 gs = [p.grad for p in ps]
                 flag = self._overflow_buf(device)
                 flag.zero_()  # a non-finite norm sets it and skips this update only
-                w_norms = self.multi_tensor_l2norm(2048 * 32, flag, [ps], True)[1]
-                g_norms = self.multi_tensor_l2norm(2048 * 32, flag, [gs], True)[1] * abs(scale)
+                w_norms = self.multi_tensor_l2norm(2048 * 32, flag, [ps], True,
+                                                   **trusted(self.multi_tensor_l2norm))[1]
+                g_norms = self.multi_tensor_l2norm(2048 * 32, flag, [gs], True,
+                                                   **trusted(self.multi_tensor_l2norm))[1] * abs(scale)
                 if momentum != 0:
                     for p in ps:
                         if self.state[p].get("momentum_buffer") is None:
@@ -81,7 +89,8 @@ class FusedLARS(FusedOptimizerBase):
                 self.multi_tensor_lars(2048 * 32, flag, [gs, ps, bufs], g_norms, w_norms, group["lr"],
                                        group["trust_coefficient"], group["eps"], group["weight_decay"], momentum,
                                        group["dampening"], group["nesterov"], first_run, self.wd_after_momentum,
-                                       scale, bool(group.get("is_skipped", False)))
+                                       scale, bool(group.get("is_skipped", False)),
+                                       **trusted(self.multi_tensor_lars))
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss

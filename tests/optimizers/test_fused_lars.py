@@ -44,7 +44,9 @@ def reference_lars(params, grads_per_step, *, lr, momentum=0.0, dampening=0.0, w
 
 
 OPTIONS = [dict(momentum=0.9, weight_decay=1e-4), dict(), dict(momentum=0.9, nesterov=True, eps=1e-8),
-           dict(momentum=0.8, dampening=0.2, weight_decay=1e-3, wd_after_momentum=True, trust_coefficient=0.01)]
+           dict(momentum=0.8, dampening=0.2, weight_decay=1e-3, wd_after_momentum=True, trust_coefficient=0.01),
+           dict(momentum=0.9, nesterov=True, weight_decay=1e-3), dict(weight_decay=1e-3),
+           dict(weight_decay=1e-3, wd_after_momentum=True)]
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
