@@ -193,9 +193,29 @@ class SyncBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
+        if (use_batch_stats and not distributed and input.numel() and input.dim() in (2, 3, 4)
+                and input.dtype in (torch.float32, torch.float64)
+                and (self.weight is None or self.weight.dtype == input.dtype)
+                and (z is None or z.dtype == input.dtype) and _backend.select(input) == "torch"):
+            # Nothing to synchronise, on the PyTorch path: PyTorch's batch norm computes the same
+            # statistics, running-stat update and gradients in fused passes (torch.nn.SyncBatchNorm falls
+            # back to it in the same case).
+            return self._local_batch_norm(input, z, channel_last, running_mean, running_var,
+                                          factor if self.training else 0.0)
         return SyncBatchnormFunction.apply(input, z, self.weight, self.bias, running_mean, running_var,
                                            self.eps, use_batch_stats, factor if self.training else 0.0,
                                            self.process_group, channel_last, self.fuse_relu, distributed)
+
+
+    def _local_batch_norm(self, input, z, channel_last, running_mean, running_var, momentum):
+        move = channel_last and input.dim() > 2  # (N, L, C) or (N, H, W, C): the channel to dim 1 (a view)
+        x = input.movedim(-1, 1) if move else input
+        y = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps)
+        if move:
+            y = y.movedim(1, -1).contiguous()
+        if z is not None:
+            y = y + z
+        return F.relu(y) if self.fuse_relu else y
 
 
 def convert_syncbn_model(module: torch.nn.Module, process_group=None, channel_last: bool = False):

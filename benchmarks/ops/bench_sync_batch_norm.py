@@ -50,7 +50,7 @@ def _case(name, big, small, **kw):
         ours, theirs, nbytes = _pair(small, seed=1, **kw)
         return Counted(triton=ours, eager=theirs, bytes_min=nbytes)
 
-    return Case(name, timed=timed, counted=counted, torch_label="nn.BatchNorm2d")
+    return Case(name, timed=timed, counted=counted, torch_label="nn.BatchNorm2d", repeats=21, warmup=3)
 
 
 def cases():
