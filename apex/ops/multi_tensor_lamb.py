@@ -62,7 +62,8 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
 
     ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
     PyTorch path reuses from call to call instead of building its buffers every call. ``validate=False``
-    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them)."""
+    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them, and that
+    vouch for the workspace fitting the parameters)."""
     device = _check(noop_flag, tensor_lists, 4) if validate else first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
@@ -71,7 +72,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
          beta2=float(beta2), eps=float(epsilon), step=int(step), bias_correction=bool(bias_correction),
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=float(max_grad_norm), use_nvlamb=bool(use_nvlamb),
-         inv_scale=None, skip_on_noop=False, workspace=workspace)
+         inv_scale=None, skip_on_noop=False, workspace=workspace, trusted=not validate)
 
 
 @torch.no_grad()
@@ -118,17 +119,17 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=tensors["max_grad_norm"].float(),
          use_nvlamb=bool(use_nvlamb), inv_scale=tensors["inv_scale"].float(), skip_on_noop=True,
-         workspace=workspace)
+         workspace=workspace, trusted=not validate)
 
 
-def _run(noop_flag, g, p, m, v, out, workspace=None, **kw) -> None:
+def _run(noop_flag, g, p, m, v, out, workspace=None, trusted=False, **kw) -> None:
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor_lamb as kernels
 
         kernels.lamb(noop_flag, g, p, m, v, out, **kw)
         return
     if _fusable(g, p, m, v, kw):
-        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, **kw)
+        _lamb_torch_fused(noop_flag, g, p, m, v, out, workspace=workspace, trusted=trusted, **kw)
         return
     lamb_torch(noop_flag, g, p, m, v, out, **kw)
 
@@ -138,14 +139,12 @@ def _fusable(g, p, m, v, kw) -> bool:
     does: fp32 parameters and moments on the CPU, decoupled decay, grad averaging. It pairs the elements
     of its tensors by memory offset, so the gradients and moments must be contiguous like the
     workspace's buffer."""
-    if not (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"]):
-        return False
-    f32 = torch.float32
-    for a, b, c, d in zip(g, p, m, v):
-        if not (b.is_cpu and a.is_cpu and b.dtype is f32 and c.dtype is f32 and d.dtype is f32
-                and a.is_contiguous() and c.is_contiguous() and d.is_contiguous()):
-            return False
-    return True
+    if not (kw["adam_w"] and kw["beta3"] == 1.0 - kw["beta1"] and p[0].is_cpu and g[0].is_cpu):
+        return False  # (the lists are on one device: checked, or vouched for by the caller)
+    f32 = {torch.float32}
+    contiguous = torch.Tensor.is_contiguous
+    return ({t.dtype for t in p} == f32 and {t.dtype for t in m} == f32 and {t.dtype for t in v} == f32
+            and all(map(contiguous, g)) and all(map(contiguous, m)) and all(map(contiguous, v)))
 
 
 def _host(x) -> float:
@@ -154,7 +153,7 @@ def _host(x) -> float:
 
 def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, step,
                       bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
-                      skip_on_noop=False, **_) -> None:
+                      skip_on_noop=False, trusted=False, **_) -> None:
     """CPU LAMB block by block (``_cpu_blocks``), each block's tensors smallest first, in a flat fp32
     buffer ``u`` of the workspace: the parameters are copied into it (their norms: one call per run of
     same-sized tensors), scaled by the weight decay, and ``torch._fused_adamw_`` run on it with lr=-1
@@ -165,7 +164,7 @@ def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2
     update); other gradients are first copied into an fp32 buffer."""
     if skip_on_noop and bool(noop_flag.item()):
         return
-    ws = workspace if workspace is not None and workspace.fits(p) else _cpu_blocks.Workspace.of(p)
+    ws = workspace if workspace is not None and (trusted or workspace.fits(p)) else _cpu_blocks.Workspace.of(p)
     layout = ws.layout
     u_flat, u_views = ws.buffer("update")
     g32_views = ws.buffer("grad")[1] if any(t.dtype != torch.float32 for t in g) else None

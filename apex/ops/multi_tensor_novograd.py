@@ -45,7 +45,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16). ``validate=False``
     skips the per-tensor checks (for callers, such as apex's optimizers, that have made them);
     ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
-    PyTorch path reuses from call to call."""
+    PyTorch path reuses from call to call (with ``validate=False`` the caller vouches that it fits)."""
     if validate:
         device = check_tensor_lists(tensor_lists, 3, same_shape=True)
         check_noop_flag(noop_flag, device)
@@ -84,6 +84,8 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         if empty:  # no chunks: the blend sees a zero norm
             _blend(grad_norms, empty, torch.zeros(len(empty), device=device), alpha, beta, norm_type)
         return
+    if validate and workspace is not None and not workspace.fits(p):
+        workspace = None  # (a trusted caller vouches for its workspace)
     novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type,
                    workspace=workspace, **kw)
 
@@ -111,7 +113,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
         inside:     m = beta1*m + f_i*g + beta3*wd*p;  p = p - (lr/bc1) * m,              f_i = beta3 / d_i
     """
     ord_ = float("inf") if norm_type == 0 else 2.0
-    ws = workspace if workspace is not None and workspace.fits(p) else _cpu_blocks.Workspace.of(p)
+    ws = workspace if workspace is not None else _cpu_blocks.Workspace.of(p)
     new = fp32_norms(g, ord_)
     mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
     _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
