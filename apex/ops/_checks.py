@@ -70,18 +70,6 @@ def check_tensor_lists(
     return device
 
 
-def dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the elements fill one block of memory in some order."""
-    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
-        return True
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _layout_ok(t: torch.Tensor, ref: torch.Tensor, li: int) -> bool:
     """The slow part of the layout check: a list-0 tensor may be channels_last (Apex's rule); a tensor of
     another list must then have its shape and strides."""

@@ -21,8 +21,6 @@ from typing import NamedTuple
 import torch
 from torch.optim.optimizer import required
 
-from apex.ops._checks import dense
-
 REDUCED = (torch.float16, torch.bfloat16)
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -63,6 +61,18 @@ def check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov) -
     check_non_negative(dampening, "dampening")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory in some order."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -218,7 +228,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if g.device != p.device:
             raise RuntimeError(f"{self._name}: the gradient of {where} is on {g.device} but the "
                                f"parameter is on {p.device}")
-        if not dense(p):
+        if not _dense(p):
             raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
                                "optimize the tensor it views instead")
 
