@@ -25,6 +25,7 @@ from apex import _backend
 from apex.ops import _cpu_blocks
 from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists, first_device
 from apex.ops._cpu_norms import fp32_norms
+from apex.ops._fp32 import as_fp32, write_back
 
 
 def _check(noop_flag, tensor_lists, n_lists):
@@ -213,16 +214,6 @@ def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2
                     per_part=layout.blocks)
 
 
-def _f32(ts: list) -> list:
-    return [t if t.dtype == torch.float32 else t.float() for t in ts]
-
-
-def _write_back(dst: list, src: list) -> None:
-    pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-
-
 def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay,
                beta3, adam_w, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
                skip_on_noop=False) -> None:
@@ -242,24 +233,24 @@ def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_
             bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     else:
         bc1 = bc2 = 1.0
-    sg = _f32(g)
+    sg = as_fp32(g)
     sg = [t.clone() if t is s else t for t, s in zip(sg, g)]  # never modify the gradients
     if inv_scale is not None:
         torch._foreach_mul_(sg, inv_scale.reshape(()))
     torch._foreach_div_(sg, clip)
-    pf = _f32(p)
+    pf = as_fp32(p)
     if not adam_w and weight_decay != 0.0:
         torch._foreach_add_(sg, pf, alpha=weight_decay)
-    mf, vf = _f32(m), _f32(v)
+    mf, vf = as_fp32(m), as_fp32(v)
     torch._foreach_mul_(mf, beta1)
     torch._foreach_add_(mf, sg, alpha=beta3)
     torch._foreach_mul_(vf, beta2)
     torch._foreach_addcmul_(vf, sg, sg, value=1.0 - beta2)
-    _write_back(m, mf)
-    _write_back(v, vf)
+    write_back(m, mf)
+    write_back(v, vf)
     trust = use_nvlamb or weight_decay != 0.0
     if trust:  # the update is computed from the stored (possibly rounded) moments, as on the Triton path
-        mf, vf = _f32(m), _f32(v)
+        mf, vf = as_fp32(m), as_fp32(v)
     del sg
     denom = torch._foreach_div(vf, bc2)
     torch._foreach_sqrt_(denom)
@@ -277,7 +268,7 @@ def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_
     else:
         torch._foreach_mul_(u, lr.reshape(()) if isinstance(lr, torch.Tensor) else lr)
     torch._foreach_sub_(pf, u)
-    _write_back(p, pf)
+    write_back(p, pf)
     if out is not None:
         torch._foreach_copy_(out, pf)
 
@@ -312,7 +303,7 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     clip = torch.where(gn[0] > maxn, gn[0] / maxn, torch.ones((), device=device))
     sg = [t.float() for t in g]
     torch._foreach_div_(sg, clip)
-    mf, vf, pf = _f32(m), _f32(v), _f32(p)
+    mf, vf, pf = as_fp32(m), as_fp32(v), as_fp32(p)
     torch._foreach_mul_(mf, beta1)
     torch._foreach_add_(mf, sg, alpha=1.0 - beta1)
     torch._foreach_mul_(vf, beta2)
@@ -323,8 +314,8 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     u = torch._foreach_div(mf, bc1)
     torch._foreach_div_(u, denom)
     torch._foreach_addcmul_(u, pf, list(decay.unbind()))
-    _write_back(m, mf)
-    _write_back(v, vf)
+    write_back(m, mf)
+    write_back(v, vf)
     torch._foreach_copy_(upd, u)
 
 
@@ -353,10 +344,10 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
 
         kernels.stage2([p, upd], pn.contiguous(), un.contiguous(), lr, trust)
         return
-    pf, uf = _f32(p), _f32(upd)
+    pf, uf = as_fp32(p), as_fp32(upd)
     if trust:
         ratio = torch.where((un != 0) & (pn != 0), lr * (pn / un), torch.full_like(un, lr))
         torch._foreach_addcmul_(pf, uf, list(ratio.unbind()), value=-1.0)
     else:
         torch._foreach_add_(pf, uf, alpha=-lr)
-    _write_back(p, pf)
+    write_back(p, pf)

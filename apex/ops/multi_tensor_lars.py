@@ -27,6 +27,7 @@ import torch
 
 from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
+from apex.ops._fp32 import as_fp32, write_back
 
 
 def _norms(x, n: int, name: str, device) -> torch.Tensor:
@@ -89,11 +90,11 @@ def _lars_torch(lists, lrs: torch.Tensor, *, wd, momentum, dampening, nesterov, 
     g, w, buf = lists[:3]
     copies = lists[3] if len(lists) == 4 else None
     rates = list(lrs.unbind())
-    w32 = [x if x.dtype == torch.float32 else x.float() for x in w]
+    w32 = as_fp32(w)
     # The terms of -lr_i * d in w's update come from the old w, so they go first; buf's from the old w too.
     wd_in_d = wd != 0.0 and not wd_after_momentum
     if momentum != 0.0:
-        b32 = [x if x.dtype == torch.float32 else x.float() for x in buf]
+        b32 = as_fp32(buf)
         if first_run:
             torch._foreach_zero_(b32)
             k = 1.0
@@ -103,7 +104,7 @@ def _lars_torch(lists, lrs: torch.Tensor, *, wd, momentum, dampening, nesterov, 
         torch._foreach_addcmul_(b32, g, rates, value=-k * scale)
         if wd_in_d:
             torch._foreach_addcmul_(b32, w32, rates, value=-k * wd)
-        _write_back(buf, b32)
+        write_back(buf, b32)
         if wd != 0.0 and (nesterov or wd_after_momentum):  # -lr_i * wd * w, from d (nesterov) or after
             torch._foreach_addcmul_(w32, w32, rates, value=-wd)
         if nesterov:
@@ -115,12 +116,6 @@ def _lars_torch(lists, lrs: torch.Tensor, *, wd, momentum, dampening, nesterov, 
         if wd != 0.0:
             torch._foreach_addcmul_(w32, w32, rates, value=-wd)
         torch._foreach_addcmul_(w32, g, rates, value=-scale)
-    _write_back(w, w32)
+    write_back(w, w32)
     if copies is not None:
         torch._foreach_copy_(copies, w32)
-
-
-def _write_back(dst: list, src: list) -> None:
-    pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])

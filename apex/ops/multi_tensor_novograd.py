@@ -26,6 +26,7 @@ from apex import _backend
 from apex.ops import _cpu_blocks
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 from apex.ops._cpu_norms import fp32_norms
+from apex.ops._fp32 import as_fp32, write_back
 
 
 def _check_norms(grad_norms, n: int, device) -> None:
@@ -98,10 +99,6 @@ def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: floa
         norms[idx] = torch.sqrt(alpha * old * old + beta * new * new)
 
 
-def _f32(ts: list) -> list:
-    return [t if t.dtype == torch.float32 else t.float() for t in ts]
-
-
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
                    weight_decay, reg_inside_moment, workspace: _cpu_blocks.Workspace | None = None) -> None:
     """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
@@ -125,7 +122,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
 
     def part(blk, g, p, m):
         fv = factor_views[blk.start:blk.start + len(blk.order)]
-        gf, pf, mf = (g, p, m) if all32 else (_f32(g), _f32(p), _f32(m))
+        gf, pf, mf = (g, p, m) if all32 else (as_fp32(g), as_fp32(p), as_fp32(m))
         if reg_inside_moment:
             torch._foreach_mul_(mf, beta1)
             torch._foreach_addcmul_(mf, gf, fv)
@@ -141,10 +138,9 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
             if weight_decay != 0.0:
                 torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
             torch._foreach_addcmul_(pf, mf, fv, value=-1.0)
-        for dst, src in ((p, pf), (m, mf)) if not all32 else ():
-            pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
-            if pairs:
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        if not all32:
+            write_back(p, pf)
+            write_back(m, mf)
 
     # The update only streams memory: a second core adds no bandwidth, so no worker threads.
     _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], g, p, m, per_part=ws.layout.blocks,

@@ -23,6 +23,7 @@ import torch
 
 from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
+from apex.ops._fp32 import as_fp32, write_back
 
 
 @torch.no_grad()
@@ -68,7 +69,7 @@ def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_aft
         return
     # General case: fp32 working copies, one rounding per stored result.
     g32 = [x.float() * scale if scale != 1.0 else x.float().clone() for x in g]
-    w32 = [x if x.dtype == torch.float32 else x.float() for x in w]
+    w32 = as_fp32(w)
     if wd != 0.0 and not wd_after_momentum:
         torch._foreach_add_(g32, w32, alpha=wd)
     if momentum != 0.0:
@@ -86,8 +87,6 @@ def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_aft
     if wd != 0.0 and wd_after_momentum:
         torch._foreach_add_(g32, w32, alpha=wd)
     torch._foreach_add_(w32, g32, alpha=-lr)
-    back = [i for i in range(len(w)) if w32[i] is not w[i]]
-    if back:
-        torch._foreach_copy_([w[i] for i in back], [w32[i] for i in back])
+    write_back(w, w32)
     if copies is not None:
         torch._foreach_copy_(copies, w32)

@@ -206,7 +206,6 @@ class SyncBatchNorm(_BatchNorm):
                                            self.eps, use_batch_stats, factor if self.training else 0.0,
                                            self.process_group, channel_last, self.fuse_relu, distributed)
 
-
     def _local_batch_norm(self, input, z, channel_last, running_mean, running_var, momentum):
         move = channel_last and input.dim() > 2  # (N, L, C) or (N, H, W, C): the channel to dim 1 (a view)
         x = input.movedim(-1, 1) if move else input
