@@ -60,6 +60,22 @@ def test_cpu_norms_of_long_tensors_keep_fp32_accuracy(dtype, tol):
     assert_rel_close(total, torch.linalg.vector_norm(ref).reshape(1), tol=tol)
 
 
+@given(sizes=st.lists(st.sampled_from([0, 1, 5, 32767, 32768, 32769, 70001, 1_500_007]), min_size=1, max_size=5),
+       seed=st.integers(0, 1000))
+@settings(max_examples=12, deadline=None)
+def test_cpu_norms_of_short_and_long_tensors_match_float64(sizes, seed):
+    """Tensors on both sides of the row length of the PyTorch path's long-tensor norms, any order."""
+    import apex
+
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=gen) + 0.5 for n in sizes]
+    ref = torch.stack([torch.linalg.vector_norm(x.double()) for x in xs])
+    with apex.backend("torch"):
+        total, per = amp_C.multi_tensor_l2norm(2048, flag(), [xs], True)
+    assert_rel_close(per, ref, tol=1e-6)
+    assert_rel_close(total, torch.linalg.vector_norm(ref).reshape(1), tol=1e-6)
+
+
 def test_l2norm_mixed_dtypes_one_launch_per_group_plus_finalize(backend_name):
     xs = mixed()
     noop = flag()
