@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from apex.ops._cpu_norms import ROW_ELEMENTS, long_norm
+from apex.ops._cpu_norms import ROW_ELEMENTS, row_norms
 
 # Elements per block: 1 MiB per fp32 list, so the four to six lists of a step stay in the cache between
 # passes.
@@ -119,24 +119,20 @@ class _Sized:
         return self.n
 
 
-def scratch(n: int, slot: int = 0) -> torch.Tensor:
-    """``n`` fp32 elements of this thread's scratch buffer number ``slot`` (kept for the next call)."""
-    bufs = getattr(_LOCAL, "scratch", None)
-    if bufs is None:
-        bufs = _LOCAL.scratch = {}
-    buf = bufs.get(slot)
+def scratch(n: int) -> torch.Tensor:
+    """``n`` fp32 elements of this thread's scratch buffer (kept for the next call)."""
+    buf = getattr(_LOCAL, "scratch", None)
     if buf is None or buf.numel() < n:
-        buf = bufs[slot] = torch.empty(max(n, BLOCK_ELEMENTS), dtype=torch.float32)
+        buf = _LOCAL.scratch = torch.empty(max(n, BLOCK_ELEMENTS), dtype=torch.float32)
     return buf[:n]
 
 
 def class_norms(flat: torch.Tensor, block: Block, out: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
     """``out[j] = ‖tensor order[j]‖`` (fp32) for a block whose tensors lie in ``flat`` in its order: one
-    ``vector_norm`` per class of same-sized tensors (``_cpu_norms.long_norm`` for each long one)."""
+    ``vector_norm`` per class of same-sized tensors (``_cpu_norms.row_norms`` for long L2 rows)."""
     for j, k, n, at in block.classes:
         if n > ROW_ELEMENTS and ord == 2.0:
-            for i in range(k):
-                long_norm(flat[at + i * n:at + (i + 1) * n], out=out[j + i])
+            out[j:j + k] = row_norms(flat[at:at + k * n].view(k, n))
         elif n:
             torch.linalg.vector_norm(flat[at:at + k * n].view(k, n), ord, dim=1, out=out[j:j + k])
         else:

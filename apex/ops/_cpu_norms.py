@@ -17,21 +17,6 @@ import torch
 ROW_ELEMENTS = 1 << 15
 
 
-def long_norm(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The L2 norm of ``x`` accumulated in fp32 (0-dim), row by row (see the module docstring)."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    rows = n // ROW_ELEMENTS
-    parts = torch.linalg.vector_norm(flat[:rows * ROW_ELEMENTS].view(rows, ROW_ELEMENTS), 2.0, dim=1,
-                                     dtype=torch.float32)
-    if n > rows * ROW_ELEMENTS:
-        tail = torch.linalg.vector_norm(flat[rows * ROW_ELEMENTS:], 2.0, dtype=torch.float32)
-        parts = torch.cat([parts, tail.reshape(1)])
-    if out is None:
-        return torch.linalg.vector_norm(parts)
-    return torch.linalg.vector_norm(parts, out=out)
-
-
 def row_norms(x2: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``torch.linalg.vector_norm(x2, dim=-1, dtype=dtype)`` of a 2-D tensor whose rows may be long: on
     the CPU a row longer than ``ROW_ELEMENTS`` is normed in pieces of that length, combined."""
@@ -47,6 +32,11 @@ def row_norms(x2: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     return torch.linalg.vector_norm(pieces, 2.0, dim=-1)
 
 
+def long_norm(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``x`` accumulated in fp32 (0-dim), in pieces (see the module docstring)."""
+    return row_norms(x.reshape(1, -1))[0]
+
+
 def fp32_norms(xs: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
     """``‖x_i‖`` (``ord`` 2 or inf) accumulated in fp32, as one 1-D fp32 tensor: one
     ``torch._foreach_norm`` call, with ``long_norm`` for the L2 norms of long CPU tensors."""
@@ -60,5 +50,5 @@ def fp32_norms(xs: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
         short = [i for i in range(len(xs)) if i not in is_long]
         out[short] = torch.stack(torch._foreach_norm([xs[i] for i in short], ord, dtype=torch.float32))
     for i in long:
-        long_norm(xs[i], out=out[i])
+        out[i] = long_norm(xs[i])
     return out

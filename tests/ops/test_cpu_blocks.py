@@ -73,7 +73,7 @@ def test_class_norms_match_one_norm_per_tensor(ord):
 
 
 def test_class_norms_of_long_tensors_keep_fp32_accuracy(monkeypatch):
-    """Long same-sized tensors are normed row by row (``_cpu_norms.long_norm``), not with PyTorch's
+    """Long same-sized tensors are normed in pieces (``_cpu_norms.row_norms``), not with PyTorch's
     one-accumulator CPU norm, which is off by about 4e-4 at 10M elements."""
     monkeypatch.setattr(_cpu_blocks, "BLOCK_ELEMENTS", 1 << 30)
     n = 5_000_011
