@@ -159,6 +159,10 @@ class Workspace:
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         return [t.shape for t in tensors] == self.shapes
 
+    def has_shapes(self, shapes: Sequence[torch.Size]) -> bool:
+        """``fits`` for tensors whose shapes the caller has at hand."""
+        return list(shapes) == self.shapes
+
     def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A flat fp32 buffer of all the elements and its views, in layout order."""
         if name not in self._buffers:

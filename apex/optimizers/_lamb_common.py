@@ -6,6 +6,8 @@ step counters as they were.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from apex.optimizers._base import _number, check_betas, check_non_negative
@@ -37,25 +39,66 @@ def check_group_hyperparameters(optimizer: torch.optim.Optimizer, param_group: d
                                                                                      "weight_decay")})
 
 
+class GroupGrads(NamedTuple):
+    """A param group's parameters that have a gradient, their gradients (contiguous), the set of their
+    dtypes and their shapes."""
+
+    params: list
+    grads: list
+    dtypes: frozenset
+    shapes: list
+
+
 def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
-                      dtypes=SUPPORTED_DTYPES) -> list[list[torch.Tensor]]:
-    """For each param group, its parameters that have a gradient, after checking every one of them."""
+                      dtypes=SUPPORTED_DTYPES) -> list[GroupGrads]:
+    """For each param group, its parameters that have a gradient and their gradients (a contiguous copy
+    of a strided one), after checking every one of them.
+
+    The checks run as one list comprehension per property (a per-parameter loop of tests costs more than
+    a small tensor's update); only when one fails does the per-parameter pass build the message."""
     out = []
+    allowed = frozenset(dtypes)
     for gi, group in enumerate(optimizer.param_groups):
         params = group["params"]
-        device = params[0].device if params else None
-        ps = []
-        for pi, p in enumerate(params):
-            g = p.grad
-            # One cheap test per parameter; the message is built only when it fails.
-            if p.dtype not in dtypes or p.device != device or (
-                    g is not None and (g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape
-                                       or g.device != device)):
-                _diagnose(name, gi, pi, p, device, dtypes)
-            if g is not None:
-                ps.append(p)
-        out.append(ps)
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            ps = [p for p, g in zip(params, grads) if g is not None]
+            gs = [g for g in grads if g is not None]
+        else:
+            ps, gs = list(params), grads
+        p_dtypes = [p.dtype for p in ps]
+        seen = frozenset(p_dtypes)
+        shapes = [p.shape for p in ps]
+        if params and not _fit(params, ps, gs, p_dtypes, seen, allowed, shapes):
+            _diagnose_group(name, gi, params, allowed)
+        if not all([g.is_contiguous() for g in gs]):
+            gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+        out.append(GroupGrads(ps, gs, seen, shapes))
     return out
+
+
+def _fit(params: list, ps: list, gs: list, p_dtypes: list, seen: frozenset, allowed: frozenset,
+         shapes: list) -> bool:
+    """Every parameter of the group (``params``) of an allowed dtype and on one device, and every gradient
+    (of the parameters ``ps`` that have one) strided, on that device, of its parameter's dtype and shape."""
+    device = params[0].device
+    if len(ps) < len(params):
+        seen = frozenset([p.dtype for p in params])
+    if not seen <= allowed or {p.device for p in params} != {device}:
+        return False
+    return not gs or ({g.device for g in gs} == {device} and {g.layout for g in gs} == {torch.strided}
+                      and [g.dtype for g in gs] == p_dtypes and [g.shape for g in gs] == shapes)
+
+
+def _diagnose_group(name: str, gi: int, params: list, dtypes) -> None:
+    device = params[0].device
+    for pi, p in enumerate(params):
+        g = p.grad
+        if p.dtype not in dtypes or p.device != device or (
+                g is not None and (g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape
+                                   or g.device != device)):
+            _diagnose(name, gi, pi, p, device, dtypes)
+    raise AssertionError("a failed check that no parameter explains")  # pragma: no cover
 
 
 def _diagnose(name: str, gi: int, pi: int, p: torch.Tensor, device, dtypes) -> None:

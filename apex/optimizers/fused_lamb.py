@@ -11,7 +11,6 @@ from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
-    grad_of,
     params_with_grads,
 )
 
@@ -87,8 +86,7 @@ class FusedLAMB(torch.optim.Optimizer):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedLAMB")
-        grads_per_group = [[grad_of(p) for p in ps] for ps in per_group]
-        grads = [g for gs in grads_per_group for g in gs]
+        grads = [g for gg in per_group for g in gg.grads]
         if grads:
             device = grads[0].device
             if self._dummy_overflow_buf.device != device:
@@ -96,7 +94,7 @@ class FusedLAMB(torch.optim.Optimizer):
             global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
                                                         False, **trusted(self.multi_tensor_l2norm))[0]
         max_grad_norm = self.defaults["max_grad_norm"]
-        for gi, (group, p, g) in enumerate(zip(self.param_groups, per_group, grads_per_group)):
+        for gi, (group, (p, g, _, _)) in enumerate(zip(self.param_groups, per_group)):
             group["step"] = group.get("step", 0) + 1
             if not p:
                 continue

@@ -11,7 +11,6 @@ from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
-    grad_of,
     params_with_grads,
 )
 
@@ -147,7 +146,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         if not self.param_groups_full_precision:
             self._setup_full_precision_params()
         device = self.param_groups[0]["params"][0].device
-        grads = [grad_of(p) for ps in per_group for p in ps]
+        grads = [g for gg in per_group for g in gg.grads]
         if grad_scaler is not None:
             found_inf = grad_scaler._check_inf_per_device(self)[device]
             scale = grad_scaler._get_scale_async().reshape(1).float()
@@ -173,14 +172,15 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
             if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
                 self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
             group["step"] += (self._dummy_overflow_buf != 1).to(torch.int)
-            if not ps:
+            if not ps.params:
                 continue
-            with_grad = {id(p) for p in ps}
+            grad_by_id = {id(p): g for p, g in zip(ps.params, ps.grads)}
             beta1, beta2 = group["betas"]
             mixed = [[], [], [], [], []]
             plain = [[], [], [], []]
             for p, master in zip(group["params"], full["params"]):
-                if id(p) not in with_grad:
+                g = grad_by_id.get(id(p))
+                if g is None:
                     continue
                 state = self.state[p]
                 if "exp_avg" not in state:
@@ -188,10 +188,10 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
                 if master is not None:
-                    for lst, t in zip(mixed, (grad_of(p), master, state["exp_avg"], state["exp_avg_sq"], p)):
+                    for lst, t in zip(mixed, (g, master, state["exp_avg"], state["exp_avg_sq"], p)):
                         lst.append(t)
                 else:
-                    for lst, t in zip(plain, (grad_of(p), p, state["exp_avg"], state["exp_avg_sq"])):
+                    for lst, t in zip(plain, (g, p, state["exp_avg"], state["exp_avg_sq"])):
                         lst.append(t)
             for kind, lists in enumerate((mixed, plain)):
                 if not lists[0]:

@@ -9,10 +9,10 @@ from apex.ops._cpu_norms import fp32_norms
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
 from apex.optimizers._base import run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
+    GroupGrads,
     ParamMismatchError,
     check_group_hyperparameters,
     check_hyperparameters,
-    grad_of,
     params_with_grads,
 )
 
@@ -92,54 +92,53 @@ class FusedNovoGrad(torch.optim.Optimizer):
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
-        per_group = [_by_dtype(ps) for ps in params_with_grads(self, "FusedNovoGrad")]
+        per_group = [_by_dtype(gg) for gg in params_with_grads(self, "FusedNovoGrad")]
         # Check the stored norms against this step's parameters before changing anything.
         for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
             if "exp_avg_sq" not in group:
                 continue
             norms = group["exp_avg_sq"]
             for slot, dt in enumerate(_SLOTS):
-                count = len(by_dtype[dt])
+                count = len(by_dtype[dt][0]) if dt in by_dtype else 0
                 have = norms[slot].numel() if slot < len(norms) and norms[slot] is not None else 0
                 if count != have:
                     raise ParamMismatchError(
                         f"FusedNovoGrad: param_groups[{gi}] has {count} {dt} parameters with gradients but "
                         f"{have} running norms; the set of parameters with gradients must not change "
                         "between steps")
+        state = self.state
         for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
-            first = next((ps[0] for ps in by_dtype.values() if ps), None)
+            first = next((ps[0] for ps, _, _ in by_dtype.values()), None)
             device = first.device if first is not None else self._dummy_overflow_buf.device
             if self._dummy_overflow_buf.device != device:
                 self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
             if "exp_avg_sq" not in group:
                 norms = []
                 for dt in _SLOTS:
-                    if dt is torch.bfloat16 and not by_dtype[dt]:
+                    grads = by_dtype[dt][1] if dt in by_dtype else []
+                    if dt is torch.bfloat16 and not grads:
                         continue
-                    grads = [grad_of(p) for p in by_dtype[dt]]
                     if group["init_zero"] or not grads:
                         norms.append(torch.zeros(len(grads), dtype=torch.float32, device=device))
                     else:  # start from the first step's norms, so the first blend changes nothing
                         ord_ = float("inf") if group["norm_type"] == 0 else 2.0
                         norms.append(fp32_norms(grads, ord_))
                 group["exp_avg_sq"] = norms
-            state = self.state
             for slot, dt in enumerate(_SLOTS):
-                params = by_dtype[dt]
-                if not params:
+                if dt not in by_dtype:
                     continue
-                g, m = [], []
-                for p in params:
-                    st = state[p]
-                    if not st:
-                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    g.append(grad_of(p))
-                    m.append(st["exp_avg"])
+                params, g, shapes = by_dtype[dt]
+                states = [state[p] for p in params]
+                if not all(states):
+                    for p, st in zip(params, states):
+                        if not st:
+                            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                m = [st["exp_avg"] for st in states]
                 extra = trusted(self.multi_tensor_novograd)
                 if self.multi_tensor_novograd is multi_tensor_novograd and params[0].is_cpu:
-                    extra["workspace"] = self._workspace_for((gi, slot), params)
+                    extra["workspace"] = self._workspace_for((gi, slot), shapes)
                 self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [g, params, m],
                                            group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
                                            group["step"], 1 if group["bias_correction"] else 0,
@@ -147,17 +146,22 @@ class FusedNovoGrad(torch.optim.Optimizer):
                                            self.moment_mode, group["norm_type"], **extra)
         return loss
 
-    def _workspace_for(self, key: tuple[int, int], params: list) -> Workspace:
+    def _workspace_for(self, key: tuple[int, int], shapes: list) -> Workspace:
         """The CPU path's reusable buffers for one dtype slot of a group; kept outside the state dict."""
         ws = self._workspace.get(key)
-        if ws is None or not ws.fits(params):
-            ws = self._workspace[key] = Workspace.of(params)
+        if ws is None or not ws.has_shapes(shapes):
+            ws = self._workspace[key] = Workspace(shapes)
         return ws
 
 
-def _by_dtype(params: list) -> dict:
-    """The parameters of each slot dtype, in order (one pass)."""
-    out = {dt: [] for dt in _SLOTS}
-    for p in params:
-        out[p.dtype].append(p)
+def _by_dtype(gg: GroupGrads) -> dict:
+    """``{dtype: (params, grads, shapes)}`` for the dtypes of a group's parameters with gradients."""
+    if len(gg.dtypes) <= 1:
+        return {dt: (gg.params, gg.grads, gg.shapes) for dt in gg.dtypes}
+    out = {dt: ([], [], []) for dt in gg.dtypes}
+    for p, g, shape in zip(gg.params, gg.grads, gg.shapes):
+        ps, gs, ss = out[p.dtype]
+        ps.append(p)
+        gs.append(g)
+        ss.append(shape)
     return out
