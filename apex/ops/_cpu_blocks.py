@@ -31,6 +31,7 @@ nothing from a second core on a machine whose bandwidth one core saturates; they
 
 from __future__ import annotations
 
+import operator
 import os
 import queue
 import threading
@@ -151,6 +152,7 @@ class Workspace:
         self._buffers: dict = {}
         self._scalars: dict = {}
         self._perm: torch.Tensor | None = None
+        self._packed: Packed | None = None
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor]) -> Workspace:
@@ -175,6 +177,12 @@ class Workspace:
             self._buffers[name] = (flat, views)
         return self._buffers[name]
 
+    def packed(self) -> Packed:
+        """The ``Packed`` layout of the same shapes (built on first use)."""
+        if self._packed is None:
+            self._packed = Packed(self.shapes)
+        return self._packed
+
     def perm_index(self) -> torch.Tensor:
         """``layout.perm`` as an int64 tensor (to gather per-tensor values in layout order)."""
         if self._perm is None:
@@ -185,6 +193,81 @@ class Workspace:
         """One fp32 number per tensor, in layout order, and its 0-dim views."""
         if name not in self._scalars:
             vec = torch.empty(len(self.shapes), dtype=torch.float32)
+            self._scalars[name] = (vec, list(vec.unbind()))
+        return self._scalars[name]
+
+
+# A tensor of up to this many elements costs more in per-tensor dispatch (about 1.5 us per
+# ``torch._foreach_*`` op and tensor) than in arithmetic: ``Packed`` keeps such tensors in flat buffers.
+PACK_ELEMENTS = 1 << 12
+
+
+class Packed:
+    """The small tensors (at most ``PACK_ELEMENTS`` elements) of a list with ``shapes``, packed: flat fp32
+    buffers of ``numel`` elements hold them smallest first (``index``: their positions in the list), so
+    that one op covers them all and ``class_norms(flat, block, ...)`` norms them a class at a time.
+    ``rest``: the other tensors' positions, in order; ``perm = index + rest``.
+
+    A caller that keeps per-tensor state as views of a buffer (``adopt``) updates the small tensors' state
+    with one op; ``holds`` tells whether a list still is those views (a loaded checkpoint replaces them)."""
+
+    def __init__(self, shapes: Sequence[torch.Size]):
+        sizes = [torch.Size(s).numel() for s in shapes]
+        small = [i for i, n in enumerate(sizes) if n <= PACK_ELEMENTS]
+        layout = Layout([sizes[i] for i in small], max_elements=max(1, sum(sizes[i] for i in small)))
+        assert len(layout.blocks) <= 1
+        self.block: Block | None = layout.blocks[0] if layout.blocks else None
+        self.index = [small[j] for j in layout.perm]
+        self.rest = [i for i, n in enumerate(sizes) if n > PACK_ELEMENTS]
+        self.perm = self.index + self.rest
+        self.numel = layout.numel
+        self._shapes = [torch.Size(shapes[i]) for i in self.index]
+        self._buffers: dict = {}
+        self._scalars: dict = {}
+        self._perm: torch.Tensor | None = None
+
+    def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat fp32 buffer of the small tensors and its views, in ``index`` order."""
+        if name not in self._buffers:
+            flat = torch.zeros(self.numel, dtype=torch.float32)
+            views, at = [], 0
+            for shape in self._shapes:
+                n = shape.numel()
+                views.append(flat[at:at + n].view(shape))
+                at += n
+            self._buffers[name] = (flat, views)
+        return self._buffers[name]
+
+    def holds(self, name: str, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (in ``index`` order) are the views of buffer ``name`` (False before it is
+        made)."""
+        return name in self._buffers and all(map(operator.is_, tensors, self._buffers[name][1]))
+
+    def adopt(self, name: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy the small ones of ``tensors`` (a whole list, fp32) into buffer ``name``; the list with
+        those replaced by the buffer's views."""
+        views = self.buffer(name)[1]
+        out = list(tensors)
+        for i, view in zip(self.index, views):
+            t = out[i]
+            if t is not view:
+                if t.shape != view.shape or t.dtype != view.dtype:
+                    raise RuntimeError(f"{name} of tensor {i} is {t.dtype} {tuple(t.shape)}, expected "
+                                       f"{view.dtype} {tuple(view.shape)}")
+                view.copy_(t)
+                out[i] = view
+        return out
+
+    def perm_index(self) -> torch.Tensor:
+        """``perm`` as an int64 tensor."""
+        if self._perm is None:
+            self._perm = torch.tensor(self.perm, dtype=torch.int64)
+        return self._perm
+
+    def scalars(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One fp32 number per tensor, in ``perm`` order, and its 0-dim views."""
+        if name not in self._scalars:
+            vec = torch.empty(len(self.perm), dtype=torch.float32)
             self._scalars[name] = (vec, list(vec.unbind()))
         return self._scalars[name]
 

@@ -44,7 +44,8 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
                           norm_type: int, *, workspace: _cpu_blocks.Workspace | None = None,
                           validate: bool = True) -> None:
     """NovoGrad step on ``tensor_lists = [grads, params, exp_avgs]`` (fp32/fp16/bf16). ``validate=False``
-    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them);
+    skips the per-tensor checks (for callers, such as apex's optimizers, that have made them and pass
+    lists of one dtype each);
     ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
     PyTorch path reuses from call to call (with ``validate=False`` the caller vouches that it fits)."""
     if validate:
@@ -87,8 +88,10 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         return
     if validate and workspace is not None and not workspace.fits(p):
         workspace = None  # (a trusted caller vouches for its workspace)
+    # A trusted caller passes lists of one dtype each.
+    all32 = None if validate else g[0].dtype == p[0].dtype == m[0].dtype == torch.float32
     novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type,
-                   workspace=workspace, **kw)
+                   workspace=workspace, all32=all32, **kw)
 
 
 def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> None:
@@ -100,44 +103,42 @@ def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: floa
 
 
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
-                   weight_decay, reg_inside_moment, workspace: _cpu_blocks.Workspace | None = None) -> None:
+                   weight_decay, reg_inside_moment, workspace: _cpu_blocks.Workspace | None = None,
+                   all32: bool | None = None) -> None:
     """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
-    size. First the gradient norms (one call), their blend into ``grad_norms`` and the per-tensor factors
-    ``f_i``, written into 0-dim views that the workspace makes once; then, block by block
-    (``_cpu_blocks``)::
+    size. First the gradient norms, their blend into ``grad_norms`` and the per-tensor factors ``f_i``,
+    written into 0-dim views that the workspace makes once; then::
 
         decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - f_i * m,  f_i = lr / (bc1*d_i)
         inside:     m = beta1*m + f_i*g + beta3*wd*p;  p = p - (lr/bc1) * m,              f_i = beta3 / d_i
-    """
+
+    When every tensor is fp32 (``all32``; found out when None) and the caller keeps a workspace, the
+    small tensors are packed (``_cpu_blocks.Packed``): their gradients are copied into a flat buffer,
+    normed a class at a time, and, when the moments are the views of the workspace's buffer (as
+    ``FusedNovoGrad`` keeps them), their moments are updated by one op. Otherwise the lists are updated
+    block by block, converted to fp32 a block at a time."""
+    if all32 is None:
+        all32 = {t.dtype for lst in (g, p, m) for t in lst} == {torch.float32}
     ord_ = float("inf") if norm_type == 0 else 2.0
+    moment = dict(beta1=beta1, beta3=beta3, reg_inside_moment=reg_inside_moment)
+    param = dict(lr=lr, bc1=bc1, beta3=beta3, weight_decay=weight_decay, reg_inside_moment=reg_inside_moment)
+    factor = dict(alpha=alpha, beta=beta, norm_type=norm_type, bc2=bc2, eps=eps,
+                  scale=beta3 if reg_inside_moment else lr / bc1)
+    if all32 and workspace is not None:
+        pk = workspace.packed()
+        pk.buffer("grad"), pk.scalars("factor"), pk.perm_index()  # made outside inference mode: kept
+        with torch.inference_mode():
+            _packed(noop_flag, g, p, m, grad_norms, pk, ord_=ord_, moment=moment, param=param, factor=factor)
+        return
     ws = workspace if workspace is not None else _cpu_blocks.Workspace.of(p)
-    new = fp32_norms(g, ord_)
-    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
-    _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
-    denom = grad_norms / bc2 + eps
     factors, factor_views = ws.scalars("factor")
-    torch.index_select(beta3 / denom if reg_inside_moment else lr / (bc1 * denom), 0, ws.perm_index(),
-                       out=factors)
-    all32 = {t.dtype for lst in (g, p, m) for t in lst} == {torch.float32}
+    _factors(noop_flag, grad_norms, fp32_norms(g, ord_), factors, ws.perm_index(), **factor)
 
     def part(blk, g, p, m):
         fv = factor_views[blk.start:blk.start + len(blk.order)]
         gf, pf, mf = (g, p, m) if all32 else (as_fp32(g), as_fp32(p), as_fp32(m))
-        if reg_inside_moment:
-            torch._foreach_mul_(mf, beta1)
-            torch._foreach_addcmul_(mf, gf, fv)
-            if weight_decay != 0.0:
-                torch._foreach_add_(mf, pf, alpha=beta3 * weight_decay)
-            torch._foreach_add_(pf, mf, alpha=-lr / bc1)
-        else:
-            if beta3 == 1.0 - beta1:
-                torch._foreach_lerp_(mf, gf, beta3)
-            else:
-                torch._foreach_mul_(mf, beta1)
-                torch._foreach_add_(mf, gf, alpha=beta3)
-            if weight_decay != 0.0:
-                torch._foreach_mul_(pf, 1.0 - lr * weight_decay)
-            torch._foreach_addcmul_(pf, mf, fv, value=-1.0)
+        _moment(gf, mf, fv, **moment)
+        _param(pf, mf, fv, **param)
         if not all32:
             write_back(p, pf)
             write_back(m, mf)
@@ -145,3 +146,66 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
     # The update only streams memory: a second core adds no bandwidth, so no worker threads.
     _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], g, p, m, per_part=ws.layout.blocks,
                     threads=False)
+
+
+def _factors(noop_flag, grad_norms, new, factors, perm, *, alpha, beta, norm_type, bc2, eps, scale) -> None:
+    """Blend this step's norms ``new`` (in the tensors' order) into ``grad_norms``; ``f_i = scale / d_i``
+    into ``factors``, in the order ``perm``."""
+    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
+    _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
+    torch.index_select(scale / (grad_norms / bc2 + eps), 0, perm, out=factors)
+
+
+def _moment(g, m, fv, *, beta1, beta3, reg_inside_moment) -> None:
+    """The moment update of fp32 lists (without the weight decay of ``reg_inside_moment``)."""
+    if reg_inside_moment:
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_addcmul_(m, g, fv)
+    elif beta3 == 1.0 - beta1:
+        torch._foreach_lerp_(m, g, beta3)
+    else:
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, g, alpha=beta3)
+
+
+def _param(p, m, fv, *, lr, bc1, beta3, weight_decay, reg_inside_moment) -> None:
+    """The parameter update of fp32 lists, after ``_moment``."""
+    if reg_inside_moment:
+        if weight_decay != 0.0:
+            torch._foreach_add_(m, p, alpha=beta3 * weight_decay)
+        torch._foreach_add_(p, m, alpha=-lr / bc1)
+    else:
+        if weight_decay != 0.0:
+            torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+        torch._foreach_addcmul_(p, m, fv, value=-1.0)
+
+
+def _packed(noop_flag, g, p, m, grad_norms, pk: _cpu_blocks.Packed, *, ord_, moment, param, factor) -> None:
+    """The fp32 path over a ``Packed`` layout (see ``novograd_torch``)."""
+    k = len(pk.index)
+    g_small, g_rest = [g[i] for i in pk.index], [g[i] for i in pk.rest]
+    flat_g, g_views = pk.buffer("grad")
+    new = torch.empty(len(g), dtype=torch.float32)
+    if k:
+        torch._foreach_copy_(g_views, g_small)
+        _cpu_blocks.class_norms(flat_g, pk.block, new[:k], ord_)
+    if g_rest:
+        new[k:] = fp32_norms(g_rest, ord_)
+    factors, fv = pk.scalars("factor")
+    perm = pk.perm_index()
+    _factors(noop_flag, grad_norms, torch.empty_like(new).index_copy_(0, perm, new), factors, perm, **factor)
+    m_small, m_rest = [m[i] for i in pk.index], [m[i] for i in pk.rest]
+    if k and pk.holds("exp_avg", m_small):
+        flat_m = pk.buffer("exp_avg")[0]
+        if moment["reg_inside_moment"]:  # per-tensor factors: one op per class of same-sized tensors
+            flat_m.mul_(moment["beta1"])
+            for j, c, n, at in pk.block.classes:
+                flat_m[at:at + c * n].view(c, n).addcmul_(flat_g[at:at + c * n].view(c, n),
+                                                        factors[j:j + c, None])
+        else:
+            _moment([flat_g], [flat_m], None, **moment)
+    elif k:
+        _moment(g_views, m_small, fv[:k], **moment)
+    if g_rest:
+        _moment(g_rest, m_rest, fv[k:], **moment)
+    _param([p[i] for i in pk.perm], m_small + m_rest, fv, **param)

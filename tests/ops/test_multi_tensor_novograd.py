@@ -70,6 +70,40 @@ def test_multi_tensor_novograd(backend_name, case, dtype):
         assert tr.launches == 3
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("packed_moments", [False, True], ids=["own-moments", "packed-moments"])
+def test_cpu_workspace_paths_match_float64(case, packed_moments):
+    """With a workspace (as FusedNovoGrad passes it), fp32 lists take the packed path: small gradients
+    copied into a flat buffer and normed a class at a time, and, when the moments are the workspace's
+    views, one moment update for all the small tensors. Two same-sized tensors make a class."""
+    from apex.ops._cpu_blocks import Workspace
+    from apex.ops.multi_tensor_novograd import multi_tensor_novograd
+
+    sizes = [7, 4097, 1, 7, 70000, 300]
+    gen = torch.Generator().manual_seed(5)
+    g = [torch.randn(n, generator=gen) for n in sizes]
+    p = [torch.randn(n, generator=gen) for n in sizes]
+    m = [torch.randn(n, generator=gen) * 0.1 for n in sizes]
+    norms = torch.rand(len(sizes), generator=gen) + 0.5
+    ref = _ref(g, p, m, norms, lr=1e-2, beta1=0.95, beta2=0.98, eps=1e-8, step=4, **case)
+    ws = Workspace.of(p)
+    noop = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):  # the second call reuses the workspace's buffers
+        args = [t.clone() for t in p], [t.clone() for t in m], norms.clone()
+        ps, ms, ns = args
+        if packed_moments:
+            ms = ws.packed().adopt("exp_avg", ms)
+            assert ws.packed().holds("exp_avg", [ms[i] for i in ws.packed().index])
+        multi_tensor_novograd(2048, noop, [g, ps, ms], ns, 1e-2, 0.95, 0.98, 1e-8, 4, case["bias_correction"],
+                              case["wd"], case["grad_averaging"], case["moment_mode"], case["norm_type"],
+                              workspace=ws)
+        for i, (p_r, m_r, _) in enumerate(ref):
+            assert_rel_close(ps[i], p_r, tol=1e-6, name=f"p{i}")
+            assert_rel_close(ms[i], m_r, tol=1e-6, name=f"m{i}")
+        assert_rel_close(ns, torch.tensor([r[2] for r in ref], dtype=torch.float64), tol=1e-6, name="norms")
+        assert not any(t.is_inference() for t in (*ps, *ms, ns))
+
+
 def test_non_finite_gradient_sets_the_flag(backend_name):
     g = [torch.randn(5), torch.randn(9)]
     g[1][3] = float("inf")

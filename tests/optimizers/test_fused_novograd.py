@@ -131,6 +131,42 @@ def test_state_dict_round_trip_is_bit_exact(backend_name):
     assert torch.equal(opt_a.param_groups[0]["exp_avg_sq"][1], opt_b.param_groups[0]["exp_avg_sq"][1])
 
 
+def test_cpu_moments_of_small_params_share_one_buffer_and_reload_from_a_file():
+    """On the CPU, the moments of the small fp32 parameters are views of one buffer (one op updates them
+    all); they stay ordinary tensors, and a checkpoint read back from a file resumes bit for bit."""
+    import io
+
+    from apex.ops._cpu_blocks import PACK_ELEMENTS
+
+    shapes = [(5,), (PACK_ELEMENTS + 3,), (2, 3, 5), (5,), (7, 1)]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(6)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt_a = FusedNovoGrad(a, lr=1e-2, weight_decay=0.01)
+    for gs in grads[:3]:
+        for p, g in zip(a, gs):
+            p.grad = g.clone()
+        opt_a.step()
+    small = [opt_a.state[p]["exp_avg"] for p in a if p.numel() <= PACK_ELEMENTS]
+    assert len({m.untyped_storage().data_ptr() for m in small}) == 1
+    assert all(not m.is_inference() and m.shape == p.shape for m, p in zip(small, a[:1] + a[2:]))
+    buf = io.BytesIO()
+    torch.save(opt_a.state_dict(), buf)
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    opt_b = FusedNovoGrad(b, lr=1e-2, weight_decay=0.01)
+    buf.seek(0)
+    opt_b.load_state_dict(torch.load(buf))
+    for gs in grads[3:]:
+        for pa, pb, g in zip(a, b, gs):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for x, y in zip(a, b):
+        assert torch.equal(opt_a.state[x]["exp_avg"], opt_b.state[y]["exp_avg"])
+    opt_b.state[b[0]]["exp_avg"].mul_(0.5)  # an ordinary tensor: in-place use outside the step works
+
+
 def test_loaded_norms_become_fp32_on_the_params_device():
     """As Apex's load_state_dict moves the running norms to the parameters' device; they also come back
     as the fp32 tensors the update takes (here from a checkpoint whose norms were stored in fp64)."""
