@@ -200,13 +200,29 @@ class Workspace:
 # A tensor of up to this many elements costs more in per-tensor dispatch (about 1.5 us per
 # ``torch._foreach_*`` op and tensor) than in arithmetic: ``Packed`` keeps such tensors in flat buffers.
 PACK_ELEMENTS = 1 << 12
+# Elements per segment of the larger tensors: a step that reads a segment several times finds it in the
+# cache (about 4 MiB per fp32 list).
+SEGMENT_ELEMENTS = 1 << 20
+
+
+class Segment(NamedTuple):
+    """Consecutive positions ``start:stop`` of ``Packed.perm``: the tensors ``indices`` of the list (also
+    as the int64 tensor ``index``); ``take(lst)`` picks them from a list."""
+
+    start: int
+    stop: int
+    indices: list[int]
+    index: torch.Tensor
+    take: Callable
 
 
 class Packed:
     """The small tensors (at most ``PACK_ELEMENTS`` elements) of a list with ``shapes``, packed: flat fp32
     buffers of ``numel`` elements hold them smallest first (``index``: their positions in the list), so
     that one op covers them all and ``class_norms(flat, block, ...)`` norms them a class at a time.
-    ``rest``: the other tensors' positions, in order; ``perm = index + rest``.
+    ``rest``: the other tensors' positions, in order; ``perm = index + rest``. ``segments`` cut ``perm``
+    into the packed tensors (when there are any), then runs of the rest of about ``SEGMENT_ELEMENTS``
+    elements (a larger tensor is a segment of its own), for steps that finish one segment before the next.
 
     A caller that keeps per-tensor state as views of a buffer (``adopt``) updates the small tensors' state
     with one op; ``holds`` tells whether a list still is those views (a loaded checkpoint replaces them)."""
@@ -222,9 +238,18 @@ class Packed:
         self.perm = self.index + self.rest
         self.numel = layout.numel
         self._shapes = [torch.Size(shapes[i]) for i in self.index]
+        parts = [self.index] if self.index else []
+        parts += [[self.rest[j] for j in part]
+                  for part in blocks([_Sized(sizes[i]) for i in self.rest], SEGMENT_ELEMENTS)]
+        self.segments: list[Segment] = []
+        at = 0
+        for part in parts:
+            take = operator.itemgetter(*part)
+            self.segments.append(Segment(at, at + len(part), part, torch.tensor(part, dtype=torch.int64),
+                                         take if len(part) > 1 else (lambda lst, i=part[0]: (lst[i],))))
+            at += len(part)
         self._buffers: dict = {}
         self._scalars: dict = {}
-        self._perm: torch.Tensor | None = None
 
     def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A flat fp32 buffer of the small tensors and its views, in ``index`` order."""
@@ -257,12 +282,6 @@ class Packed:
                 view.copy_(t)
                 out[i] = view
         return out
-
-    def perm_index(self) -> torch.Tensor:
-        """``perm`` as an int64 tensor."""
-        if self._perm is None:
-            self._perm = torch.tensor(self.perm, dtype=torch.int64)
-        return self._perm
 
     def scalars(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One fp32 number per tensor, in ``perm`` order, and its 0-dim views."""

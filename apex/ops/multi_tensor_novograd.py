@@ -95,11 +95,13 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
 
 
 def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> None:
-    old = norms[idx]
+    norms[idx] = _blended(norms[idx], new, alpha, beta, norm_type)
+
+
+def _blended(old: torch.Tensor, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> torch.Tensor:
     if norm_type == 0:
-        norms[idx] = alpha * old + beta * new
-    else:
-        norms[idx] = torch.sqrt(alpha * old * old + beta * new * new)
+        return alpha * old + beta * new
+    return torch.sqrt(alpha * old * old + beta * new * new)
 
 
 def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr, beta1, beta3, bc1, bc2, eps,
@@ -126,7 +128,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
                   scale=beta3 if reg_inside_moment else lr / bc1)
     if all32 and workspace is not None:
         pk = workspace.packed()
-        pk.buffer("grad"), pk.scalars("factor"), pk.perm_index()  # made outside inference mode: kept
+        pk.buffer("grad"), pk.scalars("factor")  # made outside inference mode: they are kept
         with torch.inference_mode():
             _packed(noop_flag, g, p, m, grad_norms, pk, ord_=ord_, moment=moment, param=param, factor=factor)
         return
@@ -156,6 +158,13 @@ def _factors(noop_flag, grad_norms, new, factors, perm, *, alpha, beta, norm_typ
     torch.index_select(scale / (grad_norms / bc2 + eps), 0, perm, out=factors)
 
 
+def _blend_factors(grad_norms, index, new, factors, *, alpha, beta, norm_type, bc2, eps, scale) -> None:
+    """``_factors`` for the tensors ``index`` only: ``new`` and ``factors`` in that order."""
+    norms = _blended(grad_norms.index_select(0, index), new, alpha, beta, norm_type)
+    grad_norms.index_copy_(0, index, norms)
+    torch.div(scale, norms / bc2 + eps, out=factors)
+
+
 def _moment(g, m, fv, *, beta1, beta3, reg_inside_moment) -> None:
     """The moment update of fp32 lists (without the weight decay of ``reg_inside_moment``)."""
     if reg_inside_moment:
@@ -181,31 +190,31 @@ def _param(p, m, fv, *, lr, bc1, beta3, weight_decay, reg_inside_moment) -> None
 
 
 def _packed(noop_flag, g, p, m, grad_norms, pk: _cpu_blocks.Packed, *, ord_, moment, param, factor) -> None:
-    """The fp32 path over a ``Packed`` layout (see ``novograd_torch``)."""
-    k = len(pk.index)
-    g_small, g_rest = [g[i] for i in pk.index], [g[i] for i in pk.rest]
-    flat_g, g_views = pk.buffer("grad")
-    new = torch.empty(len(g), dtype=torch.float32)
-    if k:
-        torch._foreach_copy_(g_views, g_small)
-        _cpu_blocks.class_norms(flat_g, pk.block, new[:k], ord_)
-    if g_rest:
-        new[k:] = fp32_norms(g_rest, ord_)
+    """The fp32 path over a ``Packed`` layout (see ``novograd_torch``), one segment at a time: a tensor's
+    factor needs only its own norm, so each segment is normed and updated while it is in the cache."""
     factors, fv = pk.scalars("factor")
-    perm = pk.perm_index()
-    _factors(noop_flag, grad_norms, torch.empty_like(new).index_copy_(0, perm, new), factors, perm, **factor)
-    m_small, m_rest = [m[i] for i in pk.index], [m[i] for i in pk.rest]
-    if k and pk.holds("exp_avg", m_small):
-        flat_m = pk.buffer("exp_avg")[0]
-        if moment["reg_inside_moment"]:  # per-tensor factors: one op per class of same-sized tensors
-            flat_m.mul_(moment["beta1"])
-            for j, c, n, at in pk.block.classes:
-                flat_m[at:at + c * n].view(c, n).addcmul_(flat_g[at:at + c * n].view(c, n),
-                                                        factors[j:j + c, None])
+    new = torch.empty(len(g), dtype=torch.float32)  # this step's norms, in perm order
+    for seg in pk.segments:
+        lo, hi = seg.start, seg.stop
+        gs, ps, ms = seg.take(g), seg.take(p), seg.take(m)
+        packed = lo == 0 and pk.index
+        if packed:
+            flat_g, g_views = pk.buffer("grad")
+            torch._foreach_copy_(g_views, gs)
+            _cpu_blocks.class_norms(flat_g, pk.block, new[lo:hi], ord_)
         else:
-            _moment([flat_g], [flat_m], None, **moment)
-    elif k:
-        _moment(g_views, m_small, fv[:k], **moment)
-    if g_rest:
-        _moment(g_rest, m_rest, fv[k:], **moment)
-    _param([p[i] for i in pk.perm], m_small + m_rest, fv, **param)
+            new[lo:hi] = fp32_norms(gs, ord_)
+        _blend_factors(grad_norms, seg.index, new[lo:hi], factors[lo:hi], **factor)
+        if packed and pk.holds("exp_avg", ms):
+            flat_m = pk.buffer("exp_avg")[0]
+            if moment["reg_inside_moment"]:  # per-tensor factors: one op per class of same-sized tensors
+                flat_m.mul_(moment["beta1"])
+                for j, c, n, at in pk.block.classes:
+                    flat_m[at:at + c * n].view(c, n).addcmul_(flat_g[at:at + c * n].view(c, n),
+                                                            factors[j:j + c, None])
+            else:
+                _moment([flat_g], [flat_m], None, **moment)
+        else:
+            _moment(g_views if packed else gs, ms, fv[lo:hi], **moment)
+        _param(ps, ms, fv[lo:hi], **param)
+    mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
