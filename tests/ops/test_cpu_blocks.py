@@ -115,6 +115,14 @@ def test_packed_holds_the_small_tensors_smallest_first(sizes):
     if pk.index:  # the classes cover the block: one run of same-sized tensors each
         covered = [j for j, c, n, at in pk.block.classes for j in range(j, j + c)]
         assert covered == list(range(len(pk.index)))
+    # The segments cut perm in order: the packed tensors, then runs of the rest.
+    assert [i for seg in pk.segments for i in seg.indices] == pk.perm
+    positions = list(range(len(sizes)))
+    for k, seg in enumerate(pk.segments):
+        assert list(seg.take(positions)) == seg.indices == seg.index.tolist()
+        assert pk.perm[seg.start:seg.stop] == seg.indices
+        if k or not pk.index:
+            assert len(seg.indices) == 1 or sum(sizes[i] for i in seg.indices) <= _cpu_blocks.SEGMENT_ELEMENTS
 
 
 def test_packed_adopts_state_as_views_of_its_buffer():

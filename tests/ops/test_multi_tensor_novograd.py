@@ -72,14 +72,19 @@ def test_multi_tensor_novograd(backend_name, case, dtype):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("packed_moments", [False, True], ids=["own-moments", "packed-moments"])
-def test_cpu_workspace_paths_match_float64(case, packed_moments):
+@pytest.mark.parametrize("segment", [1 << 20, 5000], ids=["one-segment", "segments"])
+def test_cpu_workspace_paths_match_float64(monkeypatch, case, packed_moments, segment):
     """With a workspace (as FusedNovoGrad passes it), fp32 lists take the packed path: small gradients
     copied into a flat buffer and normed a class at a time, and, when the moments are the workspace's
-    views, one moment update for all the small tensors. Two same-sized tensors make a class."""
+    views, one moment update for all the small tensors; the others normed and updated a segment at a
+    time. Two same-sized tensors make a class."""
+    from apex.ops import _cpu_blocks
     from apex.ops._cpu_blocks import Workspace
     from apex.ops.multi_tensor_novograd import multi_tensor_novograd
 
-    sizes = [7, 4097, 1, 7, 70000, 300]
+    monkeypatch.setattr(_cpu_blocks, "SEGMENT_ELEMENTS", segment)
+
+    sizes = [7, 4097, 1, 7, 70000, 300, 5001, 4100]
     gen = torch.Generator().manual_seed(5)
     g = [torch.randn(n, generator=gen) for n in sizes]
     p = [torch.randn(n, generator=gen) for n in sizes]
@@ -87,6 +92,7 @@ def test_cpu_workspace_paths_match_float64(case, packed_moments):
     norms = torch.rand(len(sizes), generator=gen) + 0.5
     ref = _ref(g, p, m, norms, lr=1e-2, beta1=0.95, beta2=0.98, eps=1e-8, step=4, **case)
     ws = Workspace.of(p)
+    assert len(ws.packed().segments) == (2 if segment > 1e5 else 5)
     noop = torch.zeros(1, dtype=torch.int32)
     for _ in range(2):  # the second call reuses the workspace's buffers
         args = [t.clone() for t in p], [t.clone() for t in m], norms.clone()
