@@ -124,7 +124,8 @@ def scratch(n: int) -> torch.Tensor:
     """``n`` fp32 elements of this thread's scratch buffer (kept for the next call)."""
     buf = getattr(_LOCAL, "scratch", None)
     if buf is None or buf.numel() < n:
-        buf = _LOCAL.scratch = torch.empty(max(n, BLOCK_ELEMENTS), dtype=torch.float32)
+        with torch.inference_mode(False):  # kept: an ordinary tensor even when made in inference mode
+            buf = _LOCAL.scratch = torch.empty(max(n, BLOCK_ELEMENTS), dtype=torch.float32)
     return buf[:n]
 
 
@@ -335,8 +336,8 @@ def run(fn: Callable, parts: list[list[int]], *lists: Sequence, threads: bool = 
     n = min(n, len(small))
     pool = _POOL.get(n)
     shares = [small[i::n] for i in range(n)]
-    grad = torch.is_grad_enabled()
-    futures = [pool.submit(i, _run_share, (fn, [pick(k) for k in share], grad))
+    modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    futures = [pool.submit(i, _run_share, (fn, [pick(k) for k in share], modes))
                for i, share in enumerate(shares)]
     errors = [f.exception() for f in futures]  # waits for every worker, even when one fails
     for e in errors:
@@ -348,8 +349,10 @@ def run(fn: Callable, parts: list[list[int]], *lists: Sequence, threads: bool = 
     return results
 
 
-def _run_share(fn: Callable, args_list: list, grad_enabled: bool) -> list:
-    with torch.set_grad_enabled(grad_enabled):  # grad mode is per thread: take the caller's
+def _run_share(fn: Callable, args_list: list, modes: tuple[bool, bool]) -> list:
+    grad_enabled, inference = modes
+    # Grad mode and inference mode are per thread: take the caller's.
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
         return [fn(*args) for args in args_list]
 
 

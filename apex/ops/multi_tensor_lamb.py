@@ -210,8 +210,11 @@ def _lamb_torch_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2
             torch._foreach_copy_(out, p)
 
     none = [None] * len(p)
-    _cpu_blocks.run(part, [b.order for b in layout.blocks], g, p, m, v, none if out is None else out,
-                    per_part=layout.blocks)
+    # Inference mode skips the autograd dispatch of every per-tensor op (version counters still move);
+    # everything the step keeps was made above, outside it.
+    with torch.inference_mode():
+        _cpu_blocks.run(part, [b.order for b in layout.blocks], g, p, m, v, none if out is None else out,
+                        per_part=layout.blocks)
 
 
 def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay,

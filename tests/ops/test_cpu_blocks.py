@@ -198,6 +198,22 @@ def test_workers_take_the_callers_grad_mode(monkeypatch):
     assert all(bool((t == 2).all()) for t in ts)
 
 
+def test_workers_take_the_callers_inference_mode_and_keep_ordinary_scratch(monkeypatch):
+    monkeypatch.setenv("APEX_CPU_WORKERS", "2")
+    ts = [torch.ones(3) for _ in range(4)]
+
+    def probe(ts):
+        _cpu_blocks.scratch(5).zero_()
+        return torch.is_inference_mode_enabled(), _cpu_blocks.scratch(5).is_inference()
+
+    monkeypatch.setattr(_cpu_blocks._LOCAL, "scratch", None, raising=False)
+    with torch.inference_mode():
+        assert not _cpu_blocks.scratch(5).is_inference()  # made here, kept for later calls
+        inside = _cpu_blocks.run(probe, [[0, 1], [2, 3]], ts)
+    assert inside == [(True, False), (True, False)]
+    assert _cpu_blocks.run(probe, [[0, 1], [2, 3]], ts) == [(False, False), (False, False)]
+
+
 def test_a_run_inside_a_worker_runs_inline(monkeypatch):
     monkeypatch.setenv("APEX_CPU_WORKERS", "2")
     ts = [torch.full((2,), float(i)) for i in range(4)]
