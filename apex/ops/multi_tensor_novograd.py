@@ -26,6 +26,7 @@ from apex import _backend
 from apex.ops import _cpu_blocks
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 from apex.ops._cpu_norms import fp32_norms
+from apex.ops._cpu_packed import Packed
 from apex.ops._fp32 import as_fp32, write_back
 
 
@@ -115,7 +116,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
         inside:     m = beta1*m + f_i*g + beta3*wd*p;  p = p - (lr/bc1) * m,              f_i = beta3 / d_i
 
     When every tensor is fp32 (``all32``; found out when None) and the caller keeps a workspace, the
-    small tensors are packed (``_cpu_blocks.Packed``): their gradients are copied into a flat buffer,
+    small tensors are packed (``_cpu_packed.Packed``): their gradients are copied into a flat buffer,
     normed a class at a time, and, when the moments are the views of the workspace's buffer (as
     ``FusedNovoGrad`` keeps them), their moments are updated by one op. Otherwise the lists are updated
     block by block, converted to fp32 a block at a time."""
@@ -189,7 +190,7 @@ def _param(p, m, fv, *, lr, bc1, beta3, weight_decay, reg_inside_moment) -> None
         torch._foreach_addcmul_(p, m, fv, value=-1.0)
 
 
-def _packed(noop_flag, g, p, m, grad_norms, pk: _cpu_blocks.Packed, *, ord_, moment, param, factor) -> None:
+def _packed(noop_flag, g, p, m, grad_norms, pk: Packed, *, ord_, moment, param, factor) -> None:
     """The fp32 path over a ``Packed`` layout (see ``novograd_torch``), one segment at a time: a tensor's
     factor needs only its own norm, so each segment is normed and updated while it is in the cache."""
     factors, fv = pk.scalars("factor")

@@ -78,11 +78,11 @@ def test_cpu_workspace_paths_match_float64(monkeypatch, case, packed_moments, se
     copied into a flat buffer and normed a class at a time, and, when the moments are the workspace's
     views, one moment update for all the small tensors; the others normed and updated a segment at a
     time. Two same-sized tensors make a class."""
-    from apex.ops import _cpu_blocks
+    from apex.ops import _cpu_packed
     from apex.ops._cpu_blocks import Workspace
     from apex.ops.multi_tensor_novograd import multi_tensor_novograd
 
-    monkeypatch.setattr(_cpu_blocks, "SEGMENT_ELEMENTS", segment)
+    monkeypatch.setattr(_cpu_packed, "SEGMENT_ELEMENTS", segment)
 
     sizes = [7, 4097, 1, 7, 70000, 300, 5001, 4100]
     gen = torch.Generator().manual_seed(5)

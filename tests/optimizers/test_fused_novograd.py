@@ -136,7 +136,7 @@ def test_cpu_moments_of_small_params_share_one_buffer_and_reload_from_a_file():
     all); they stay ordinary tensors, and a checkpoint read back from a file resumes bit for bit."""
     import io
 
-    from apex.ops._cpu_blocks import PACK_ELEMENTS
+    from apex.ops._cpu_packed import PACK_ELEMENTS
 
     shapes = [(5,), (PACK_ELEMENTS + 3,), (2, 3, 5), (5,), (7, 1)]
     grads = [[torch.randn(s) for s in shapes] for _ in range(6)]
