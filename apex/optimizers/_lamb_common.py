@@ -120,3 +120,17 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
     """``p.grad`` in the contiguous layout the multi-tensor ops need (a copy only when it is strided)."""
     g = p.grad
     return g if g.is_contiguous() else g.contiguous()
+
+
+def pack_state(workspace, states: list, key: str, tensors: list) -> list:
+    """The state ``key`` of the small fp32 parameters kept as views of the workspace's packed buffer
+    (``_cpu_packed.Packed``), which the CPU update then moves in one op: ``tensors`` (that state, in
+    the parameters' order) with those replaced by the views, ``states`` (the parameters' state dicts)
+    updated. Values are copied in on the first step and after a checkpoint is loaded."""
+    pk = workspace.packed()
+    if not pk.index or pk.holds(key, [tensors[i] for i in pk.index]):
+        return tensors
+    tensors = pk.adopt(key, tensors)
+    for i in pk.index:
+        states[i][key] = tensors[i]
+    return tensors

@@ -13,6 +13,7 @@ from apex.optimizers._lamb_common import (
     ParamMismatchError,
     check_group_hyperparameters,
     check_hyperparameters,
+    pack_state,
     params_with_grads,
 )
 
@@ -140,7 +141,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
                 if self.multi_tensor_novograd is multi_tensor_novograd and params[0].is_cpu:
                     ws = extra["workspace"] = self._workspace_for((gi, slot), shapes)
                     if dt is torch.float32:
-                        m = _packed_moments(ws, states, m)
+                        m = pack_state(ws, states, "exp_avg", m)
                 self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [g, params, m],
                                            group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
                                            group["step"], 1 if group["bias_correction"] else 0,
@@ -154,19 +155,6 @@ class FusedNovoGrad(torch.optim.Optimizer):
         if ws is None or not ws.has_shapes(shapes):
             ws = self._workspace[key] = Workspace(shapes)
         return ws
-
-
-def _packed_moments(ws: Workspace, states: list, m: list) -> list:
-    """The moments of the small fp32 parameters kept as views of the workspace's packed buffer, which the
-    CPU update then moves in one op (values copied in after a checkpoint is loaded or on the first step):
-    the list of moments, with the state updated."""
-    pk = ws.packed()
-    if not pk.index or pk.holds("exp_avg", [m[i] for i in pk.index]):
-        return m
-    m = pk.adopt("exp_avg", m)
-    for i in pk.index:
-        states[i]["exp_avg"] = m[i]
-    return m
 
 
 def _by_dtype(gg: GroupGrads) -> dict:
