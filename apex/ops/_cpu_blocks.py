@@ -164,6 +164,17 @@ class Workspace:
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         return [t.shape for t in tensors] == self.shapes
 
+    def views_in_order(self, name: str) -> list[torch.Tensor]:
+        """The views of ``buffer(name)`` in the tensors' order (not the layout's)."""
+        key = ("in_order", name)
+        if key not in self._buffers:
+            views = self.buffer(name)[1]
+            out: list = [None] * len(views)
+            for at, i in enumerate(self.layout.perm):
+                out[i] = views[at]
+            self._buffers[key] = out
+        return self._buffers[key]
+
     def has_shapes(self, shapes: Sequence[torch.Size]) -> bool:
         """``fits`` for tensors whose shapes the caller has at hand."""
         return list(shapes) == self.shapes

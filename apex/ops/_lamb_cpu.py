@@ -89,3 +89,23 @@ def lamb_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, 
     with torch.inference_mode():
         _cpu_blocks.run(part, [b.order for b in layout.blocks], g, p, m, v, none if out is None else out,
                         per_part=layout.blocks)
+
+
+def grads_to_workspace(ws: _cpu_blocks.Workspace, grads: list) -> tuple[list, torch.Tensor]:
+    """Copy ``grads`` (any float dtype) into the workspace's fp32 ``"grad"`` buffer and take their norms
+    there, block by block on the workers: the fp32 copies (in the gradients' order), which ``lamb_fused``
+    then reads without converting again, and the norms (in the layout's order).
+
+    PyTorch's CPU norm of a bf16/fp16 tensor with an fp32 result converts the whole tensor first, which
+    costs several times the conversion here; the class norms over the flat copy cost little."""
+    flat, views = ws.buffer("grad")
+    norms = torch.empty(len(grads), dtype=torch.float32)
+
+    def part(blk, gs):
+        at, k = blk.start, len(blk.order)
+        torch._foreach_copy_(views[at:at + k], gs)
+        _cpu_blocks.class_norms(flat[blk.offset:blk.offset + blk.numel], blk, norms[at:at + k])
+
+    with torch.inference_mode():
+        _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], grads, per_part=ws.layout.blocks)
+    return ws.views_in_order("grad"), norms

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from apex import _backend
+from apex.ops._checks import mark_found_inf
 from apex.ops._cpu_blocks import Workspace
+from apex.ops._cpu_norms import fp32_norms
+from apex.ops._lamb_cpu import grads_to_workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
 from apex.optimizers._base import run_closure, trusted, zero_grad
@@ -163,6 +167,61 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         self._dummy_overflow_buf.copy_(found_inf.reshape(1))
         if not grads:
             return loss
+        # The per-group lists: [grads, masters, m, v, model params] for parameters with fp32 masters,
+        # [grads, params, m, v] for the others.
+        lists = {}
+        for gi, (group, full, ps) in enumerate(zip(self.param_groups, self.param_groups_full_precision,
+                                                   per_group)):
+            if not ps.params:
+                continue
+            grad_by_id = {id(p): g for p, g in zip(ps.params, ps.grads)}
+            mixed = [[], [], [], [], []]
+            plain = [[], [], [], []]
+            for p, master in zip(group["params"], full["params"]):
+                g = grad_by_id.get(id(p))
+                if g is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    dtype = torch.float32 if master is not None else p.dtype
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+                if master is not None:
+                    for lst, t in zip(mixed, (g, master, state["exp_avg"], state["exp_avg_sq"], p)):
+                        lst.append(t)
+                else:
+                    for lst, t in zip(plain, (g, p, state["exp_avg"], state["exp_avg_sq"])):
+                        lst.append(t)
+            for kind, kind_lists in enumerate((mixed, plain)):
+                if kind_lists[0]:
+                    lists[gi, kind] = kind_lists
+        # The norm is of the scaled gradients, so the threshold is scaled too.
+        max_grad_norm = self.defaults["max_grad_norm"] * scale
+        ours = self.multi_tensor_lamb is multi_tensor_lamb_mp and self.multi_tensor_l2norm is multi_tensor_l2norm_mp
+        cpu = ours and device.type == "cpu"
+        if cpu and _backend.select(grads) == "torch" and any(g.dtype != torch.float32 for g in grads):
+            grad_norm = self._cpu_grad_norm(lists)
+        else:
+            grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
+                                                 **trusted(self.multi_tensor_l2norm))[0]
+        for gi, group in enumerate(self.param_groups):
+            if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
+                self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
+            group["step"] += (self._dummy_overflow_buf != 1).to(torch.int)
+            beta1, beta2 = group["betas"]
+            for kind in (0, 1):
+                if (gi, kind) not in lists:
+                    continue
+                args = (_CHUNK_SIZE, self._dummy_overflow_buf, lists[gi, kind], group["lr"], beta1, beta2,
+                        group["eps"], group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                        1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
+                        self.use_nvlamb, found_inf, inv_scale)
+                if cpu:
+                    self.multi_tensor_lamb(*args, workspace=self._workspace_for((gi, kind), lists[gi, kind][1]),
+                                           validate=False)
+                else:
+                    self.multi_tensor_lamb(*args)
+        return loss
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
         grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
@@ -206,6 +265,25 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                 else:
                     self.multi_tensor_lamb(*args)
         return loss
+
+    def _cpu_grad_norm(self, lists: dict) -> torch.Tensor:
+        """The global gradient norm on the CPU, as ``multi_tensor_l2norm_mp`` computes it (zero when the
+        step is already flagged; a non-finite norm flags it), with the reduced-precision gradients
+        converted into each list's workspace (``_lamb_cpu.grads_to_workspace``): the lists then hold
+        those fp32 copies."""
+        flag = self._dummy_overflow_buf
+        if bool(flag.item()):
+            return torch.zeros(1, dtype=torch.float32)
+        norms = []
+        for key, lst in lists.items():
+            if all(g.dtype == torch.float32 for g in lst[0]):
+                norms.append(fp32_norms(lst[0]))
+            else:
+                lst[0], n = grads_to_workspace(self._workspace_for(key, lst[1]), lst[0])
+                norms.append(n)
+        total = torch.linalg.vector_norm(torch.cat(norms)).reshape(1)
+        mark_found_inf(flag, ~torch.isfinite(total))
+        return total
 
     def _workspace_for(self, key: tuple, params: list) -> Workspace:
         """The CPU path's reusable buffers for one list of a group (building them every step costs more

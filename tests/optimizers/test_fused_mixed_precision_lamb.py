@@ -199,3 +199,30 @@ def test_bad_gradient_changes_nothing(backend_name):
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert opt.param_groups[0]["step"].tolist() == [0] and len(opt.state) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cpu_gradients_converted_for_the_norm_give_the_generic_step(dtype):
+    """On the CPU the reduced-precision gradients are converted to fp32 once, for the global norm and the
+    update; the step equals the one of the generic path (each op converting for itself, as a subclass
+    with its own l2norm op gets), and the model's gradients are left as they were."""
+    from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
+
+    shapes = [(5,), (4097,), (2, 3, 5), (70000,), (5,)]
+    gen = torch.Generator().manual_seed(9)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grad_seq = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
+    runs = []
+    for converted in (True, False):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = FusedMixedPrecisionLamb(params, lr=1e-2, reduced_precision_dtype=dtype)
+        if not converted:
+            opt.multi_tensor_l2norm = lambda *a, **k: multi_tensor_l2norm_mp(*a, **k)
+        for grads in grad_seq:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+        runs.append([opt.state[p]["master_param"] for p in params])
+    for a, b in zip(*runs):
+        assert_rel_close(a, b.double(), tol=1e-6)
