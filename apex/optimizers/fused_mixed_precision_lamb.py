@@ -197,9 +197,9 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                     lists[gi, kind] = kind_lists
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
-        ours = self.multi_tensor_lamb is multi_tensor_lamb_mp and self.multi_tensor_l2norm is multi_tensor_l2norm_mp
-        cpu = ours and device.type == "cpu"
-        if cpu and _backend.select(grads) == "torch" and any(g.dtype != torch.float32 for g in grads):
+        cpu = self.multi_tensor_lamb is multi_tensor_lamb_mp and device.type == "cpu"
+        if (cpu and self.multi_tensor_l2norm is multi_tensor_l2norm_mp and _backend.select(grads) == "torch"
+                and any(g.dtype != torch.float32 for g in grads)):
             grad_norm = self._cpu_grad_norm(lists)
         else:
             grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
@@ -218,49 +218,6 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                         self.use_nvlamb, found_inf, inv_scale)
                 if cpu:
                     self.multi_tensor_lamb(*args, workspace=self._workspace_for((gi, kind), lists[gi, kind][1]),
-                                           validate=False)
-                else:
-                    self.multi_tensor_lamb(*args)
-        return loss
-        # The norm is of the scaled gradients, so the threshold is scaled too.
-        max_grad_norm = self.defaults["max_grad_norm"] * scale
-        grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
-                                             **trusted(self.multi_tensor_l2norm))[0]
-        for gi, (group, full, ps) in enumerate(zip(self.param_groups, self.param_groups_full_precision,
-                                                   per_group)):
-            if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
-                self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
-            group["step"] += (self._dummy_overflow_buf != 1).to(torch.int)
-            if not ps.params:
-                continue
-            grad_by_id = {id(p): g for p, g in zip(ps.params, ps.grads)}
-            beta1, beta2 = group["betas"]
-            mixed = [[], [], [], [], []]
-            plain = [[], [], [], []]
-            for p, master in zip(group["params"], full["params"]):
-                g = grad_by_id.get(id(p))
-                if g is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    dtype = torch.float32 if master is not None else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                if master is not None:
-                    for lst, t in zip(mixed, (g, master, state["exp_avg"], state["exp_avg_sq"], p)):
-                        lst.append(t)
-                else:
-                    for lst, t in zip(plain, (g, p, state["exp_avg"], state["exp_avg_sq"])):
-                        lst.append(t)
-            for kind, lists in enumerate((mixed, plain)):
-                if not lists[0]:
-                    continue
-                args = (_CHUNK_SIZE, self._dummy_overflow_buf, lists, group["lr"], beta1, beta2, group["eps"],
-                        group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
-                        1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
-                        self.use_nvlamb, found_inf, inv_scale)
-                if self.multi_tensor_lamb is multi_tensor_lamb_mp and lists[1][0].is_cpu:
-                    self.multi_tensor_lamb(*args, workspace=self._workspace_for((gi, kind), lists[1]),
                                            validate=False)
                 else:
                     self.multi_tensor_lamb(*args)
