@@ -118,8 +118,9 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
     When every tensor is fp32 (``all32``; found out when None) and the caller keeps a workspace, the
     small tensors are packed (``_cpu_packed.Packed``): their gradients are copied into a flat buffer,
     normed a class at a time, and, when the moments are the views of the workspace's buffer (as
-    ``FusedNovoGrad`` keeps them), their moments are updated by one op. Otherwise the lists are updated
-    block by block, converted to fp32 a block at a time."""
+    ``FusedNovoGrad`` keeps them), their moments are updated by one op; the other tensors are normed and
+    updated a cache-sized segment at a time (``_packed``). Otherwise the lists are updated block by
+    block, converted to fp32 a block at a time."""
     if all32 is None:
         all32 = {t.dtype for lst in (g, p, m) for t in lst} == {torch.float32}
     ord_ = float("inf") if norm_type == 0 else 2.0
