@@ -132,7 +132,23 @@ def _run(noop_flag, g, p, m, v, out, workspace=None, trusted=False, **kw) -> Non
     if _lamb_cpu.fusable(g, p, m, v, kw):
         _lamb_cpu.lamb_fused(noop_flag, g, p, m, v, out, workspace=workspace, trusted=trusted, **kw)
         return
-    lamb_torch(noop_flag, g, p, m, v, out, **kw)
+    if not p[0].is_cpu:
+        lamb_torch(noop_flag, g, p, m, v, out, **kw)
+        return
+    if kw.get("skip_on_noop") and bool(noop_flag.item()):
+        return
+    # Every tensor's update needs only its own norms (the global norm is given), so the CPU runs it block
+    # by block on the workers: the fp32 copies of a block stay in the cache from pass to pass.
+    kw["skip_on_noop"] = False
+    parts = workspace.layout.blocks if workspace is not None and (trusted or workspace.fits(p)) else None
+    orders = [b.order for b in parts] if parts is not None else _cpu_blocks.blocks(p)
+    outs = out if out is not None else [None] * len(p)
+
+    def part(g, p, m, v, out):
+        lamb_torch(noop_flag, g, p, m, v, None if out[0] is None else out, **kw)
+
+    with torch.inference_mode():
+        _cpu_blocks.run(part, orders, g, p, m, v, outs)
 
 
 def lamb_torch(noop_flag, g, p, m, v, out, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay,

@@ -184,11 +184,11 @@ def _lamb_lists(seed=0):
     return [[torch.randn(n, generator=gen) * (0.1 if k >= 2 else 1.0) for n in SIZES] for k in range(4)]
 
 
-def _lamb_step(lists, wd):
+def _lamb_step(lists, wd, mode=1):
     lists[3] = [v.abs() for v in lists[3]]
-    norm = torch.linalg.vector_norm(torch.cat([g for g in lists[0]]))
+    norm = torch.linalg.vector_norm(torch.cat([g.float() for g in lists[0]]))
     amp_C.multi_tensor_lamb(2048, torch.zeros(1, dtype=torch.int32), lists, 1e-2, 0.9, 0.999, 1e-6, 3, 1, wd,
-                            1, 1, norm.reshape(1), 1.0, False)
+                            1, mode, norm.reshape(1), 1.0, False)
     return lists
 
 
@@ -200,7 +200,7 @@ def _novograd_step(lists):
     return [p, m, [norms]]
 
 
-@pytest.mark.parametrize("op", ["lamb", "lamb_no_decay", "novograd"])
+@pytest.mark.parametrize("op", ["lamb", "lamb_no_decay", "lamb_l2_mode", "lamb_bf16", "novograd"])
 @pytest.mark.parametrize("block", [1, 700, 10_000])
 def test_results_do_not_depend_on_blocks_or_workers(monkeypatch, op, block):
     def run(block_elements, workers):
@@ -210,7 +210,9 @@ def test_results_do_not_depend_on_blocks_or_workers(monkeypatch, op, block):
         with torch.no_grad():
             if op == "novograd":
                 return _novograd_step(lists)
-            return _lamb_step(lists, 0.0 if op == "lamb_no_decay" else 0.01)[1:]
+            if op == "lamb_bf16":  # the generic path, one block of fp32 copies at a time
+                lists = [[t.bfloat16() for t in lst] for lst in lists]
+            return _lamb_step(lists, 0.0 if op == "lamb_no_decay" else 0.01, 0 if op == "lamb_l2_mode" else 1)[1:]
 
     whole = run(10**9, 0)
     for workers in (0, 2):
