@@ -109,8 +109,8 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
                    weight_decay, reg_inside_moment, workspace: _cpu_blocks.Workspace | None = None,
                    all32: bool | None = None) -> None:
     """The PyTorch path: in-place ``torch._foreach_*`` ops in fp32, with no temporary of the parameters'
-    size. First the gradient norms, their blend into ``grad_norms`` and the per-tensor factors ``f_i``,
-    written into 0-dim views that the workspace makes once; then::
+    size. Per part of the list: the gradient norms, their blend into ``grad_norms`` and the per-tensor
+    factors ``f_i``, written into 0-dim views that the workspace makes once; then::
 
         decoupled:  m = lerp(m, g, beta3) (or beta1*m + g);  p = p*(1 - lr*wd) - f_i * m,  f_i = lr / (bc1*d_i)
         inside:     m = beta1*m + f_i*g + beta3*wd*p;  p = p - (lr/bc1) * m,              f_i = beta3 / d_i
@@ -136,13 +136,17 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
         return
     ws = workspace if workspace is not None else _cpu_blocks.Workspace.of(p)
     factors, factor_views = ws.scalars("factor")
-    _factors(noop_flag, grad_norms, fp32_norms(g, ord_), factors, ws.perm_index(), **factor)
+    new = torch.empty(len(g), dtype=torch.float32)  # this step's norms, in layout order
 
     def part(blk, g, p, m):
-        fv = factor_views[blk.start:blk.start + len(blk.order)]
+        # A tensor's factor needs only its own norm: each block is normed (from its fp32 copies, which
+        # is cheaper than PyTorch's fp32 norm of a bf16/fp16 tensor) and updated in turn.
+        lo, hi = blk.start, blk.start + len(blk.order)
         gf, pf, mf = (g, p, m) if all32 else (as_fp32(g), as_fp32(p), as_fp32(m))
-        _moment(gf, mf, fv, **moment)
-        _param(pf, mf, fv, **param)
+        new[lo:hi] = fp32_norms(gf, ord_)
+        _blend_factors(grad_norms, torch.tensor(blk.order), new[lo:hi], factors[lo:hi], **factor)
+        _moment(gf, mf, factor_views[lo:hi], **moment)
+        _param(pf, mf, factor_views[lo:hi], **param)
         if not all32:
             write_back(p, pf)
             write_back(m, mf)
@@ -150,18 +154,12 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
     # The update only streams memory: a second core adds no bandwidth, so no worker threads.
     _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], g, p, m, per_part=ws.layout.blocks,
                     threads=False)
-
-
-def _factors(noop_flag, grad_norms, new, factors, perm, *, alpha, beta, norm_type, bc2, eps, scale) -> None:
-    """Blend this step's norms ``new`` (in the tensors' order) into ``grad_norms``; ``f_i = scale / d_i``
-    into ``factors``, in the order ``perm``."""
     mark_found_inf(noop_flag, (~torch.isfinite(new)).any())  # Apex flags it but still updates
-    _blend(grad_norms, slice(None), new, alpha, beta, norm_type)
-    torch.index_select(scale / (grad_norms / bc2 + eps), 0, perm, out=factors)
 
 
 def _blend_factors(grad_norms, index, new, factors, *, alpha, beta, norm_type, bc2, eps, scale) -> None:
-    """``_factors`` for the tensors ``index`` only: ``new`` and ``factors`` in that order."""
+    """Blend this step's norms ``new`` of the tensors ``index`` into ``grad_norms``; their factors
+    ``f_i = scale / d_i`` into ``factors`` (both in the order of ``index``)."""
     norms = _blended(grad_norms.index_select(0, index), new, alpha, beta, norm_type)
     grad_norms.index_copy_(0, index, norms)
     torch.div(scale, norms / bc2 + eps, out=factors)
