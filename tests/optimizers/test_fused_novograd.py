@@ -107,8 +107,9 @@ def test_mixed_dtypes_in_one_group(backend_name):
     assert fp16.numel() == 1 and fp32.numel() == 2
 
 
-def test_state_dict_round_trip_is_bit_exact(backend_name):
-    shapes = [(5,), (4097,), (2, 3, 5)]
+def _resume(shapes, reload, check_saved=lambda opt: None):
+    """Three steps, a checkpoint passed through ``reload`` into a second optimizer, then three more steps
+    of both: the two parameter lists and optimizers."""
     grads = [[torch.randn(s) for s in shapes] for _ in range(6)]
     a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt_a = FusedNovoGrad(a, lr=1e-2, weight_decay=0.01)
@@ -116,11 +117,10 @@ def test_state_dict_round_trip_is_bit_exact(backend_name):
         for p, g in zip(a, gs):
             p.grad = g.clone()
         opt_a.step()
-    saved = copy.deepcopy(opt_a.state_dict())
-    assert set(saved["state"][0]) == {"exp_avg"} and "exp_avg_sq" in saved["param_groups"][0]
+    check_saved(opt_a)
     b = [torch.nn.Parameter(x.detach().clone()) for x in a]
     opt_b = FusedNovoGrad(b, lr=1e-2, weight_decay=0.01)
-    opt_b.load_state_dict(saved)
+    opt_b.load_state_dict(reload(opt_a.state_dict()))
     for gs in grads[3:]:
         for pa, pb, g in zip(a, b, gs):
             pa.grad, pb.grad = g.clone(), g.clone()
@@ -128,6 +128,17 @@ def test_state_dict_round_trip_is_bit_exact(backend_name):
         opt_b.step()
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+        assert torch.equal(opt_a.state[x]["exp_avg"], opt_b.state[y]["exp_avg"])
+    return a, b, opt_a, opt_b
+
+
+def test_state_dict_round_trip_is_bit_exact(backend_name):
+    def reload(saved):
+        saved = copy.deepcopy(saved)
+        assert set(saved["state"][0]) == {"exp_avg"} and "exp_avg_sq" in saved["param_groups"][0]
+        return saved
+
+    _, _, opt_a, opt_b = _resume([(5,), (4097,), (2, 3, 5)], reload)
     assert torch.equal(opt_a.param_groups[0]["exp_avg_sq"][1], opt_b.param_groups[0]["exp_avg_sq"][1])
 
 
@@ -138,32 +149,20 @@ def test_cpu_moments_of_small_params_share_one_buffer_and_reload_from_a_file():
 
     from apex.ops._cpu_packed import PACK_ELEMENTS
 
-    shapes = [(5,), (PACK_ELEMENTS + 3,), (2, 3, 5), (5,), (7, 1)]
-    grads = [[torch.randn(s) for s in shapes] for _ in range(6)]
-    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    opt_a = FusedNovoGrad(a, lr=1e-2, weight_decay=0.01)
-    for gs in grads[:3]:
-        for p, g in zip(a, gs):
-            p.grad = g.clone()
-        opt_a.step()
-    small = [opt_a.state[p]["exp_avg"] for p in a if p.numel() <= PACK_ELEMENTS]
-    assert len({m.untyped_storage().data_ptr() for m in small}) == 1
-    assert all(not m.is_inference() and m.shape == p.shape for m, p in zip(small, a[:1] + a[2:]))
-    buf = io.BytesIO()
-    torch.save(opt_a.state_dict(), buf)
-    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
-    opt_b = FusedNovoGrad(b, lr=1e-2, weight_decay=0.01)
-    buf.seek(0)
-    opt_b.load_state_dict(torch.load(buf))
-    for gs in grads[3:]:
-        for pa, pb, g in zip(a, b, gs):
-            pa.grad, pb.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    for x, y in zip(a, b):
-        assert torch.equal(opt_a.state[x]["exp_avg"], opt_b.state[y]["exp_avg"])
+    def packed(opt):
+        params = opt.param_groups[0]["params"]
+        small = [(opt.state[p]["exp_avg"], p) for p in params if p.numel() <= PACK_ELEMENTS]
+        assert len(small) == 4 and len({m.untyped_storage().data_ptr() for m, _ in small}) == 1
+        assert all(not m.is_inference() and m.shape == p.shape for m, p in small)
+
+    def through_a_file(saved):
+        buf = io.BytesIO()
+        torch.save(saved, buf)
+        buf.seek(0)
+        return torch.load(buf)
+
+    _, b, _, opt_b = _resume([(5,), (PACK_ELEMENTS + 3,), (2, 3, 5), (5,), (7, 1)], through_a_file, packed)
+    packed(opt_b)
     opt_b.state[b[0]]["exp_avg"].mul_(0.5)  # an ordinary tensor: in-place use outside the step works
 
 
