@@ -182,13 +182,7 @@ class Workspace:
     def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A flat fp32 buffer of all the elements and its views, in layout order."""
         if name not in self._buffers:
-            flat = torch.empty(self.layout.numel, dtype=torch.float32)
-            views, at = [], 0
-            for i in self.layout.perm:
-                n = self.shapes[i].numel()
-                views.append(flat[at:at + n].view(self.shapes[i]))
-                at += n
-            self._buffers[name] = (flat, views)
+            self._buffers[name] = flat_views([self.shapes[i] for i in self.layout.perm])
         return self._buffers[name]
 
     def packed(self) -> Packed:
@@ -208,9 +202,27 @@ class Workspace:
     def scalars(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One fp32 number per tensor, in layout order, and its 0-dim views."""
         if name not in self._scalars:
-            vec = torch.empty(len(self.shapes), dtype=torch.float32)
-            self._scalars[name] = (vec, list(vec.unbind()))
+            self._scalars[name] = scalar_views(len(self.shapes))
         return self._scalars[name]
+
+
+def flat_views(shapes: Sequence[torch.Size], fill: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat fp32 buffer for tensors of ``shapes`` (uninitialised, or ``fill``) and its views shaped like
+    them, one after another."""
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    flat = torch.empty(numel, dtype=torch.float32) if fill is None else torch.full((numel,), fill)
+    views, at = [], 0
+    for shape in shapes:
+        n = torch.Size(shape).numel()
+        views.append(flat[at:at + n].view(shape))
+        at += n
+    return flat, views
+
+
+def scalar_views(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``n`` fp32 numbers and their 0-dim views (``torch._foreach_*`` ops take them as a list)."""
+    vec = torch.empty(n, dtype=torch.float32)
+    return vec, list(vec.unbind())
 
 
 def workers() -> int:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from apex.ops._cpu_blocks import Block, Layout, _Sized, blocks
+from apex.ops._cpu_blocks import Block, Layout, _Sized, blocks, flat_views, scalar_views
 
 # A tensor of up to this many elements costs more in per-tensor dispatch (about 1.5 us per
 # ``torch._foreach_*`` op and tensor) than in arithmetic: ``Packed`` keeps such tensors in flat buffers.
@@ -75,13 +75,7 @@ class Packed:
     def buffer(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A flat fp32 buffer of the small tensors and its views, in ``index`` order."""
         if name not in self._buffers:
-            flat = torch.zeros(self.numel, dtype=torch.float32)
-            views, at = [], 0
-            for shape in self._shapes:
-                n = shape.numel()
-                views.append(flat[at:at + n].view(shape))
-                at += n
-            self._buffers[name] = (flat, views)
+            self._buffers[name] = flat_views(self._shapes, fill=0.0)
         return self._buffers[name]
 
     def holds(self, name: str, tensors: Sequence[torch.Tensor]) -> bool:
@@ -107,6 +101,5 @@ class Packed:
     def scalars(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One fp32 number per tensor, in ``perm`` order, and its 0-dim views."""
         if name not in self._scalars:
-            vec = torch.empty(len(self.perm), dtype=torch.float32)
-            self._scalars[name] = (vec, list(vec.unbind()))
+            self._scalars[name] = scalar_views(len(self.perm))
         return self._scalars[name]
