@@ -26,9 +26,9 @@ def _host(x) -> float:
     return float(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else float(x)
 
 
-def lamb_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, step,
-                      bias_correction, weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None,
-                      skip_on_noop=False, trusted=False, **_) -> None:
+def lamb_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, step, bias_correction,
+               weight_decay, grad_norm, max_grad_norm, use_nvlamb, inv_scale=None, skip_on_noop=False,
+               trusted=False, **_) -> None:
     """CPU LAMB block by block (``_cpu_blocks``), each block's tensors smallest first, in a flat fp32
     buffer ``u`` of the workspace: the parameters are copied into it (their norms: one call per run of
     same-sized tensors), scaled by the weight decay, and ``torch._fused_adamw_`` run on it with lr=-1
