@@ -136,6 +136,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
         return
     ws = workspace if workspace is not None else _cpu_blocks.Workspace.of(p)
     factors, factor_views = ws.scalars("factor")
+    perm = ws.perm_index()  # a block's tensors are perm[blk.start:blk.start + len(blk.order)]
     new = torch.empty(len(g), dtype=torch.float32)  # this step's norms, in layout order
 
     def part(blk, g, p, m):
@@ -144,7 +145,7 @@ def novograd_torch(noop_flag, g, p, m, grad_norms, *, alpha, beta, norm_type, lr
         lo, hi = blk.start, blk.start + len(blk.order)
         gf, pf, mf = (g, p, m) if all32 else (as_fp32(g), as_fp32(p), as_fp32(m))
         new[lo:hi] = fp32_norms(gf, ord_)
-        _blend_factors(grad_norms, torch.tensor(blk.order), new[lo:hi], factors[lo:hi], **factor)
+        _blend_factors(grad_norms, perm[lo:hi], new[lo:hi], factors[lo:hi], **factor)
         _moment(gf, mf, factor_views[lo:hi], **moment)
         _param(pf, mf, factor_views[lo:hi], **param)
         if not all32:

@@ -116,12 +116,6 @@ def _diagnose(name: str, gi: int, pi: int, p: torch.Tensor, device, dtypes) -> N
         f"{p.dtype} {tuple(p.shape)} on {p.device}")
 
 
-def grad_of(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad`` in the contiguous layout the multi-tensor ops need (a copy only when it is strided)."""
-    g = p.grad
-    return g if g.is_contiguous() else g.contiguous()
-
-
 def pack_state(workspace, states: list, key: str, tensors: list) -> list:
     """The state ``key`` of the small fp32 parameters kept as views of the workspace's packed buffer
     (``_cpu_packed.Packed``), which the CPU update then moves in one op: ``tensors`` (that state, in

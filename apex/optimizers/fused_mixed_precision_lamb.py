@@ -198,9 +198,11 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
         cpu = self.multi_tensor_lamb is multi_tensor_lamb_mp and device.type == "cpu"
+        # The CPU path's workspaces, one per list, looked up once per step.
+        workspaces = {key: self._workspace_for(key, lst[1]) for key, lst in lists.items()} if cpu else {}
         if (cpu and self.multi_tensor_l2norm is multi_tensor_l2norm_mp and _backend.select(grads) == "torch"
                 and any(g.dtype != torch.float32 for g in grads)):
-            grad_norm = self._cpu_grad_norm(lists)
+            grad_norm = self._cpu_grad_norm(lists, workspaces)
         else:
             grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
                                                  **trusted(self.multi_tensor_l2norm))[0]
@@ -217,13 +219,12 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                         1 if group["grad_averaging"] else 0, self.adam_w_mode, grad_norm, max_grad_norm,
                         self.use_nvlamb, found_inf, inv_scale)
                 if cpu:
-                    self.multi_tensor_lamb(*args, workspace=self._workspace_for((gi, kind), lists[gi, kind][1]),
-                                           validate=False)
+                    self.multi_tensor_lamb(*args, workspace=workspaces[gi, kind], validate=False)
                 else:
                     self.multi_tensor_lamb(*args)
         return loss
 
-    def _cpu_grad_norm(self, lists: dict) -> torch.Tensor:
+    def _cpu_grad_norm(self, lists: dict, workspaces: dict) -> torch.Tensor:
         """The global gradient norm on the CPU, as ``multi_tensor_l2norm_mp`` computes it (zero when the
         step is already flagged; a non-finite norm flags it), with the reduced-precision gradients
         converted into each list's workspace (``_lamb_cpu.grads_to_workspace``): the lists then hold
@@ -236,7 +237,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
             if all(g.dtype == torch.float32 for g in lst[0]):
                 norms.append(fp32_norms(lst[0]))
             else:
-                lst[0], n = grads_to_workspace(self._workspace_for(key, lst[1]), lst[0])
+                lst[0], n = grads_to_workspace(workspaces[key], lst[0])
                 norms.append(n)
         total = torch.linalg.vector_norm(torch.cat(norms)).reshape(1)
         mark_found_inf(flag, ~torch.isfinite(total))
