@@ -82,6 +82,11 @@ class Block(NamedTuple):
     offset: int  # where the block starts in a flat buffer laid out as Layout.perm
     numel: int
     classes: tuple[tuple[int, int, int, int], ...]  # (position in order, count, numel, offset in block)
+    # The positions of the tensors that are alone in their class (and short enough for one norm call):
+    # with the tensors' views at hand, ``class_norms`` norms them all in one ``torch._foreach_norm``.
+    singles: tuple[int, ...] = ()
+    single_index: torch.Tensor | None = None  # ``singles`` as int64, unless they are all the positions
+    grouped: tuple[tuple[int, int, int, int], ...] = ()  # the other classes
 
 
 class Layout:
@@ -103,10 +108,20 @@ class Layout:
                     k += 1
                 classes.append((j, k, n, at))
                 j, at = j + k, at + k * n
-            self.blocks.append(Block(order, len(self.perm), offset, at, tuple(classes)))
+            self.blocks.append(_block(order, len(self.perm), offset, at, classes))
             self.perm.extend(order)
             offset += at
         self.numel = offset
+
+
+def _block(order: list[int], start: int, offset: int, numel: int, classes: list) -> Block:
+    alone = [c for c in classes if c[1] == 1 and 0 < c[2] <= ROW_ELEMENTS]
+    if len(alone) < 2:  # nothing to gain from a foreach call
+        alone = []
+    singles = tuple(c[0] for c in alone)
+    index = None if len(singles) in (0, len(order)) else torch.tensor(singles, dtype=torch.int64)
+    grouped = tuple(c for c in classes if c not in alone)
+    return Block(order, start, offset, numel, tuple(classes), singles, index, grouped)
 
 
 class _Sized:
@@ -131,10 +146,22 @@ def scratch(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def class_norms(flat: torch.Tensor, block: Block, out: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
+def class_norms(flat: torch.Tensor, block: Block, out: torch.Tensor, ord: float = 2.0,
+                views: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """``out[j] = ‖tensor order[j]‖`` (fp32) for a block whose tensors lie in ``flat`` in its order: one
-    ``vector_norm`` per class of same-sized tensors (``_cpu_norms.row_norms`` for long L2 rows)."""
-    for j, k, n, at in block.classes:
+    ``vector_norm`` per class of same-sized tensors (``_cpu_norms.row_norms`` for long L2 rows). Given
+    ``views`` (the tensors' views of ``flat``, in block order), the tensors alone in their class are normed
+    by one ``torch._foreach_norm``: a Python loop over them would hold the interpreter lock that the other
+    workers need, and cost a few tensor objects per tensor."""
+    classes = block.classes
+    if views is not None and block.singles:
+        norms = torch.stack(torch._foreach_norm([views[j] for j in block.singles], ord))
+        if block.single_index is None:
+            out.copy_(norms)
+        else:
+            out.index_copy_(0, block.single_index, norms)
+        classes = block.grouped
+    for j, k, n, at in classes:
         if n > ROW_ELEMENTS and ord == 2.0:
             out[j:j + k] = row_norms(flat[at:at + k * n].view(k, n))
         elif n:

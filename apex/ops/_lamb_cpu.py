@@ -61,7 +61,7 @@ def lamb_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, 
         norms = _cpu_blocks.scratch(2 * k) if trust else None
         if trust:  # (a weight decay implies the trust ratio)
             torch._foreach_copy_(uv, p)
-            pn = _cpu_blocks.class_norms(u, blk, norms[k:])
+            pn = _cpu_blocks.class_norms(u, blk, norms[k:], views=uv)
         if weight_decay != 0.0:
             u.mul_(weight_decay)
         else:
@@ -74,7 +74,7 @@ def lamb_fused(noop_flag, g, p, m, v, out, *, workspace, lr, beta1, beta2, eps, 
                             weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=None)
         if trust:
-            un = _cpu_blocks.class_norms(u, blk, norms[:k])
+            un = _cpu_blocks.class_norms(u, blk, norms[:k], views=uv)
             r = torch.where((un != 0) & (pn != 0), pn / torch.where(un != 0, un, one), one)
             torch.mul(r, lr, out=ratio[at:at + k])
             torch._foreach_addcmul_(p, uv, ratio_views[at:at + k], value=-1.0)
@@ -103,8 +103,9 @@ def grads_to_workspace(ws: _cpu_blocks.Workspace, grads: list) -> tuple[list, to
 
     def part(blk, gs):
         at, k = blk.start, len(blk.order)
-        torch._foreach_copy_(views[at:at + k], gs)
-        _cpu_blocks.class_norms(flat[blk.offset:blk.offset + blk.numel], blk, norms[at:at + k])
+        vs = views[at:at + k]
+        torch._foreach_copy_(vs, gs)
+        _cpu_blocks.class_norms(flat[blk.offset:blk.offset + blk.numel], blk, norms[at:at + k], views=vs)
 
     with torch.inference_mode():
         _cpu_blocks.run(part, [b.order for b in ws.layout.blocks], grads, per_part=ws.layout.blocks)

@@ -202,7 +202,7 @@ def _packed(noop_flag, g, p, m, grad_norms, pk: Packed, *, ord_, moment, param, 
         if packed:
             flat_g, g_views = pk.buffer("grad")
             torch._foreach_copy_(g_views, gs)
-            _cpu_blocks.class_norms(flat_g, pk.block, new[lo:hi], ord_)
+            _cpu_blocks.class_norms(flat_g, pk.block, new[lo:hi], ord_, views=g_views)
         else:
             new[lo:hi] = fp32_norms(gs, ord_)
         _blend_factors(grad_norms, seg.index, new[lo:hi], factors[lo:hi], **factor)

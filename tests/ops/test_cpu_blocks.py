@@ -56,9 +56,13 @@ def test_layout_orders_each_block_by_size_in_classes(sizes, limit):
     assert layout.numel == offset == sum(sizes)
 
 
+@pytest.mark.parametrize("with_views", [False, True])
+@pytest.mark.parametrize("shapes", [
+    [(3, 4), (12,), (0,), (5,), (2, 6), (7,), (0, 3), (5,), (1,), (9,), (40_000,)],  # classes and singles
+    [(3,), (2, 4), (17,), (1,)],  # every tensor alone in its class
+])
 @pytest.mark.parametrize("ord", [2.0, float("inf")])
-def test_class_norms_match_one_norm_per_tensor(ord):
-    shapes = [(3, 4), (12,), (0,), (5,), (2, 6), (7,), (0, 3), (5,), (1,)]
+def test_class_norms_match_one_norm_per_tensor(ord, shapes, with_views):
     ws = _cpu_blocks.Workspace(shapes)
     flat, views = ws.buffer("x")
     gen = torch.Generator().manual_seed(0)
@@ -66,10 +70,13 @@ def test_class_norms_match_one_norm_per_tensor(ord):
     for pos, i in enumerate(ws.layout.perm):
         assert views[pos].shape == shapes[i]
     for b in ws.layout.blocks:
-        out = _cpu_blocks.class_norms(flat[b.offset:b.offset + b.numel], b, torch.full((len(b.order),), -1.0), ord)
+        vs = views[b.start:b.start + len(b.order)] if with_views else None
+        out = _cpu_blocks.class_norms(flat[b.offset:b.offset + b.numel], b, torch.full((len(b.order),), -1.0),
+                                      ord, views=vs)
         expected = [torch.linalg.vector_norm(views[b.start + j].double(), ord) if views[b.start + j].numel()
                     else torch.zeros((), dtype=torch.float64) for j in range(len(b.order))]
         assert_rel_close(out, torch.stack(expected))
+    assert any(b.singles for b in ws.layout.blocks)  # the foreach branch is exercised
 
 
 def test_class_norms_of_long_tensors_keep_fp32_accuracy(monkeypatch):
