@@ -34,9 +34,14 @@ def check_hyperparameters(*, lr, betas, eps, weight_decay, max_grad_norm=None, a
 
 
 def check_group_hyperparameters(optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-    """``check_hyperparameters`` for a group given to ``add_param_group`` (missing keys: the defaults)."""
-    check_hyperparameters(**{k: param_group.get(k, optimizer.defaults[k]) for k in ("lr", "betas", "eps",
-                                                                                     "weight_decay")})
+    """``check_hyperparameters`` for a group given to ``add_param_group`` (missing keys: the defaults; a
+    key in neither, as for an optimizer built with empty defaults, is not checked)."""
+    given = {k: param_group.get(k, optimizer.defaults.get(k)) for k in ("lr", "betas", "eps", "weight_decay")}
+    for key in ("lr", "eps", "weight_decay"):
+        if given[key] is not None:
+            check_non_negative(given[key], key)
+    if given["betas"] is not None:
+        check_betas(given["betas"])
 
 
 class GroupGrads(NamedTuple):

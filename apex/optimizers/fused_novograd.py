@@ -68,7 +68,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         check_group_hyperparameters(self, param_group)
-        if param_group.get("norm_type", self.defaults["norm_type"]) not in (0, 2):
+        if param_group.get("norm_type", self.defaults.get("norm_type", 2)) not in (0, 2):
             raise ValueError(f"Invalid norm_type: {param_group['norm_type']!r} (expected 2 or 0)")
         super().add_param_group(param_group)
 
