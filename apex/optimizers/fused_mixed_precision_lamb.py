@@ -134,13 +134,11 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         self.param_groups_full_precision = []
 
     @torch.no_grad()
-    def step(self, closure=None, **kwargs):
-        """One step. ``grad_scaler=scaler`` (Apex's keyword): a ``torch.amp.GradScaler`` whose scale the
-        gradients carry. ``GradScaler.step`` itself passes the scale and its inf check as the attributes
-        ``grad_scale`` and ``found_inf`` (PyTorch's current contract); both are honoured."""
-        grad_scaler = kwargs.pop("grad_scaler", None)
-        if kwargs:
-            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+    def step(self, closure=None, grad_scaler=None):
+        """One step. ``grad_scaler`` (Apex's argument, which ``torch.amp.GradScaler.step`` passes): the
+        scaler whose scale the gradients carry; after ``grad_scaler.unscale_(optimizer)`` they carry none
+        and the inf check already made is used. Without it, the ``grad_scale``/``found_inf`` attributes
+        that a scaler may set on the optimizer are honoured."""
         loss = run_closure(closure)
         per_group = params_with_grads(self, "FusedMixedPrecisionLamb")
         for gi, group in enumerate(self.param_groups):
@@ -152,8 +150,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         device = self.param_groups[0]["params"][0].device
         grads = [g for gg in per_group for g in gg.grads]
         if grad_scaler is not None:
-            found_inf = grad_scaler._check_inf_per_device(self)[device]
-            scale = grad_scaler._get_scale_async().reshape(1).float()
+            found_inf, scale = self._from_scaler(grad_scaler, device)
             inv_scale = scale.double().reciprocal().float()
         elif getattr(self, "grad_scale", None) is not None:
             found_inf = getattr(self, "found_inf", None)
@@ -161,7 +158,8 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
             scale = self.grad_scale.reshape(1).float().to(device)
             inv_scale = scale.double().reciprocal().float()
         else:
-            found_inf = torch.zeros(1, device=device)
+            found_inf = getattr(self, "found_inf", None)  # a scaler that already unscaled sets only this
+            found_inf = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device)
             scale = torch.ones(1, device=device)
             inv_scale = torch.ones(1, device=device)
         self._dummy_overflow_buf.copy_(found_inf.reshape(1))
@@ -223,6 +221,19 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                 else:
                     self.multi_tensor_lamb(*args)
         return loss
+
+    def _from_scaler(self, grad_scaler, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf, scale)`` from a ``torch.amp.GradScaler``: its inf check of this optimizer's
+        gradients and its scale, or, when ``unscale_(optimizer)`` already ran, that call's check and 1."""
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.UNSCALED:
+            found = sum((t.to(device=device, dtype=torch.float32).reshape(1)
+                         for t in state["found_inf_per_device"].values()), torch.zeros(1, device=device))
+            return found, torch.ones(1, device=device)
+        found = grad_scaler._check_inf_per_device(self)[device]
+        return found, grad_scaler._get_scale_async().reshape(1).float().to(device)
 
     def _cpu_grad_norm(self, lists: dict, workspaces: dict) -> torch.Tensor:
         """The global gradient norm on the CPU, as ``multi_tensor_l2norm_mp`` computes it (zero when the

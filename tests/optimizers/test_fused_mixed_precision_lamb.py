@@ -33,7 +33,7 @@ def _reference(init, grad_seq, opts):
                     use_nvlamb=opts.get("use_nvlamb", False))
 
 
-def _train(dtype, opts, scaler_scale=None, steps=STEPS):
+def _train(dtype, opts, scaler_scale=None, steps=STEPS, how="scaler.step"):
     gen = torch.Generator().manual_seed(3)
     init = [torch.randn(s, generator=gen).to(dtype) for s in SMALL]
     grad_seq = [[torch.randn(s, generator=gen).to(dtype) for s in SMALL] for _ in range(steps)]
@@ -46,8 +46,13 @@ def _train(dtype, opts, scaler_scale=None, steps=STEPS):
             p.grad = g.clone() if scaler is None else (g.float() * scaler_scale).to(dtype)
         if scaler is None:
             opt.step()
+        elif how == "step(None, scaler)":  # Apex's own call, positional
+            scaler.scale(torch.ones(()))
+            opt.step(None, scaler)
         else:
             scaler.scale(torch.ones(()))
+            if how == "unscale_ then scaler.step":
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
     return opt, params, init, grad_seq
@@ -78,9 +83,10 @@ def test_reduced_precision_keeps_exact_fp32_masters(backend_name, dtype):
     assert opt.param_groups_full_precision[0]["params"][0] is opt.state[params[0]]["master_param"]
 
 
-def test_grad_scaler_unscales_inside_the_update(backend_name):
+@pytest.mark.parametrize("how", ["scaler.step", "unscale_ then scaler.step", "step(None, scaler)"])
+def test_grad_scaler_unscales_inside_the_update(backend_name, how):
     # A power-of-two scale makes unscaling exact: the result equals unscaled training.
-    opt, params, init, grad_seq = _train(torch.float32, {}, scaler_scale=1024.0, steps=4)
+    opt, params, init, grad_seq = _train(torch.float32, {}, scaler_scale=1024.0, steps=4, how=how)
     p_ref, _, _ = _reference(init, grad_seq, {})
     for p, r in zip(params, p_ref):
         assert_rel_close(p.detach(), r, tol=1e-6)
