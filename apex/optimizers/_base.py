@@ -115,7 +115,26 @@ def group_by(keys: Sequence, n: int) -> dict:
     return buckets
 
 
-class FusedOptimizerBase(torch.optim.Optimizer):
+# Caches an optimizer rebuilds on use: left out of its pickled state.
+_CACHES = ("_workspace", "_packed_steps", "_overflow_bufs", "_pending_masters")
+
+
+class CopyableOptimizer(torch.optim.Optimizer):
+    """``torch.optim.Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``, so
+    a ``copy.deepcopy`` or a pickle of an optimizer would lose every attribute its constructor set (the
+    copy fails at its first step). This keeps them all but the hooks (which PyTorch leaves out too) and
+    the caches."""
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k not in _CACHES}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for key in _CACHES:
+            self.__dict__.setdefault(key, {})
+
+
+class FusedOptimizerBase(CopyableOptimizer):
     """Base class: validation, master weights, ``zero_grad``, scaler protocol and state loading.
 
     Subclasses implement ``_fused_step(grad_scale_info)`` and list, in ``_fp32_state_keys``, the state
@@ -152,8 +171,6 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._overflow_bufs = {}
-        self._packed_steps = {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -233,15 +250,72 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                                "optimize the tensor it views instead")
 
     # -- master weights -----------------------------------------------------------------------------------
+    def _init_masters(self) -> None:
+        """Apex's ``param_groups_master``: for each group, ``{"params": [its parameters' masters]}`` (fp32
+        copies of fp16/bf16 parameters; an fp32 parameter is its own master; all None without master
+        weights)."""
+        self._pending_masters: dict = {}
+        self.param_groups_master = [self._group_masters(g) for g in self.param_groups]
+
+    def _group_masters(self, group: dict) -> dict:
+        return {"params": [self._new_master(p) for p in group["params"]]}
+
+    def _new_master(self, p: torch.Tensor) -> torch.Tensor | None:
+        if not self.master_weights:
+            return None
+        if p.dtype not in REDUCED:
+            return p
+        m = p.detach().to(torch.float32, copy=True)
+        # Until the first step adopts it: its version tells whether the user changed it in between.
+        self._pending_masters[id(p)] = (m, m._version)
+        return m
+
     def _master(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The fp32 master copy of a reduced-precision parameter (created on first use), else None."""
+        """The fp32 master copy of a reduced-precision parameter (kept in the state as ``master_param``
+        from the first step on), else None."""
         if not self.master_weights or p.dtype not in REDUCED:
             return None
         state = self.state[p]
         m = state.get("master_param")
         if m is None or m.shape != p.shape or m.device != p.device:
-            m = state["master_param"] = p.detach().float().clone()
+            m = state["master_param"] = self._adopt_master(p)
         return m
+
+    def _adopt_master(self, p: torch.Tensor) -> torch.Tensor:
+        """The master made at construction, refreshed if the parameter no longer equals it (weights loaded
+        into the model since) unless the master itself was written; else a new copy of the parameter
+        (then ``param_groups_master`` is updated)."""
+        pending = getattr(self, "_pending_masters", {}).pop(id(p), None)
+        if pending is not None:
+            m, version = pending
+            if m.shape == p.shape and m.device == p.device:
+                if m._version == version and not torch.equal(m.to(p.dtype), p.detach()):
+                    m.copy_(p)
+                return m
+        self._masters_stale = True
+        return p.detach().to(torch.float32, copy=True)
+
+    def _sync_masters(self) -> None:
+        """Point ``param_groups_master`` at the state's masters (after a load, or a master made anew)."""
+        self._masters_stale = False
+        if not hasattr(self, "param_groups_master"):
+            return
+        rows = []
+        for gi, group in enumerate(self.param_groups):
+            old = self.param_groups_master[gi]["params"] if gi < len(self.param_groups_master) else []
+            row = []
+            for pi, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                m = st.get("master_param") if st else None
+                if m is not None and self.master_weights and p.dtype in REDUCED:
+                    getattr(self, "_pending_masters", {}).pop(id(p), None)
+                elif pi < len(old) and (old[pi] is None) == (not self.master_weights):
+                    m = old[pi]
+                else:
+                    m = self._new_master(p)
+                row.append(m)
+            rows.append({"params": row})
+        self.param_groups_master = rows
 
     # -- step counters ---------------------------------------------------------------------------------------
     def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:

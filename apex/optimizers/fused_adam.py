@@ -7,6 +7,11 @@ import torch
 from apex.optimizers._base import FusedOptimizerBase, check_betas, check_non_negative, group_by, trusted
 
 
+def _count(step) -> float:
+    """A step count given as a number or a tensor of any shape with one element."""
+    return float(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
+
+
 class FusedAdam(FusedOptimizerBase):
     r"""Adam (``adam_w_mode=False``) and AdamW (``adam_w_mode=True``, the default), Apex's ``FusedAdam``.
 
@@ -21,10 +26,18 @@ class FusedAdam(FusedOptimizerBase):
         p = p - lr * u
 
     Arithmetic is fp32; ``exp_avg``/``exp_avg_sq`` are fp32 for fp32, fp16 and bf16 parameters. With
-    ``master_weights=True`` fp16 and bf16 parameters are updated through an fp32 master copy kept in the
-    optimizer state (``master_param``) and receive its rounded value. ``state_dict()`` uses PyTorch's keys
-    (``exp_avg``, ``exp_avg_sq``, per-parameter ``step``) so checkpoints move to and from
-    ``torch.optim.AdamW``/``Adam``.
+    ``master_weights=True`` fp16 and bf16 parameters are updated through an fp32 master copy and receive
+    its rounded value. As in Apex, ``param_groups_master`` mirrors ``param_groups`` with each parameter's
+    master (``None`` without master weights; an fp32 parameter is its own master); a master made at
+    construction is refreshed from its parameter at the first step if the parameter changed in between
+    (weights loaded into the model) and the master was not written. From the first step on it is also
+    the state's ``master_param``, so that checkpoints carry it.
+
+    ``state_dict()`` uses PyTorch's keys (``exp_avg``, ``exp_avg_sq``, per-parameter ``step``) so
+    checkpoints move to and from ``torch.optim.AdamW``/``Adam``, and, as Apex, each group's step count
+    ``param_groups[i]["step"]`` (an int, or a one-element int32 device tensor when capturable, which a
+    skipped step leaves unchanged); a checkpoint that has only the group's step (Apex's, or
+    Megatron-LM's distributed optimizer's) resumes from it.
 
     ``capturable=True`` keeps ``lr`` and ``step`` as device tensors and never synchronises with the host;
     ``step(grad_scaler=scaler)`` (or ``torch.amp.GradScaler.step``) unscales the gradients inside the
@@ -54,6 +67,7 @@ class FusedAdam(FusedOptimizerBase):
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = bool(capturable)
+        self._init_masters()
         if self.capturable:
             self._step_supports_amp_scaling = True
             for group in self.param_groups:
@@ -69,6 +83,8 @@ class FusedAdam(FusedOptimizerBase):
         super().add_param_group(param_group)
         if getattr(self, "capturable", False):
             self._lr_to_device(self.param_groups[-1])
+        if hasattr(self, "param_groups_master"):  # (not yet during the constructor)
+            self.param_groups_master.append(self._group_masters(self.param_groups[-1]))
 
     @staticmethod
     def _lr_to_device(group: dict) -> None:
@@ -81,15 +97,47 @@ class FusedAdam(FusedOptimizerBase):
 
     def _after_load(self) -> None:
         for group in self.param_groups:
+            loaded = group.get("step")
             for p in group["params"]:
                 st = self.state.get(p)
-                if st and "step" in st:
+                if not st:
+                    continue
+                if "step" not in st and "exp_avg" in st and loaded is not None:
+                    st["step"] = _count(loaded)  # a checkpoint that keeps only the group's step
+                if "step" in st:
                     s = st["step"]
                     if not isinstance(s, torch.Tensor):
                         s = torch.tensor(float(s), dtype=torch.float32)
                     st["step"] = s.to(device=p.device if self.capturable else "cpu", dtype=torch.float32)
+            if loaded is None:  # a torch.optim checkpoint: the group's count is its parameters' count
+                counts = [float(self.state[p]["step"]) for p in group["params"] if "step" in self.state.get(p, {})]
+                if counts:
+                    group["step"] = int(max(counts))
+            if "step" in group:
+                group["step"] = self._group_step_value(group, _count(group["step"]))
             if self.capturable:
                 self._lr_to_device(group)
+        self._sync_masters()
+
+    def _group_step_value(self, group: dict, count: float):
+        """A group's step count in Apex's form: an int, or a one-element int32 tensor on the group's
+        device when capturable."""
+        if not self.capturable:
+            return int(count)
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        return torch.tensor([int(count)], dtype=torch.int32, device=device)
+
+    def _bump_group_step(self, group: dict, found: torch.Tensor | None = None) -> None:
+        """Apex's group step count: +1 per step (when capturable, +0 on a step skipped for an inf)."""
+        count = group.get("step")
+        if not self.capturable:
+            group["step"] = (0 if count is None else int(_count(count))) + 1
+            return
+        device = group["params"][0].device
+        if not isinstance(count, torch.Tensor) or count.device != device or count.dtype != torch.int32:
+            count = group["step"] = torch.tensor([0 if count is None else int(_count(count))],
+                                                 dtype=torch.int32, device=device)
+        count += 1 if found is None else (found == 0).to(torch.int32).reshape(count.shape)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -98,9 +146,8 @@ class FusedAdam(FusedOptimizerBase):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
                                                    memory_format=torch.preserve_format)
         if "step" not in state:
-            # An Apex checkpoint keeps the step in the group.
-            start = float(group.get("step", 0)) if "exp_avg" in state and not isinstance(
-                group.get("step", 0), torch.Tensor) else 0.0
+            # Moments set without a step (by a subclass that keeps Apex's group step): resume from it.
+            start = _count(group["step"]) if "exp_avg" in state and group.get("step") is not None else 0.0
             state["step"] = torch.tensor(start, dtype=torch.float32,
                                          device=p.device if self.capturable else "cpu")
         return state
@@ -122,6 +169,11 @@ class FusedAdam(FusedOptimizerBase):
         for group, params in zip(self.param_groups, with_grads):
             if params:
                 self._step_group(group, params, grad_scaler)
+            elif group["params"]:  # Apex counts the group's steps even when none of its parameters has a grad
+                self._bump_group_step(group, self._overflow_buf(group["params"][0].device)
+                                      if self.capturable else None)
+        if getattr(self, "_masters_stale", False):
+            self._sync_masters()
         return loss
 
     def _step_group(self, group: dict, params: list, grad_scaler) -> None:
@@ -142,10 +194,12 @@ class FusedAdam(FusedOptimizerBase):
             for st, s in zip(states, steps):
                 st["step"] = s
             torch._foreach_add_(steps, (1.0 - (found != 0).float()).reshape(()))
+            self._bump_group_step(group, found)
             lr = group["lr"]
             keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
         else:
             values = self._increment_steps(group, params)
+            self._bump_group_step(group)
             keys = [(p.dtype, m is not None, v) for p, m, v in zip(params, masters, values)]
         for key, idx in group_by(keys, len(params)).items():
             lists = [[params[i].grad for i in idx], [params[i] for i in idx],

@@ -7,7 +7,7 @@ import torch
 from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
-from apex.optimizers._base import run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
@@ -17,7 +17,7 @@ from apex.optimizers._lamb_common import (
 _CHUNK_SIZE = 2048 * 32
 
 
-class FusedLAMB(torch.optim.Optimizer):
+class FusedLAMB(CopyableOptimizer):
     """Implements the LAMB algorithm (`Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_), as Apex's ``FusedLAMB``, on CPUs and GPUs.
 

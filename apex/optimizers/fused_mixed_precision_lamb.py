@@ -11,7 +11,7 @@ from apex.ops._cpu_norms import fp32_norms
 from apex.ops._lamb_cpu import grads_to_workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
-from apex.optimizers._base import run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
@@ -21,7 +21,7 @@ from apex.optimizers._lamb_common import (
 _CHUNK_SIZE = 2048 * 32
 
 
-class FusedMixedPrecisionLamb(torch.optim.Optimizer):
+class FusedMixedPrecisionLamb(CopyableOptimizer):
     """Apex's ``FusedMixedPrecisionLamb``: the LAMB update of :class:`FusedLAMB` for models whose
     parameters are in a reduced precision.
 

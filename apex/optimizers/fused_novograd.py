@@ -7,7 +7,7 @@ import torch
 from apex.ops._cpu_blocks import Workspace
 from apex.ops._cpu_norms import fp32_norms
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
-from apex.optimizers._base import run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     GroupGrads,
     ParamMismatchError,
@@ -22,7 +22,7 @@ _CHUNK_SIZE = 2048 * 32
 _SLOTS = (torch.float16, torch.float32, torch.bfloat16)
 
 
-class FusedNovoGrad(torch.optim.Optimizer):
+class FusedNovoGrad(CopyableOptimizer):
     """Implements NovoGrad (`Jasper: An End-to-End Convolutional Neural Acoustic Model
     <https://arxiv.org/abs/1904.03288>`_) as Apex's ``FusedNovoGrad``, on CPUs and GPUs.
 

@@ -55,3 +55,42 @@ def test_zero_grad_sets_none_when_set_grad_none(cls):
     assert p.grad is None
     opt.zero_grad()
     assert p.grad is None
+
+
+def _make(cls, params):
+    if cls is FusedMixedPrecisionLamb:
+        return cls(params, lr=1e-2, reduced_precision_dtype=torch.float16)
+    if cls is FusedAdam:
+        return cls(params, lr=1e-2, master_weights=True)
+    return cls(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("cls", ALL)
+def test_a_copied_optimizer_keeps_its_attributes_and_trains_on_identically(cls, copy_with):
+    """``torch.optim.Optimizer.__getstate__`` alone would drop every attribute set by the constructor."""
+    import copy
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float16 if cls in (FusedMixedPrecisionLamb, FusedAdam) else torch.float32
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in (3, 4097)]
+    opt = _make(cls, params)
+    grads = [[torch.randn(p.shape, generator=gen).to(dtype) for p in params] for _ in range(3)]
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    twin = copy.deepcopy(opt) if copy_with == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = twin.param_groups[0]["params"]
+    assert twin_params[0] is not params[0]
+    for key in ("set_grad_none", "adam_w_mode", "capturable", "master_weights", "use_nvlamb",
+                "reduced_precision_dtype", "_dummy_overflow_buf", "param_groups_master"):
+        assert hasattr(twin, key) == hasattr(opt, key), key
+    for step_grads in grads[1:]:
+        for ps in (params, twin_params):
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
