@@ -215,7 +215,9 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
         kw = {"casts_disabled": casts_disabled} if casts_disabled is not None else {}
         optimizers[i] = _process_optimizer(optimizer, properties, **kw)
 
-    if properties.master_weights:
+    if properties.master_weights or properties.cast_model_type:
+        # model.state_dict() is fp32 whenever the model was cast (Apex's O2StateDictHook): the masters'
+        # values where there are masters, the half values widened otherwise.
         model_to_master: dict = {}
         for optimizer in optimizers:
             model_to_master.update(getattr(optimizer._amp_stash, "model_to_master", {}))

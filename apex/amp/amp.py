@@ -160,12 +160,21 @@ def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init(enabled: bool = True, enable_caching: bool = True, verbose: bool = False, allow_banned: bool = False,
-         loss_scale="dynamic", device_type: str | None = None, dtype: torch.dtype | None = None):
-    """Switch O1 casting on and return the handle (Apex's pre-``initialize`` entry point).
+def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True, verbose: bool = False,
+         allow_banned: bool = False, patch_type: torch.dtype | None = None, *, device_type: str | None = None,
+         dtype: torch.dtype | None = None):
+    """Switch O1 casting on and return the handle (Apex's pre-``initialize`` entry point, with its
+    arguments in its order).
 
-    ``amp.initialize(..., opt_level="O1")`` calls this; direct use is only for legacy scripts.
+    ``patch_type`` (Apex's name) or ``dtype``: the low-precision type, fp16 by default on CUDA and bf16
+    on the CPU. ``amp.initialize(..., opt_level="O1")`` calls this; direct use is only for legacy scripts.
     """
+    if patch_type is not None:
+        if dtype is not None and dtype != patch_type:
+            raise ValueError(f"patch_type={patch_type} and dtype={dtype} disagree; give one of them")
+        dtype = patch_type
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"patch_type must be torch.float16 or torch.bfloat16, got {dtype!r}")
     global _DECORATOR_HANDLE
     from apex.amp._amp_state import _amp_state
 

@@ -125,3 +125,18 @@ def test_load_state_dict_with_foreign_keys_lists_them_and_changes_nothing():
     with pytest.raises(RuntimeError, match='Unexpected key.*"optimizer", "epoch"'):
         amp.load_state_dict(bad)
     assert dict(amp.state_dict()) == before
+
+
+@pytest.mark.parametrize("opt_level,extra", [("O3", {}), ("O2", {"master_weights": False}),
+                                             ("O3", {"keep_batchnorm_fp32": True})])
+def test_model_state_dict_is_fp32_whenever_the_model_was_cast(opt_level, extra):
+    """Apex's O2StateDictHook: a cast model saves fp32 values, masters or not."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, cast_model_type=torch.float16, verbosity=0,
+                                **extra)
+    assert any(p.dtype == torch.float16 for p in model.parameters())
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+    for name, p in model.named_parameters():
+        assert torch.equal(sd[name], p.detach().float())

@@ -147,3 +147,16 @@ def test_casting_ends_when_the_models_are_gone():
     del model, opt, s
     gc.collect()
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_legacy_init_takes_apex_arguments_in_apex_order():
+    handle = amp.init(True, "dynamic", True, False, False, patch_type=torch.float16)
+    try:
+        assert handle.is_active()
+        with torch.autocast("cpu", enabled=False):
+            pass
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    finally:
+        amp.frontend._reset_casting()
+    with pytest.raises(ValueError, match="patch_type"):
+        amp.init(patch_type=torch.float32)
