@@ -46,8 +46,9 @@ def _backward_torch(dy, mean, rstd, v, shape, weight, bias, memory_efficient, dx
     k = len(shape)
     lead = v.shape[:v.dim() - k]
     stat_shape = tuple(lead) + (1,) * k
-    ct = promote(torch.float32 if memory_efficient else v.dtype, dy.dtype,
-                  *(p.dtype if p is not None else None for p in (weight, bias)))
+    # fp32 at least: the saved statistics are fp32 for half inputs (as Apex's), and PyTorch's CPU backward
+    # takes statistics of its input's dtype; fp32 is also the accumulation Apex's kernel does.
+    ct = promote(torch.float32, v.dtype, dy.dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
     cast = (lambda p: p.to(ct) if p is not None else None)
     rstd_c = rstd.reshape(stat_shape).to(stats_dtype(ct))
     if memory_efficient:

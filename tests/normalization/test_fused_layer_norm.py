@@ -239,6 +239,46 @@ def test_autograd_functions_apex_argument_order(backend_name, mem_eff):
     assert FusedRMSNormAffineFunction.apply(xb, w.to(torch.bfloat16), ns, 1e-5).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_layer_norm_functions_backward_in_half_precision(backend_name, dtype, mem_eff):
+    """Megatron calls the autograd Functions (and ``fused_layer_norm_cuda``) with half inputs and
+    weights: the gradients are within twice PyTorch's own error in that dtype."""
+    import fused_layer_norm_cuda as ext
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, generator=gen).to(dtype).requires_grad_()
+    w = (1 + 0.25 * torch.randn(40, generator=gen)).to(dtype).requires_grad_()
+    b = (0.25 * torch.randn(40, generator=gen)).to(dtype).requires_grad_()
+    dy = torch.randn(6, 40, generator=gen).to(dtype)
+    ns = torch.Size([40])
+    leaves = [x, w, b]
+    with _trace(backend_name):
+        y = FusedLayerNormAffineFunction.apply(x, w, b, ns, 1e-5, mem_eff)
+        grads = _grads(y, leaves, dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in leaves)
+    ref = _ln64(x64, ns, w64, b64, 1e-5)
+    ref_grads = _grads(ref, [x64, w64, b64], dy.double())
+    xs, ws, bs = (t.detach().clone().requires_grad_() for t in leaves)
+    base = F.layer_norm(xs, ns, ws, bs, 1e-5)
+    base_grads = _grads(base, [xs, ws, bs], dy)
+    assert y.dtype == dtype and [g.dtype for g in grads] == [dtype] * 3
+    assert_rel_close(y, ref, baseline=base)
+    assert_rel_close(list(grads), list(ref_grads), baseline=list(base_grads))
+    with _trace(backend_name):
+        y2 = FusedLayerNormFunction.apply(x, ns, 1e-5, mem_eff)
+        (gx,) = _grads(y2, [x], dy)
+    (ref_gx,) = _grads(_ln64(x64, ns, None, None, 1e-5), [x64], dy.double())
+    (base_gx,) = _grads(F.layer_norm(xs, ns, None, None, 1e-5), [xs], dy)
+    assert_rel_close(gx, ref_gx, baseline=base_gx)
+    # The extension's entry points, as Apex's C++ module takes them.
+    with torch.no_grad(), _trace(backend_name):
+        out, mean, invvar = ext.forward_affine(x, ns, w, b, 1e-5)
+        assert mean.dtype == invvar.dtype == torch.float32
+        gi, gw, gb = ext.backward_affine(dy, mean, invvar, x, ns, w, b, 1e-5, False)
+    assert_rel_close([gi, gw, gb], list(ref_grads), baseline=list(base_grads))
+
+
 # ---------------------------------------------------------------------------------- residual fusion
 @pytest.mark.parametrize("mem_eff", [False, True])
 @pytest.mark.parametrize("kind", ["rms", "layer"])
