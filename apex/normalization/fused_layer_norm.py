@@ -15,6 +15,7 @@ import numbers
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
@@ -231,6 +232,9 @@ class FusedLayerNorm(_FusedNorm):
     _AFFINE = {"weight": init.ones_, "bias": init.zeros_}
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_tracing() or torch.jit.is_scripting():
+            # A traced or scripted graph (TorchScript, ONNX export) records PyTorch's own op, as in Apex.
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         if self.elementwise_affine:
             return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape, self.eps,
                                            self.memory_efficient)
@@ -249,6 +253,8 @@ class FusedRMSNorm(_FusedNorm):
     _AFFINE = {"weight": init.ones_}
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_tracing() or torch.jit.is_scripting():
+            return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         if self.elementwise_affine:
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                          self.memory_efficient)
@@ -271,6 +277,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
                          memory_efficient=memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_tracing() or torch.jit.is_scripting():
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
                                                    self.eps, self.memory_efficient)
 
@@ -284,5 +292,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
                          memory_efficient=memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_tracing() or torch.jit.is_scripting():
+            return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                                  self.memory_efficient)

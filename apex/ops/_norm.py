@@ -115,4 +115,6 @@ def autocast_args(device_type: str, *args):
     if not torch.is_autocast_enabled(device_type):
         return args
     dt = torch.get_autocast_dtype(device_type)
-    return tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    # As torch.amp's own casting: float64 tensors and tensors on other devices are left alone.
+    return tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                 and a.device.type == device_type else a for a in args)

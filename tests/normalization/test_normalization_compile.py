@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm, fused_rms_norm
 from apex.testing import assert_rel_close
 
 
@@ -61,3 +62,36 @@ def test_triton_path_traces_as_custom_ops():
     with apex.backend("triton"):
         _assert_matches_eager(torch.compile(step, fullgraph=True, backend="aot_eager"), step, x,
                               model.parameters())
+
+
+@pytest.mark.parametrize("make", [lambda: FusedLayerNorm([4, 6]), lambda: FusedLayerNorm(6, elementwise_affine=False),
+                                  lambda: MixedFusedLayerNorm(6), lambda: FusedRMSNorm([4, 6]),
+                                  lambda: MixedFusedRMSNorm(6)],
+                         ids=["layer", "layer-no-affine", "mixed-layer", "rms", "mixed-rms"])
+def test_jit_trace_records_pytorch_ops(make):
+    """As in Apex, a traced module (TorchScript, ONNX export) falls back to PyTorch's own operators, which
+    exporters know; the values are the module's."""
+    module = make()
+    x = torch.randn(3, 4, 6)
+    traced = torch.jit.trace(module, (x,))
+    kinds = {node.kind() for node in traced.graph.nodes()}
+    assert not any(k.startswith("apex::") for k in kinds), kinds
+    assert "aten::layer_norm" in kinds or "aten::rsqrt" in kinds
+    torch.testing.assert_close(traced(x), module(x))
+
+
+@pytest.mark.parametrize("make", [lambda: FusedLayerNorm([4, 6]), lambda: MixedFusedLayerNorm(6)],
+                         ids=["layer", "mixed-layer"])
+def test_jit_script_of_layer_norm_modules(make):
+    module = make()
+    scripted = torch.jit.script(module)
+    x = torch.randn(3, 4, 6)
+    torch.testing.assert_close(scripted(x), module(x))
+
+
+def test_float64_inputs_are_not_cast_by_autocast():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_rms_norm(x, [8]).dtype == torch.float64
+        assert FusedLayerNorm(8).double()(x).dtype == torch.float64
+        assert FusedLayerNorm(8)(x.float()).dtype == torch.bfloat16
