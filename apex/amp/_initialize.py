@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import weakref
@@ -218,9 +219,9 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
     if properties.master_weights or properties.cast_model_type:
         # model.state_dict() is fp32 whenever the model was cast (Apex's O2StateDictHook): the masters'
         # values where there are masters, the half values widened otherwise.
-        model_to_master: dict = {}
-        for optimizer in optimizers:
-            model_to_master.update(getattr(optimizer._amp_stash, "model_to_master", {}))
+        # A live view: masters made later by add_param_group are seen too.
+        model_to_master = collections.ChainMap(*[optimizer._amp_stash.model_to_master for optimizer in optimizers
+                                                 if hasattr(optimizer._amp_stash, "model_to_master")])
         for model in models:
             _install_master_state_hooks(model, model_to_master)
 

@@ -164,6 +164,53 @@ def _skip_step(self, closure) -> None:
     stash.already_patched = False
 
 
+def _add_param_group_after(old_add_param_group):
+    """Apex's ``add_param_group`` after ``amp.initialize``: the new group's half parameters get fp32
+    masters (with master weights) and every new parameter's gradients are unscaled like the others'."""
+
+    def add_param_group(self, new_group: dict) -> None:
+        stash = self._amp_stash
+        self._amp_lazy_init()
+        if not isinstance(new_group, dict):
+            raise TypeError(f"param group must be a dict, got {type(new_group).__name__}")
+        params = new_group["params"]
+        if isinstance(params, torch.Tensor):
+            new_group["params"] = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                            "ordering of tensors in sets will change between runs. Please use a list instead.")
+        else:
+            new_group["params"] = list(params)
+        if stash.master_weights:
+            half, fp32, masters = _masters_for_group(new_group, self.state, "Optimizer's parameters")
+        else:
+            half = [p for p in new_group["params"] if p.dtype in HALF_DTYPES]
+            fp32 = [p for p in new_group["params"] if p.dtype == torch.float32]
+            if len(half) + len(fp32) != len(new_group["params"]):
+                bad = next(p for p in new_group["params"] if p.dtype not in HALF_DTYPES + (torch.float32,))
+                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                                f"Received {bad.type()}")
+        old_add_param_group(new_group)  # (its checks run before the stash learns of the group)
+        if stash.master_weights:
+            for param, master in zip(half, masters):
+                stash.model_to_master[id(param)] = (param, master)
+            stash.fp16_groups.append(half)
+            stash.fp32_from_fp16_groups.append(masters)
+            stash.fp32_from_fp32_groups.append(fp32)
+            stash.all_fp16_params += half
+            stash.all_fp32_from_fp16_params += masters
+            stash.all_fp32_from_fp32_params += fp32
+            stash.all_fp16_grad_stash += [None] * len(half)
+            stash.all_fp32_from_fp32_grad_stash += [None] * len(fp32)
+        else:
+            stash.all_fp16_params += half
+            stash.all_fp32_params += fp32
+            stash.all_fp16_grad_stash += [None] * len(half)
+            stash.all_fp32_grad_stash += [None] * len(fp32)
+
+    return add_param_group
+
+
 def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcontext):
     """Attach amp's stash and methods to ``optimizer`` (in place) and return it."""
     if hasattr(optimizer, "_amp_stash"):
@@ -206,6 +253,7 @@ def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcont
         return retval
 
     optimizer.step = bind(new_step)
+    optimizer.add_param_group = bind(_add_param_group_after(optimizer.add_param_group))
 
     if properties.master_weights:
         def new_zero_grad(self, set_to_none: bool = True):
