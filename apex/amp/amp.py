@@ -191,6 +191,10 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
         dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
     handle = AmpHandle(loss_scale, enable_caching, verbose, device_type=device_type, dtype=dtype)
     _apply_registry(handle)
+    if device_type == "cpu":  # CUDA autocast has these lists itself
+        from apex.amp import _fp32_lists
+
+        _fp32_lists.patch(handle, allow_banned)
     handle._activate()
     _DECORATOR_HANDLE = handle
     _amp_state.handle = handle

@@ -160,3 +160,45 @@ def test_legacy_init_takes_apex_arguments_in_apex_order():
         amp.frontend._reset_casting()
     with pytest.raises(ValueError, match="patch_type"):
         amp.init(patch_type=torch.float32)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=str)
+def test_o1_runs_apex_fp32_functions_in_fp32_on_the_cpu(half):
+    """Apex's O1 lists (softmax, the norms, the losses, exp/log/pow, the reductions) run in fp32, which
+    CPU autocast alone would leave in half precision; matmul-like ops stay half; nothing changes once
+    casting is off."""
+    import torch.nn.functional as F
+
+    model, _ = _init_o1(half)
+    h = model(torch.randn(3, 4))
+    assert h.dtype == half
+    target = torch.tensor([0, 1, 2])
+    outs = {
+        "softmax": F.softmax(h, dim=-1), "log_softmax": torch.log_softmax(h, -1),
+        "layer_norm": F.layer_norm(h, (4,)), "cross_entropy": F.cross_entropy(h, target),
+        "sum": h.sum(), "mean": torch.mean(h), "norm": h.norm(), "exp": h.exp(), "pow": h ** 2,
+        "mse_loss": F.mse_loss(h, torch.zeros(3, 4)),
+    }
+    for name, out in outs.items():
+        assert out.dtype == torch.float32, name
+    torch.testing.assert_close(outs["softmax"], torch.softmax(h.float(), -1))
+    assert (h @ h.t()).dtype == half and torch.relu(h).dtype == half
+    with pytest.raises(NotImplementedError, match="binary_cross_entropy"):
+        F.binary_cross_entropy(torch.sigmoid(h), torch.rand(3, 4))
+    with amp.disable_casts():
+        assert F.softmax(h, -1).dtype == half and h.sum().dtype == half
+    amp.frontend._reset_casting()
+    assert F.softmax is not None and F.softmax(h, -1).dtype == half and h.sum().dtype == half
+    assert not hasattr(F.softmax, "__wrapped_amp__") and not hasattr(torch.Tensor.sum, "__wrapped_amp__")
+
+
+def test_allow_banned_lets_binary_cross_entropy_through():
+    import torch.nn.functional as F
+
+    handle = amp.init(allow_banned=True, device_type="cpu")
+    try:
+        p = torch.sigmoid(torch.randn(3, 4)).bfloat16()
+        F.binary_cross_entropy(p, torch.rand(3, 4).bfloat16())
+    finally:
+        amp.frontend._reset_casting()
+    del handle

@@ -1,0 +1,101 @@
+"""O1's fp32 and banned functions where ``torch.autocast`` has none: Apex's lists, applied on the CPU.
+
+CUDA autocast already runs softmax, the norms, the losses, ``exp``/``log``/``pow``, ``sum``/``mean`` and
+the other reductions in fp32, as Apex's O1 did; CPU autocast leaves them in bf16/fp16. On the CPU, O1
+therefore also wraps the functions of Apex's ``FP32_FUNCS`` lists (``torch``, ``torch.nn.functional`` and
+``torch.Tensor``) so that, while O1 casting is active and autocast is on, their fp16/bf16 tensor arguments
+are cast to fp32 (fp32 in, fp32 out; other arguments untouched). ``F.binary_cross_entropy`` on a half
+input raises, as in Apex, unless ``amp.init(allow_banned=True)``. Code running with autocast off (inside
+``disable_casts()``, the optimizer step, apex's own fused ops) sees the original functions' behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+_HALF = (torch.float16, torch.bfloat16)
+
+FUNCTIONAL_FP32 = (
+    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu", "layer_norm",
+    "group_norm", "local_response_norm", "normalize", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss",
+    "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
+    "triplet_margin_loss", "ctc_loss",
+)
+TORCH_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softmax", "log_softmax", "cumprod", "cumsum", "dist", "mean", "norm", "prod", "std",
+    "sum", "var", "renorm",
+)
+TENSOR_FP32 = TORCH_FP32 + ("__pow__", "__rpow__", "__ipow__")
+
+BANNED_MESSAGE = (
+    "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It requires that "
+    "the output of the previous function be already a FloatTensor. \n\nMost models have a Sigmoid right "
+    "before BCELoss. In that case, you can use\n    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss "
+    "into a single layer that is compatible with amp.\nAnother option is to add\n    "
+    "amp.register_float_function(torch, 'sigmoid')\nbefore calling `amp.init()`.\nIf you _really_ know what "
+    "you are doing, you can disable this warning by passing allow_banned=True to `amp.init()`.")
+
+
+def _has_half(values) -> bool:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.dtype in _HALF:
+                return True
+        elif isinstance(v, (list, tuple)) and _has_half(v):
+            return True
+    return False
+
+
+def _upcast(value):
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _HALF else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_upcast(v) for v in value)
+    return value
+
+
+def _casting(handle) -> bool:
+    return handle.is_active() and torch.is_autocast_enabled(handle.device_type)
+
+
+def _fp32_wrapper(fn, handle):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _casting(handle) or not (_has_half(args) or _has_half(kwargs.values())):
+            return fn(*args, **kwargs)
+        return fn(*_upcast(args), **{k: _upcast(v) for k, v in kwargs.items()})
+
+    wrapper.__wrapped_amp__ = fn
+    return wrapper
+
+
+def _banned_wrapper(fn, handle):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _casting(handle) and (_has_half(args) or _has_half(kwargs.values())):
+            raise NotImplementedError(BANNED_MESSAGE)
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped_amp__ = fn
+    return wrapper
+
+
+def patch(handle, allow_banned: bool) -> None:
+    """Wrap the lists' functions for ``handle`` (restored by ``handle._deactivate``)."""
+    for module, names in ((F, FUNCTIONAL_FP32), (torch, TORCH_FP32), (torch.Tensor, TENSOR_FP32)):
+        for name in names:
+            orig = getattr(module, name, None)
+            if orig is None:
+                continue
+            handle._save_func(module, name, orig)
+            setattr(module, name, _fp32_wrapper(orig, handle))
+    if not allow_banned:
+        orig = F.binary_cross_entropy
+        handle._save_func(F, "binary_cross_entropy", orig)
+        F.binary_cross_entropy = _banned_wrapper(orig, handle)
