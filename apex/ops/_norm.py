@@ -15,6 +15,16 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FUSED_N = 65536
 
 
+class NormShapeError(ValueError, RuntimeError):
+    """Tensors whose shapes (or devices) do not fit the normalisation: a ``ValueError`` naming the argument,
+    and the ``RuntimeError`` that PyTorch's and Apex's kernels raise for them."""
+
+
+class NormDtypeError(TypeError, RuntimeError):
+    """A non-floating-point tensor: a ``TypeError``, and the ``RuntimeError`` of PyTorch's and Apex's
+    kernels."""
+
+
 def as_shape(normalized_shape: object) -> tuple[int, ...]:
     """``normalized_shape`` (an int, a sequence of ints or a ``torch.Size``) as a tuple of ints."""
     if isinstance(normalized_shape, numbers.Integral):
@@ -38,12 +48,12 @@ def check_args(input: object, normalized_shape: object, weight: object = None, b
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
-        raise TypeError("input must be a floating-point tensor (float32, float16, bfloat16 or float64), "
+        raise NormDtypeError("input must be a floating-point tensor (float32, float16, bfloat16 or float64), "
                         f"got {input.dtype}")
     shape = as_shape(normalized_shape)
     k = len(shape)
     if input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
-        raise ValueError(f"normalized_shape={list(shape)} expects an input of shape "
+        raise NormShapeError(f"normalized_shape={list(shape)} expects an input of shape "
                          f"[*, {', '.join(map(str, shape))}], got input of shape {list(input.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
@@ -51,12 +61,12 @@ def check_args(input: object, normalized_shape: object, weight: object = None, b
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
         if not p.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
+            raise NormDtypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
         if tuple(p.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} (the normalized_shape), "
+            raise NormShapeError(f"{name} must have shape {list(shape)} (the normalized_shape), "
                              f"got {list(p.shape)}")
         if p.device != input.device:
-            raise ValueError(f"{name} is on {p.device} but input is on {input.device}")
+            raise NormShapeError(f"{name} is on {p.device} but input is on {input.device}")
     n = math.prod(shape)
     m = math.prod(input.shape[:input.dim() - k])
     return shape, m, n

@@ -142,6 +142,13 @@ def test_module_rejects_bad_input():
         FusedLayerNorm(8)(torch.randn(3, 7))
     with pytest.raises(TypeError, match="floating-point"):
         FusedRMSNorm(8)(torch.ones(3, 8, dtype=torch.long))
+    # ... which are also the RuntimeError that Apex's kernels (and F.layer_norm) raise for them
+    with pytest.raises(RuntimeError):
+        FusedLayerNorm(8)(torch.randn(3, 7))
+    with pytest.raises(RuntimeError):
+        FusedLayerNorm(8)(torch.ones(3, 8, dtype=torch.long))
+    with pytest.raises(RuntimeError):
+        fused_rms_norm_affine(torch.randn(2, 8), torch.ones(7), (8,))
     with pytest.raises(TypeError, match="normalized_shape"):
         FusedLayerNorm("8")
 
