@@ -141,13 +141,15 @@ class FusedAdam(FusedOptimizerBase):
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
-        if "exp_avg" not in state:
+        had_moments = "exp_avg" in state
+        if not had_moments:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
                                                    memory_format=torch.preserve_format)
         if "step" not in state:
-            # Moments set without a step (by a subclass that keeps Apex's group step): resume from it.
-            start = _count(group["step"]) if "exp_avg" in state and group.get("step") is not None else 0.0
+            # Moments set without a step (by a subclass that keeps Apex's group step): resume from it; a
+            # parameter seen for the first time starts at 0 whatever the group's count.
+            start = _count(group["step"]) if had_moments and group.get("step") is not None else 0.0
             state["step"] = torch.tensor(start, dtype=torch.float32,
                                          device=p.device if self.capturable else "cpu")
         return state

@@ -184,3 +184,23 @@ def test_subclass_stepping_over_param_groups_master_matches_fp32_adamw(backend_n
     assert rel_error(ours.param_groups_master[0]["params"][0], ref[0].detach()) <= 1e-6
     assert rel_error(p32.detach(), ref[1].detach()) <= 1e-6
     assert torch.equal(p16.detach(), ours.param_groups_master[0]["params"][0].half())
+
+
+def test_a_parameter_getting_its_first_gradient_late_starts_at_step_one():
+    """The group's count is Apex's bookkeeping; each parameter's bias correction counts its own steps, as
+    in torch.optim.AdamW."""
+    params = make_params([(5,), (3,)])
+    twins = clone_params(params)
+    ours = FusedAdam(params, lr=1e-2)
+    ref = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.0)
+    for step in range(6):
+        grads = grads_for_step(params, step)
+        for ps in (params, twins):
+            set_grads(ps, grads)
+            if step < 3:
+                ps[1].grad = None  # the second parameter is frozen for the first three steps
+        ours.step()
+        ref.step()
+    assert ours.param_groups[0]["step"] == 6 and float(ours.state[params[1]]["step"]) == 3
+    for a, b in zip(params, twins):
+        assert rel_error(a.detach(), b.detach()) <= 1e-6
