@@ -1,0 +1,5 @@
+"""``from apex.contrib.optimizers.fused_lamb import FusedLAMB``, as in Apex."""
+
+from apex.optimizers.fused_lamb import FusedLAMB
+
+__all__ = ["FusedLAMB"]
