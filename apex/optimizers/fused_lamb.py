@@ -94,7 +94,7 @@ class FusedLAMB(CopyableOptimizer):
             global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
                                                         False, **trusted(self.multi_tensor_l2norm))[0]
         max_grad_norm = self.defaults["max_grad_norm"]
-        for gi, (group, (p, g, _, _)) in enumerate(zip(self.param_groups, per_group)):
+        for gi, (group, (p, g, _, shapes)) in enumerate(zip(self.param_groups, per_group)):
             group["step"] = group.get("step", 0) + 1
             if not p:
                 continue
@@ -112,17 +112,18 @@ class FusedLAMB(CopyableOptimizer):
                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
                     self.use_nvlamb)
             if self.multi_tensor_lamb is multi_tensor_lamb:
-                self.multi_tensor_lamb(*args, workspace=self._workspace_for(gi, p), validate=False)
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(gi, p, shapes), validate=False)
             else:  # a subclass's own op, called the Apex way
                 self.multi_tensor_lamb(*args)
         return loss
 
-    def _workspace_for(self, gi: int, params: list) -> Workspace | None:
+    def _workspace_for(self, gi: int, params: list, shapes: list) -> Workspace | None:
         """The CPU path's reusable buffers for group ``gi`` (building them every step costs more than the
-        step's arithmetic); kept outside the state dict."""
+        step's arithmetic); kept outside the state dict. ``shapes``: the parameters' shapes, at hand from
+        the step's checks."""
         if not params[0].is_cpu:
             return None
         ws = self._workspace.get(gi)
-        if ws is None or not ws.fits(params):
-            ws = self._workspace[gi] = Workspace.of(params)
+        if ws is None or not ws.has_shapes(shapes):
+            ws = self._workspace[gi] = Workspace(shapes)
         return ws
