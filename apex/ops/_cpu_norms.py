@@ -37,11 +37,15 @@ def long_norm(x: torch.Tensor) -> torch.Tensor:
     return row_norms(x.reshape(1, -1))[0]
 
 
-def fp32_norms(xs: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
+def fp32_norms(xs: Sequence[torch.Tensor], ord: float = 2.0, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """``‖x_i‖`` (``ord`` 2 or inf) accumulated in fp32, as one 1-D fp32 tensor: one
-    ``torch._foreach_norm`` call, with ``long_norm`` for the L2 norms of long CPU tensors."""
-    long = ([i for i, x in enumerate(xs) if x.numel() > ROW_ELEMENTS]
-            if ord == 2.0 and xs and xs[0].is_cpu else [])
+    ``torch._foreach_norm`` call, with ``long_norm`` for the L2 norms of long CPU tensors. ``sizes``: the
+    tensors' numels, when the caller has them."""
+    long = []
+    if ord == 2.0 and xs and xs[0].is_cpu:
+        sizes = list(map(torch.Tensor.numel, xs)) if sizes is None else sizes
+        if max(sizes) > ROW_ELEMENTS:
+            long = [i for i, n in enumerate(sizes) if n > ROW_ELEMENTS]
     if not long:
         return torch.stack(torch._foreach_norm(xs, ord, dtype=torch.float32))
     out = torch.empty(len(xs), dtype=torch.float32)

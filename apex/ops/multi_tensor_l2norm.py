@@ -31,9 +31,10 @@ def _empty_result(device, n: int, per_tensor: bool):
 
 
 def _torch_norms(xs, per_tensor: bool, ord: float = 2.0, inv_scale=None):
-    nonempty = [x for x in xs if x.numel() > 0]
+    sizes = list(map(torch.Tensor.numel, xs))
+    nonempty = xs if 0 not in sizes else [x for x, n in zip(xs, sizes) if n > 0]
     if len(nonempty) == len(xs):
-        per = fp32_norms(xs, ord)
+        per = fp32_norms(xs, ord, sizes)
     else:
         per = torch.zeros(len(xs), dtype=torch.float32, device=xs[0].device)
         if nonempty:
