@@ -81,17 +81,17 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
     """``(model_params, master_params)``: the model's trainable parameters and fp32 copies of them.
 
     With ``flat_master=True`` the masters are one flat fp32 ``nn.Parameter`` (with a ``.grad`` buffer
-    already allocated); every model parameter must then have the same dtype.
+    already allocated); parameters of several dtypes are flattened with type promotion, as Apex's
+    ``_flatten_dense_tensors`` call does on current PyTorch.
     """
     model_params = [param for param in model.parameters() if param.requires_grad]
     if flat_master:
-        dtypes = {p.dtype for p in model_params}
-        if len(dtypes) > 1:
+        try:
+            master = _flatten_dense_tensors([param.data for param in model_params]).float()
+        except RuntimeError:
             print("Error in prep_param_lists:  model may contain a mixture of parameters "
                   "of different types.  Use flat_master=False, or use F16_Optimizer.")
-            raise TypeError("prep_param_lists(flat_master=True) needs parameters of one dtype, got "
-                            f"{sorted(str(d) for d in dtypes)}")
-        master = _flatten_dense_tensors([param.data for param in model_params]).float()
+            raise
         master = torch.nn.Parameter(master)
         master.requires_grad = True
         if master.grad is None:

@@ -100,11 +100,28 @@ def test_master_param_helpers_round_trip(flat):
     assert torch.equal(values, masters.half().float())
 
 
-def test_prep_param_lists_flat_needs_one_dtype():
+def test_prep_param_lists_flat_master_of_a_mixed_model():
+    """Apex flattens with ``_flatten_dense_tensors`` (torch.cat), which promotes mixed fp16/fp32
+    parameters: one fp32 master, and the helpers round-trip each parameter in its own dtype."""
     model = net()
     model[0].half()
-    with pytest.raises(TypeError, match="one dtype"):
-        prep_param_lists(model, flat_master=True)
+    model_params, (master,) = prep_param_lists(model, flat_master=True)
+    assert {p.dtype for p in model_params} == {torch.float16, torch.float32}
+    assert master.dtype == torch.float32 and master.numel() == sum(p.numel() for p in model_params)
+    assert torch.equal(master.detach(), torch.cat([p.detach().float().reshape(-1) for p in model_params]))
+    for p in model_params:
+        p.grad = torch.randn_like(p)
+    model_grads_to_master_grads(model_params, [master], flat_master=True)
+    assert torch.equal(master.grad, torch.cat([p.grad.float().reshape(-1) for p in model_params]))
+    with torch.no_grad():
+        master.add_(0.25)
+    master_params_to_model_params(model_params, [master], flat_master=True)
+    at = 0
+    for p in model_params:
+        n = p.numel()
+        assert p.dtype in (torch.float16, torch.float32)
+        assert torch.equal(p.detach(), master.detach()[at:at + n].view_as(p).to(p.dtype))
+        at += n
 
 
 def test_small_helpers():
