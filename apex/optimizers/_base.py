@@ -115,6 +115,26 @@ def group_by(keys: Sequence, n: int) -> dict:
     return buckets
 
 
+def scaler_state(optimizer: torch.optim.Optimizer, grad_scaler, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(found_inf, scale)``, fp32 one-element tensors on ``device``, from a ``torch.amp.GradScaler``
+    passed to ``optimizer.step`` (Apex's protocol): its inf check of the optimizer's gradients (any device)
+    and its scale, or, when ``grad_scaler.unscale_(optimizer)`` already ran, that call's check and 1."""
+    from torch.amp.grad_scaler import OptState
+
+    opt_state = grad_scaler._per_optimizer_states[id(optimizer)]
+    if opt_state["stage"] is OptState.UNSCALED:
+        per_dev = opt_state["found_inf_per_device"]
+        scale = torch.ones(1, dtype=torch.float32, device=device)
+    else:
+        per_dev = grad_scaler._check_inf_per_device(optimizer)
+        scale = grad_scaler._get_scale_async().to(device=device, dtype=torch.float32).reshape(1)
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    for t in per_dev.values():
+        found = found + t.to(device=device, dtype=torch.float32).reshape(1)
+    return found, scale
+
+
 # Caches an optimizer rebuilds on use: left out of its pickled state.
 _CACHES = ("_workspace", "_packed_steps", "_overflow_bufs", "_pending_masters")
 
@@ -358,20 +378,8 @@ class FusedOptimizerBase(CopyableOptimizer):
         ``torch.amp.GradScaler``'s ``grad_scale``/``found_inf`` attributes are used when present.
         """
         if grad_scaler is not None:
-            from torch.amp.grad_scaler import OptState
-
-            opt_state = grad_scaler._per_optimizer_states[id(self)]
-            if opt_state["stage"] is OptState.UNSCALED:
-                per_dev = opt_state["found_inf_per_device"]
-                inv_scale = torch.ones(1, dtype=torch.float32, device=device)
-            else:
-                per_dev = grad_scaler._check_inf_per_device(self)
-                scale = grad_scaler._get_scale_async()
-                inv_scale = scale.double().reciprocal().float().to(device).reshape(1)
-            found = torch.zeros(1, dtype=torch.float32, device=device)
-            for t in per_dev.values():
-                found = found + t.to(device=device, dtype=torch.float32).reshape(1)
-            return found, inv_scale
+            found, scale = scaler_state(self, grad_scaler, device)
+            return found, scale.double().reciprocal().float()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if grad_scale is None and found_inf is None:

@@ -11,7 +11,7 @@ from apex.ops._cpu_norms import fp32_norms
 from apex.ops._lamb_cpu import grads_to_workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
-from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, run_closure, scaler_state, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     check_group_hyperparameters,
     check_hyperparameters,
@@ -150,7 +150,7 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         device = self.param_groups[0]["params"][0].device
         grads = [g for gg in per_group for g in gg.grads]
         if grad_scaler is not None:
-            found_inf, scale = self._from_scaler(grad_scaler, device)
+            found_inf, scale = scaler_state(self, grad_scaler, device)
             inv_scale = scale.double().reciprocal().float()
         elif getattr(self, "grad_scale", None) is not None:
             found_inf = getattr(self, "found_inf", None)
@@ -221,19 +221,6 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
                 else:
                     self.multi_tensor_lamb(*args)
         return loss
-
-    def _from_scaler(self, grad_scaler, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(found_inf, scale)`` from a ``torch.amp.GradScaler``: its inf check of this optimizer's
-        gradients and its scale, or, when ``unscale_(optimizer)`` already ran, that call's check and 1."""
-        from torch.amp.grad_scaler import OptState
-
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.UNSCALED:
-            found = sum((t.to(device=device, dtype=torch.float32).reshape(1)
-                         for t in state["found_inf_per_device"].values()), torch.zeros(1, device=device))
-            return found, torch.ones(1, device=device)
-        found = grad_scaler._check_inf_per_device(self)[device]
-        return found, grad_scaler._get_scale_async().reshape(1).float().to(device)
 
     def _cpu_grad_norm(self, lists: dict, workspaces: dict) -> torch.Tensor:
         """The global gradient norm on the CPU, as ``multi_tensor_l2norm_mp`` computes it (zero when the
