@@ -4,9 +4,11 @@ CUDA autocast already runs softmax, the norms, the losses, ``exp``/``log``/``pow
 the other reductions in fp32, as Apex's O1 did; CPU autocast leaves them in bf16/fp16. On the CPU, O1
 therefore also wraps the functions of Apex's ``FP32_FUNCS`` lists (``torch``, ``torch.nn.functional`` and
 ``torch.Tensor``) so that, while O1 casting is active and autocast is on, their fp16/bf16 tensor arguments
-are cast to fp32 (fp32 in, fp32 out; other arguments untouched). ``F.binary_cross_entropy`` on a half
-input raises, as in Apex, unless ``amp.init(allow_banned=True)``. Code running with autocast off (inside
-``disable_casts()``, the optimizer step, apex's own fused ops) sees the original functions' behaviour.
+are cast to fp32 (fp32 in, fp32 out; other arguments untouched). As in Apex, their in-place tensor
+methods (``exp_``, ``pow_``, ...) raise on a half tensor, which they could not update in fp32, and
+``F.binary_cross_entropy`` on a half input raises unless ``amp.init(allow_banned=True)``. Code running
+with autocast off (inside ``disable_casts()``, the optimizer step, apex's own fused ops) sees the
+original functions' behaviour.
 """
 
 from __future__ import annotations
@@ -86,6 +88,17 @@ def _banned_wrapper(fn, handle):
     return wrapper
 
 
+def _inplace_wrapper(fn, name: str, handle):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if _casting(handle) and isinstance(self, torch.Tensor) and self.dtype in _HALF:
+            raise NotImplementedError(f"Cannot call in-place function {name} with fp16 arguments.")
+        return fn(self, *args, **kwargs)
+
+    wrapper.__wrapped_amp__ = fn
+    return wrapper
+
+
 def patch(handle, allow_banned: bool) -> None:
     """Wrap the lists' functions for ``handle`` (restored by ``handle._deactivate``)."""
     for module, names in ((F, FUNCTIONAL_FP32), (torch, TORCH_FP32), (torch.Tensor, TENSOR_FP32)):
@@ -95,6 +108,11 @@ def patch(handle, allow_banned: bool) -> None:
                 continue
             handle._save_func(module, name, orig)
             setattr(module, name, _fp32_wrapper(orig, handle))
+    for name in TORCH_FP32:
+        orig = getattr(torch.Tensor, name + "_", None)
+        if orig is not None:
+            handle._save_func(torch.Tensor, name + "_", orig)
+            setattr(torch.Tensor, name + "_", _inplace_wrapper(orig, name + "_", handle))
     if not allow_banned:
         orig = F.binary_cross_entropy
         handle._save_func(F, "binary_cross_entropy", orig)

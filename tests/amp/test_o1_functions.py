@@ -185,6 +185,10 @@ def test_o1_runs_apex_fp32_functions_in_fp32_on_the_cpu(half):
     assert (h @ h.t()).dtype == half and torch.relu(h).dtype == half
     with pytest.raises(NotImplementedError, match="binary_cross_entropy"):
         F.binary_cross_entropy(torch.sigmoid(h), torch.rand(3, 4))
+    with pytest.raises(NotImplementedError, match="in-place function exp_"):
+        h.detach().clone().exp_()
+    x32 = torch.ones(2)
+    assert torch.equal(x32.exp_(), torch.full((2,), 2.7182817))  # fp32 tensors are updated as usual
     with amp.disable_casts():
         assert F.softmax(h, -1).dtype == half and h.sum().dtype == half
     amp.frontend._reset_casting()
