@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -146,7 +147,11 @@ class CopyableOptimizer(torch.optim.Optimizer):
     the caches."""
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k not in _CACHES}
+        # Also left out: what amp.initialize attached (its stash, and methods bound to this object, which
+        # a pickle cannot restore); the copy is the optimizer as constructed, as with torch.optim.
+        return {k: v for k, v in self.__dict__.items()
+                if not k.startswith(("_optimizer_", "_amp_")) and k not in _CACHES
+                and not (isinstance(v, types.MethodType) and v.__self__ is self)}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -94,3 +94,23 @@ def test_a_copied_optimizer_keeps_its_attributes_and_trains_on_identically(cls, 
         twin.step()
     for p, q in zip(params, twin_params):
         assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedSGD])
+def test_an_optimizer_prepared_by_amp_still_pickles(cls):
+    """amp.initialize binds methods to the optimizer object, which a pickle cannot restore: the copy is
+    the optimizer as constructed (as torch.optim's own pickling gives), and it steps."""
+    import pickle
+
+    from apex import amp
+
+    model = torch.nn.Linear(4, 4)
+    opt = _make(cls, model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    twin = pickle.loads(pickle.dumps(opt))
+    assert type(twin) is cls and not hasattr(twin, "_amp_stash")
+    p = twin.param_groups[0]["params"][0]
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    twin.step()
+    assert not torch.equal(p.detach(), before)
