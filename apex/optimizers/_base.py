@@ -196,6 +196,7 @@ class FusedOptimizerBase(CopyableOptimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._rebuild_pending_masters()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -291,9 +292,22 @@ class FusedOptimizerBase(CopyableOptimizer):
         if p.dtype not in REDUCED:
             return p
         m = p.detach().to(torch.float32, copy=True)
-        # Until the first step adopts it: its version tells whether the user changed it in between.
-        self._pending_masters[id(p)] = (m, m._version)
+        self._remember_master(p, m)
         return m
+
+    def _remember_master(self, p: torch.Tensor, m: torch.Tensor) -> None:
+        # Until the first step adopts the master, the version counters tell whether the parameter (weights
+        # loaded into the model) or the master (set by the user) was written in between.
+        self._pending_masters[id(p)] = (m, p._version, m._version)
+
+    def _rebuild_pending_masters(self) -> None:
+        """After unpickling: the masters not yet adopted by a step are pending again (keyed by the new
+        parameters, with the versions they have now)."""
+        self._pending_masters = {}
+        for group, masters in zip(self.param_groups, getattr(self, "param_groups_master", [])):
+            for p, m in zip(group["params"], masters["params"]):
+                if m is not None and m is not p and "master_param" not in self.state.get(p, {}):
+                    self._remember_master(p, m)
 
     def _master(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master copy of a reduced-precision parameter (kept in the state as ``master_param``
@@ -307,14 +321,15 @@ class FusedOptimizerBase(CopyableOptimizer):
         return m
 
     def _adopt_master(self, p: torch.Tensor) -> torch.Tensor:
-        """The master made at construction, refreshed if the parameter no longer equals it (weights loaded
-        into the model since) unless the master itself was written; else a new copy of the parameter
-        (then ``param_groups_master`` is updated)."""
+        """The master made at construction, refreshed from the parameter if that was written in place since
+        (weights loaded into the model) and the master was not; else a new copy of the parameter (then
+        ``param_groups_master`` is updated). A write through ``.data`` moves no version counter: such a
+        write to the master keeps it, as Apex always keeps it."""
         pending = getattr(self, "_pending_masters", {}).pop(id(p), None)
         if pending is not None:
-            m, version = pending
+            m, p_version, m_version = pending
             if m.shape == p.shape and m.device == p.device:
-                if m._version == version and not torch.equal(m.to(p.dtype), p.detach()):
+                if p._version != p_version and m._version == m_version:
                     m.copy_(p)
                 return m
         self._masters_stale = True

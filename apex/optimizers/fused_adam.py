@@ -168,27 +168,34 @@ class FusedAdam(FusedOptimizerBase):
         with_grads = self._check_grads()
         if not self.capturable and self._unscale_or_skip(grad_scaler):
             return loss
+        scaling: dict = {}  # capturable: (found_inf, inv_scale) per device, read once per step
+
+        def scaling_on(device):
+            if device not in scaling:
+                info = self._scaler_tensors(grad_scaler, device)
+                scaling[device] = info if info is not None else (
+                    torch.zeros(1, dtype=torch.float32, device=device),
+                    torch.ones(1, dtype=torch.float32, device=device))
+            return scaling[device]
+
         for group, params in zip(self.param_groups, with_grads):
             if params:
-                self._step_group(group, params, grad_scaler)
+                self._step_group(group, params, scaling_on)
             elif group["params"]:  # Apex counts the group's steps even when none of its parameters has a grad
-                self._bump_group_step(group, self._overflow_buf(group["params"][0].device)
+                self._bump_group_step(group, scaling_on(group["params"][0].device)[0]
                                       if self.capturable else None)
         if getattr(self, "_masters_stale", False):
             self._sync_masters()
         return loss
 
-    def _step_group(self, group: dict, params: list, grad_scaler) -> None:
+    def _step_group(self, group: dict, params: list, scaling_on) -> None:
         beta1, beta2 = group["betas"]
         bias_correction = 1 if group.get("bias_correction", True) else 0
         states = [self._init_state(p, group) for p in params]
         masters = [self._master(p) for p in params]
         device = params[0].device
         if self.capturable:
-            info = self._scaler_tensors(grad_scaler, device)
-            found, inv_scale = info if info is not None else (
-                torch.zeros(1, dtype=torch.float32, device=device),
-                torch.ones(1, dtype=torch.float32, device=device))
+            found, inv_scale = scaling_on(device)
             noop = self._overflow_buf(device)
             noop.copy_((found != 0).to(torch.int32))
             steps = [s["step"] for s in states]

@@ -204,3 +204,42 @@ def test_a_parameter_getting_its_first_gradient_late_starts_at_step_one():
     assert ours.param_groups[0]["step"] == 6 and float(ours.state[params[1]]["step"]) == 3
     for a, b in zip(params, twins):
         assert rel_error(a.detach(), b.detach()) <= 1e-6
+
+
+@pytest.mark.parametrize("how", ["data", "copy_", "deepcopy"])
+def test_a_master_set_before_the_first_step_is_kept(how):
+    """Loading masters into ``param_groups_master`` (through ``.data`` as Apex-era code does, or in
+    place), also in a copy of the optimizer made before its first step."""
+    p = torch.nn.Parameter(torch.randn(4).bfloat16())
+    opt = FusedAdam([p], lr=0.0, master_weights=True)
+    precise = p.detach().float() + 1e-3  # not representable in bf16
+    master = opt.param_groups_master[0]["params"][0]
+    if how == "data":
+        master.data.copy_(precise)
+    else:
+        with torch.no_grad():
+            master.copy_(precise)
+    if how == "deepcopy":
+        opt = copy.deepcopy(opt)
+        p = opt.param_groups[0]["params"][0]
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(opt.param_groups_master[0]["params"][0], precise)
+    assert opt.state[p]["master_param"] is opt.param_groups_master[0]["params"][0]
+
+
+def test_capturable_group_without_grads_counts_only_the_steps_taken():
+    a = torch.nn.Parameter(torch.randn(3))
+    b = torch.nn.Parameter(torch.randn(3))
+    opt = FusedAdam([{"params": [b]}, {"params": [a]}], lr=1e-2, capturable=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    counts = []
+    for bad in (False, True, False):
+        a.grad = torch.randn(3) * 4.0
+        if bad:
+            a.grad[0] = float("inf")
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+        counts.append([g["step"].item() for g in opt.param_groups])
+    assert counts == [[1, 1], [1, 1], [2, 2]]
