@@ -71,7 +71,16 @@ def _fp32_wrapper(fn, handle):
     def wrapper(*args, **kwargs):
         if not _casting(handle) or not (_has_half(args) or _has_half(kwargs.values())):
             return fn(*args, **kwargs)
-        return fn(*_upcast(args), **{k: _upcast(v) for k, v in kwargs.items()})
+        out = kwargs.pop("out", None)
+        result = fn(*_upcast(args), **{k: _upcast(v) for k, v in kwargs.items()})
+        if out is None:
+            return result
+        # The caller's buffer gets the fp32 result (in its own dtype), as the call promised.
+        if isinstance(out, torch.Tensor):
+            return out.copy_(result)
+        for o, r in zip(out, result):
+            o.copy_(r)
+        return out
 
     wrapper.__wrapped_amp__ = fn
     return wrapper
@@ -108,11 +117,12 @@ def patch(handle, allow_banned: bool) -> None:
                 continue
             handle._save_func(module, name, orig)
             setattr(module, name, _fp32_wrapper(orig, handle))
-    for name in TORCH_FP32:
-        orig = getattr(torch.Tensor, name + "_", None)
-        if orig is not None:
-            handle._save_func(torch.Tensor, name + "_", orig)
-            setattr(torch.Tensor, name + "_", _inplace_wrapper(orig, name + "_", handle))
+    for module in (torch, torch.Tensor):
+        for name in TORCH_FP32:
+            orig = getattr(module, name + "_", None)
+            if orig is not None:
+                handle._save_func(module, name + "_", orig)
+                setattr(module, name + "_", _inplace_wrapper(orig, name + "_", handle))
     if not allow_banned:
         orig = F.binary_cross_entropy
         handle._save_func(F, "binary_cross_entropy", orig)

@@ -181,16 +181,22 @@ def _add_param_group_after(old_add_param_group):
                             "ordering of tensors in sets will change between runs. Please use a list instead.")
         else:
             new_group["params"] = list(params)
+        # Every check before anything changes (a half parameter's place in the groups is taken by its
+        # master, so torch's own duplicate check would not see it).
+        bad = [p for p in new_group["params"] if p.dtype not in HALF_DTYPES + (torch.float32,)]
+        if bad:
+            raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                            f"Received {bad[0].type()}")
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        known.update(id(p) for p in stash.all_fp16_params)
+        if any(id(p) in known for p in new_group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
         if stash.master_weights:
             half, fp32, masters = _masters_for_group(new_group, self.state, "Optimizer's parameters")
         else:
             half = [p for p in new_group["params"] if p.dtype in HALF_DTYPES]
             fp32 = [p for p in new_group["params"] if p.dtype == torch.float32]
-            if len(half) + len(fp32) != len(new_group["params"]):
-                bad = next(p for p in new_group["params"] if p.dtype not in HALF_DTYPES + (torch.float32,))
-                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                                f"Received {bad.type()}")
-        old_add_param_group(new_group)  # (its checks run before the stash learns of the group)
+        old_add_param_group(new_group)  # (its remaining checks run before the stash learns of the group)
         if stash.master_weights:
             for param, master in zip(half, masters):
                 stash.model_to_master[id(param)] = (param, master)

@@ -11,6 +11,7 @@ is dropped when ``scale_loss`` exits, before the optimizer changes the weights, 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -121,6 +122,8 @@ class AmpHandle:
         self.device_type = device_type
         self.dtype = dtype
         self._saved = None
+        # disable_casts() nests per thread, as autocast's own state does.
+        self._local = threading.local()
 
     # -- autocast on/off ------------------------------------------------------------------------
     def _activate(self) -> None:
@@ -139,8 +142,11 @@ class AmpHandle:
         """Switch the casting off and restore functions replaced by ``register_*_function``."""
         from apex.amp import amp as _amp
 
-        for mod, name, func in reversed(self._all_wrappers):
-            setattr(mod, name, func)
+        for mod, name, func, own in reversed(self._all_wrappers):
+            if own:
+                setattr(mod, name, func)
+            else:  # it was inherited (a torch.Tensor method from its C base): inherit it again
+                delattr(mod, name)
         self._all_wrappers = []
         if self._saved is not None:
             enabled, dtype, cache = self._saved
@@ -155,12 +161,13 @@ class AmpHandle:
             _amp._DECORATOR_HANDLE = None
 
     def is_active(self) -> bool:
-        return self._is_active
+        """Casting is on, and not switched off by ``disable_casts()`` in the calling thread."""
+        return self._is_active and not getattr(self._local, "disabled", 0)
 
     @contextlib.contextmanager
     def _disable_casts(self) -> Iterator[None]:
-        prev = self._is_active
-        self._is_active = False
+        local = self._local
+        local.disabled = getattr(local, "disabled", 0) + 1
         try:
             if self._saved is not None:
                 with torch.autocast(self.device_type, enabled=False):
@@ -168,7 +175,7 @@ class AmpHandle:
             else:
                 yield
         finally:
-            self._is_active = prev
+            local.disabled -= 1
 
     @contextlib.contextmanager
     def scale_loss(self, loss, optimizer):
@@ -185,7 +192,8 @@ class AmpHandle:
         torch.clear_autocast_cache()
 
     def _save_func(self, mod, name, func) -> None:
-        self._all_wrappers.append((mod, name, func))
+        own = not isinstance(mod, type) or name in vars(mod)
+        self._all_wrappers.append((mod, name, func, own))
 
     @property
     def has_cache(self) -> bool:

@@ -55,3 +55,13 @@ def test_add_param_group_rejects_a_set_and_other_dtypes():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float64))]})
     assert len(opt.param_groups) == 1
+
+
+def test_add_param_group_rejects_a_parameter_already_optimized():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    masters_before = len(list(amp.master_params(opt)))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight]})  # a half parameter whose master is optimized
+    assert len(opt.param_groups) == 1 and len(list(amp.master_params(opt))) == masters_before

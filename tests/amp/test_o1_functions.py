@@ -206,3 +206,45 @@ def test_allow_banned_lets_binary_cross_entropy_through():
     finally:
         amp.frontend._reset_casting()
     del handle
+
+
+def test_o1_fp32_functions_fill_out_buffers_and_leave_torch_as_it_was():
+    import torch.nn.functional as F
+
+    model, _ = _init_o1(torch.bfloat16)
+    x = torch.full((3,), 1.0, dtype=torch.bfloat16)
+    out = torch.zeros(3, dtype=torch.bfloat16)
+    assert torch.exp(x, out=out) is out
+    assert torch.equal(out, torch.exp(x.float()).bfloat16())
+    with pytest.raises(NotImplementedError, match="exp_"):
+        torch.exp_(x.clone())
+    amp.frontend._reset_casting()
+    # restored: the Tensor methods inherited from the C base class are inherited again
+    assert "sum" not in vars(torch.Tensor) and "exp_" not in vars(torch.Tensor)
+    assert torch.exp_(x.clone()).dtype == torch.bfloat16 and F.softmax(x, 0).dtype == torch.bfloat16
+    del model
+
+
+def test_disable_casts_is_per_thread():
+    import threading
+
+    model, _ = _init_o1(torch.bfloat16)
+    x = torch.ones(3, dtype=torch.bfloat16)
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with amp.disable_casts():
+            entered.set()
+            release.wait()
+
+    with amp.disable_casts():
+        t = threading.Thread(target=other)
+        t.start()
+        entered.wait()  # both threads are inside disable_casts; this one leaves first
+        assert torch.exp(x).dtype == torch.bfloat16
+    assert torch.exp(x).dtype == torch.float32  # casting is back on here while the other is still inside
+    release.set()
+    t.join()
+    assert torch.exp(x).dtype == torch.float32  # and stays on after it leaves
+    amp.frontend._reset_casting()
+    del model
