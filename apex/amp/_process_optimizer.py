@@ -31,23 +31,50 @@ def _master_params_to_model_params(self) -> None:
     copy_masters_to_model(stash.dummy_overflow_buf, stash.all_fp32_from_fp16_params, stash.all_fp16_params)
 
 
+def _stash_master_group(stash, half: list, fp32: list, masters: list) -> None:
+    """Record one param group in the stash: its half parameters with their fp32 masters, its fp32 ones."""
+    for param, master in zip(half, masters):
+        stash.model_to_master[id(param)] = (param, master)
+    stash.fp16_groups.append(half)
+    stash.fp32_from_fp16_groups.append(masters)
+    stash.fp32_from_fp32_groups.append(fp32)
+    stash.all_fp16_params += half
+    stash.all_fp32_from_fp16_params += masters
+    stash.all_fp32_from_fp32_params += fp32
+    stash.all_fp16_grad_stash += [None] * len(half)
+    stash.all_fp32_from_fp32_grad_stash += [None] * len(fp32)
+
+
+def _split_by_dtype(params: list) -> tuple[list, list]:
+    """``(half, fp32)`` parameters; any other dtype is a TypeError."""
+    half, fp32 = [], []
+    for param in params:
+        if param.dtype in HALF_DTYPES:
+            half.append(param)
+        elif param.dtype == torch.float32:
+            fp32.append(param)
+        else:
+            raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                            f"Received {param.type()}")
+    return half, fp32
+
+
+def _stash_plain_params(stash, half: list, fp32: list) -> None:
+    """Record parameters (without master weights) whose gradients amp unscales."""
+    stash.all_fp16_params += half
+    stash.all_fp32_params += fp32
+    stash.all_fp16_grad_stash += [None] * len(half)
+    stash.all_fp32_grad_stash += [None] * len(fp32)
+
+
 def lazy_init_with_master_weights(self) -> None:
     stash = self._amp_stash
     stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
+    stash.all_fp16_params, stash.all_fp32_from_fp16_params, stash.all_fp32_from_fp32_params = [], [], []
+    stash.all_fp16_grad_stash, stash.all_fp32_from_fp32_grad_stash = [], []
     stash.model_to_master = {}
     for param_group in self.param_groups:
-        fp16_this_group, fp32_this_group, master_this_group = _masters_for_group(
-            param_group, self.state, "Optimizer's parameters")
-        for param, master in zip(fp16_this_group, master_this_group):
-            stash.model_to_master[id(param)] = (param, master)
-        stash.fp16_groups.append(fp16_this_group)
-        stash.fp32_from_fp16_groups.append(master_this_group)
-        stash.fp32_from_fp32_groups.append(fp32_this_group)
-    stash.all_fp16_params = [p for g in stash.fp16_groups for p in g]
-    stash.all_fp32_from_fp16_params = [p for g in stash.fp32_from_fp16_groups for p in g]
-    stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
-    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
-    stash.all_fp32_from_fp32_grad_stash = [None for _ in stash.all_fp32_from_fp32_params]
+        _stash_master_group(stash, *_masters_for_group(param_group, self.state, "Optimizer's parameters"))
     for param in stash.all_fp32_from_fp16_params:
         param.grad = None
     device = next((p.device for p in stash.all_fp16_params), torch.device("cpu"))
@@ -109,17 +136,9 @@ def post_backward_with_master_weights(self, scaler) -> None:
 def lazy_init_no_master_weights(self) -> None:
     stash = self._amp_stash
     stash.all_fp16_params, stash.all_fp32_params = [], []
+    stash.all_fp16_grad_stash, stash.all_fp32_grad_stash = [], []
     for param_group in self.param_groups:
-        for param in param_group["params"]:
-            if param.dtype in HALF_DTYPES:
-                stash.all_fp16_params.append(param)
-            elif param.dtype == torch.float32:
-                stash.all_fp32_params.append(param)
-            else:
-                raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                                f"Received {param.type()}")
-    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
-    stash.all_fp32_grad_stash = [None for _ in stash.all_fp32_params]
+        _stash_plain_params(stash, *_split_by_dtype(param_group["params"]))
 
 
 def prepare_backward_no_master_weights(self) -> None:
@@ -183,36 +202,18 @@ def _add_param_group_after(old_add_param_group):
             new_group["params"] = list(params)
         # Every check before anything changes (a half parameter's place in the groups is taken by its
         # master, so torch's own duplicate check would not see it).
-        bad = [p for p in new_group["params"] if p.dtype not in HALF_DTYPES + (torch.float32,)]
-        if bad:
-            raise TypeError("Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                            f"Received {bad[0].type()}")
+        half, fp32 = _split_by_dtype(new_group["params"])
         known = {id(p) for g in self.param_groups for p in g["params"]}
         known.update(id(p) for p in stash.all_fp16_params)
         if any(id(p) in known for p in new_group["params"]):
             raise ValueError("some parameters appear in more than one parameter group")
         if stash.master_weights:
             half, fp32, masters = _masters_for_group(new_group, self.state, "Optimizer's parameters")
-        else:
-            half = [p for p in new_group["params"] if p.dtype in HALF_DTYPES]
-            fp32 = [p for p in new_group["params"] if p.dtype == torch.float32]
         old_add_param_group(new_group)  # (its remaining checks run before the stash learns of the group)
         if stash.master_weights:
-            for param, master in zip(half, masters):
-                stash.model_to_master[id(param)] = (param, master)
-            stash.fp16_groups.append(half)
-            stash.fp32_from_fp16_groups.append(masters)
-            stash.fp32_from_fp32_groups.append(fp32)
-            stash.all_fp16_params += half
-            stash.all_fp32_from_fp16_params += masters
-            stash.all_fp32_from_fp32_params += fp32
-            stash.all_fp16_grad_stash += [None] * len(half)
-            stash.all_fp32_from_fp32_grad_stash += [None] * len(fp32)
+            _stash_master_group(stash, half, fp32, masters)
         else:
-            stash.all_fp16_params += half
-            stash.all_fp32_params += fp32
-            stash.all_fp16_grad_stash += [None] * len(half)
-            stash.all_fp32_grad_stash += [None] * len(fp32)
+            _stash_plain_params(stash, half, fp32)
 
     return add_param_group
 
