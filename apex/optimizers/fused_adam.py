@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from apex.optimizers._base import FusedOptimizerBase, check_betas, check_non_negative, group_by, trusted
-
-
-def _count(step) -> float:
-    """A step count given as a number or a tensor of any shape with one element."""
-    return float(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
+from apex.optimizers._base import (
+    FusedOptimizerBase,
+    _number,
+    check_betas,
+    check_non_negative,
+    group_by,
+    trusted,
+)
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -103,7 +105,7 @@ class FusedAdam(FusedOptimizerBase):
                 if not st:
                     continue
                 if "step" not in st and "exp_avg" in st and loaded is not None:
-                    st["step"] = _count(loaded)  # a checkpoint that keeps only the group's step
+                    st["step"] = _number(loaded, "step")  # a checkpoint that keeps only the group's step
                 if "step" in st:
                     s = st["step"]
                     if not isinstance(s, torch.Tensor):
@@ -114,7 +116,7 @@ class FusedAdam(FusedOptimizerBase):
                 if counts:
                     group["step"] = int(max(counts))
             if "step" in group:
-                group["step"] = self._group_step_value(group, _count(group["step"]))
+                group["step"] = self._group_step_value(group, _number(group["step"], "step"))
             if self.capturable:
                 self._lr_to_device(group)
         self._sync_masters()
@@ -131,12 +133,11 @@ class FusedAdam(FusedOptimizerBase):
         """Apex's group step count: +1 per step (when capturable, +0 on a step skipped for an inf)."""
         count = group.get("step")
         if not self.capturable:
-            group["step"] = (0 if count is None else int(_count(count))) + 1
+            group["step"] = (0 if count is None else int(_number(count, "step"))) + 1
             return
-        device = group["params"][0].device
-        if not isinstance(count, torch.Tensor) or count.device != device or count.dtype != torch.int32:
-            count = group["step"] = torch.tensor([0 if count is None else int(_count(count))],
-                                                 dtype=torch.int32, device=device)
+        if not isinstance(count, torch.Tensor) or count.device != group["params"][0].device \
+                or count.dtype != torch.int32:
+            count = group["step"] = self._group_step_value(group, 0 if count is None else _number(count, "step"))
         count += 1 if found is None else (found == 0).to(torch.int32).reshape(count.shape)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
@@ -149,7 +150,7 @@ class FusedAdam(FusedOptimizerBase):
         if "step" not in state:
             # Moments set without a step (by a subclass that keeps Apex's group step): resume from it; a
             # parameter seen for the first time starts at 0 whatever the group's count.
-            start = _count(group["step"]) if had_moments and group.get("step") is not None else 0.0
+            start = _number(group["step"], "step") if had_moments and group.get("step") is not None else 0.0
             state["step"] = torch.tensor(start, dtype=torch.float32,
                                          device=p.device if self.capturable else "cpu")
         return state
