@@ -16,28 +16,36 @@ __version__ = "0.1.0"
 
 # Public subpackages, imported on first attribute access (PEP 562).
 _SUBMODULES = (
+    "RNN",
     "amp",
     "contrib",
     "fp16_utils",
+    "fused_dense",
+    "mlp",
     "multi_tensor_apply",
     "normalization",
     "optimizers",
     "parallel",
     "testing",
+    "transformer",
 )
 
 __all__ = ["backend", "current_backend", "__version__", *_SUBMODULES]
 
 if TYPE_CHECKING:  # pragma: no cover
     from apex import (  # noqa: F401
+        RNN,
         amp,
         contrib,
         fp16_utils,
+        fused_dense,
+        mlp,
         multi_tensor_apply,
         normalization,
         optimizers,
         parallel,
         testing,
+        transformer,
     )
 
 

@@ -16,8 +16,9 @@ APEX = ROOT / "apex"
 LAYERS = [
     {"apex._backend", "apex._kernels"},
     {"apex.ops"},
-    {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils"},
-    {"apex.amp", "apex.parallel"},
+    {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils", "apex.mlp",
+     "apex.fused_dense", "apex.RNN"},
+    {"apex.amp", "apex.parallel", "apex.transformer"},
     {"apex.contrib"},
 ]
 
@@ -98,7 +99,7 @@ def test_import_apex_is_lazy():
         " 'sub': sorted(m for m in sys.modules if m.startswith('apex.'))}))")
     info = json.loads(out)
     assert not info["triton"], "import apex must not import triton"
-    assert info["sub"] == ["apex._backend"], info["sub"]
+    assert info["sub"] == ["apex._backend", "apex._compat"], info["sub"]
 
 
 def test_import_apex_does_not_touch_cuda():
@@ -134,16 +135,39 @@ def test_unknown_attribute_raises():
         apex.not_a_module  # noqa: B018
 
 
-def test_amp_c_names_resolve():
-    import amp_C
+def _compat_modules() -> list[str]:
+    from apex._compat import MODULES
 
+    return list(MODULES)
+
+
+def test_compat_modules_live_in_one_home_and_are_installed():
+    import tomllib
+
+    from apex._compat import MODULES
+
+    home = APEX / "_compat"
+    files = sorted(p.stem for p in home.glob("*.py") if p.stem != "__init__")
+    assert files == sorted(MODULES)
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(config["py-modules"]) == sorted(MODULES)
+    assert config["package-dir"][""] == "apex/_compat"
+    assert not [p.name for p in ROOT.glob("*.py")], "compatibility modules belong in apex/_compat"
+
+
+@pytest.mark.parametrize("name", _compat_modules())
+def test_compat_module_names_resolve(name):
+    module = importlib.import_module(name)
+    assert Path(module.__file__).parent == APEX / "_compat"
     missing = []
-    for name in amp_C.__all__:
+    for attr in module.__all__:
         try:
-            getattr(amp_C, name)
+            getattr(module, attr)
         except (AttributeError, ImportError):
-            missing.append(name)
-    assert not missing, f"amp_C names without an implementation: {missing}"
+            missing.append(attr)
+    assert not missing, f"{name} names without an implementation: {missing}"
+    with pytest.raises(AttributeError):
+        getattr(module, "not_a_name")
 
 
 def test_no_module_is_too_long():

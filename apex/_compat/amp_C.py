@@ -8,7 +8,7 @@ passed without ``torch.no_grad()``. Names are resolved on first access, so ``imp
 
 from __future__ import annotations
 
-import importlib
+from apex._compat import lazy_module
 
 _OPS = {
     "multi_tensor_scale": "apex.ops.multi_tensor_scale",
@@ -32,26 +32,4 @@ _OPS = {
     "update_scale_hysteresis": "apex.ops.update_scale_hysteresis",
 }
 
-__all__ = sorted(_OPS)
-
-
-def _lazy_names(module_name: str, table: dict, namespace: dict):
-    """PEP 562 ``__getattr__`` and ``__dir__`` for a compatibility module whose names live in ``table``
-    (name -> module holding it); a resolved name is cached in ``namespace``. Shared with
-    ``fused_layer_norm_cuda``; it imports nothing, so ``import amp_C`` stays cheap."""
-
-    def __getattr__(name: str):
-        module = table.get(name)
-        if module is None:
-            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        namespace[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(table))
-
-    return __getattr__, __dir__
-
-
-__getattr__, __dir__ = _lazy_names(__name__, _OPS, globals())
+__getattr__, __dir__ = lazy_module(globals(), _OPS)

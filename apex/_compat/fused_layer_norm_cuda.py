@@ -5,7 +5,7 @@ Names are resolved on first access from ``apex.ops``.
 
 from __future__ import annotations
 
-from amp_C import _lazy_names
+from apex._compat import lazy_module
 
 # name -> module holding it
 _OPS: dict[str, str] = {
@@ -21,6 +21,4 @@ _OPS: dict[str, str] = {
     "rms_backward_affine": "apex.ops.rms_norm",
 }
 
-__all__ = sorted(_OPS)
-
-__getattr__, __dir__ = _lazy_names(__name__, _OPS, globals())
+__getattr__, __dir__ = lazy_module(globals(), _OPS)
