@@ -1,0 +1,195 @@
+"""Scale-mask-softmax over the last dim of ``[b, np, sq, sk]`` scores, forward and backward, one launch each.
+
+Forward: ``y = softmax(scale · x)`` over the positions not masked (boolean mask, nonzero = masked, any
+broadcast strides; causal: key ``k > q`` masked); a fully masked row gives zeros. Backward:
+``dx = scale · y · (dy − Σ dy·y)``. Math in fp32, results in the dtype asked for, outputs contiguous.
+
+Rows of up to ``max_block`` keys are held in one block: the scores are read once and the probabilities
+written once. Longer rows run an online max/sum over blocks and then a second sweep that writes the
+probabilities (so they are read twice). Masked scores (and, with ``causal``, the upper triangle) are never
+loaded. Several short rows share one program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Widest row held in registers in one block on a GPU (fp32: 32 values per thread at 16 warps).
+MAX_BLOCK = 16384
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _row_coords(pid, R, NP, SQ, ROWS: tl.constexpr):
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rmask = rows < R
+    q = rows % SQ
+    bh = rows // SQ
+    return rows, rmask, q, bh % NP, bh // NP
+
+
+@triton.jit
+def _load_scores(X, M, xrow, mrow, q, rmask, k, SK, scale, sxk, smk, HAS_MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Scaled scores of one ``[ROWS, BLOCK]`` tile, -inf where masked; ``keep`` marks the live ones."""
+    inb = rmask[:, None] & (k < SK)
+    keep = inb
+    if CAUSAL:
+        keep = keep & (k <= q[:, None])
+    if HAS_MASK:
+        mv = tl.load(M + mrow[:, None] + k * smk, mask=keep, other=1)
+        keep = keep & (mv == 0)
+    x = tl.load(X + xrow[:, None] + k * sxk, mask=keep, other=0.0).to(tl.float32)
+    s = tl.where(keep, x * scale, float("-inf"))
+    return s, keep, inb
+
+
+@triton.jit
+def _fwd_kernel(X, M, Y, scale, R, NP, SQ, SK,
+                sxb, sxh, sxq, sxk, smb, smh, smq, smk,
+                HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                ONE_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows, rmask, q, h, b = _row_coords(pid, R, NP, SQ, ROWS)
+    xrow = b * sxb + h * sxh + q * sxq
+    mrow = b * smb + h * smh + q * smq
+    yrow = rows * SK
+    cols = tl.arange(0, BLOCK)[None, :]
+    if ONE_BLOCK:
+        s, keep, inb = _load_scores(X, M, xrow, mrow, q, rmask, cols, SK, scale, sxk, smk, HAS_MASK, CAUSAL)
+        mx = tl.max(s, axis=1)
+        # A fully masked row has max -inf: subtract 0 instead, so every exp is exp(-inf) = 0, never NaN.
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        e = tl.where(keep, tl.exp(s - mx[:, None]), 0.0)
+        den = tl.sum(e, axis=1)
+        inv = tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+        y = e * inv[:, None]
+        tl.store(Y + yrow[:, None] + cols, y.to(Y.dtype.element_ty), mask=inb)
+    else:
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS,), tl.float32)
+        hi = SK
+        if CAUSAL:  # keys past the last query of the tile are all masked
+            hi = tl.minimum(SK, tl.max(tl.where(rmask, q, 0)) + 1)
+        for start in range(0, hi, BLOCK):
+            s, keep, inb = _load_scores(X, M, xrow, mrow, q, rmask, start + cols, SK, scale, sxk, smk,
+                                        HAS_MASK, CAUSAL)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(keep, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
+            m_i = m_new
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        for start in range(0, SK, BLOCK):
+            k = start + cols
+            s, keep, inb = _load_scores(X, M, xrow, mrow, q, rmask, k, SK, scale, sxk, smk, HAS_MASK, CAUSAL)
+            y = tl.where(keep, tl.exp(s - m_safe[:, None]) * inv[:, None], 0.0)
+            tl.store(Y + yrow[:, None] + k, y.to(Y.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def _bwd_kernel(DY, Y, DX, scale, R, NP, SQ, SK,
+                sdb, sdh, sdq, sdk, syb, syh, syq, syk,
+                CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows, rmask, q, h, b = _row_coords(pid, R, NP, SQ, ROWS)
+    drow = b * sdb + h * sdh + q * sdq
+    yrow = b * syb + h * syh + q * syq
+    xrow = rows * SK
+    cols = tl.arange(0, BLOCK)[None, :]
+    if ONE_BLOCK:
+        inb = rmask[:, None] & (cols < SK)
+        live = inb
+        if CAUSAL:  # y is zero above the diagonal: nothing to read there
+            live = live & (cols <= q[:, None])
+        dy = tl.load(DY + drow[:, None] + cols * sdk, mask=live, other=0.0).to(tl.float32)
+        y = tl.load(Y + yrow[:, None] + cols * syk, mask=live, other=0.0).to(tl.float32)
+        dot = tl.sum(dy * y, axis=1)
+        dx = scale * y * (dy - dot[:, None])
+        tl.store(DX + xrow[:, None] + cols, dx.to(DX.dtype.element_ty), mask=inb)
+    else:
+        hi = SK
+        if CAUSAL:
+            hi = tl.minimum(SK, tl.max(tl.where(rmask, q, 0)) + 1)
+        dot = tl.zeros((ROWS,), tl.float32)
+        for start in range(0, hi, BLOCK):
+            k = start + cols
+            live = rmask[:, None] & (k < SK)
+            if CAUSAL:
+                live = live & (k <= q[:, None])
+            dy = tl.load(DY + drow[:, None] + k * sdk, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + yrow[:, None] + k * syk, mask=live, other=0.0).to(tl.float32)
+            dot += tl.sum(dy * y, axis=1)
+        for start in range(0, SK, BLOCK):
+            k = start + cols
+            inb = rmask[:, None] & (k < SK)
+            live = inb
+            if CAUSAL:
+                live = live & (k <= q[:, None])
+            dy = tl.load(DY + drow[:, None] + k * sdk, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + yrow[:, None] + k * syk, mask=live, other=0.0).to(tl.float32)
+            dx = scale * y * (dy - dot[:, None])
+            tl.store(DX + xrow[:, None] + k, dx.to(DX.dtype.element_ty), mask=inb)
+
+
+def _config(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, int]:
+    """``(ROWS, BLOCK, ONE_BLOCK, num_warps)`` for ``n_rows`` rows of ``sk`` keys."""
+    interp = _interpreting()
+    cap = max_block if max_block is not None else MAX_BLOCK
+    block = min(_next_pow2(max(sk, 1)), _next_pow2(cap))
+    one = sk <= block
+    if interp:
+        # The interpreter pays per op of each program, hardly per element: a few programs of up to 2^16
+        # elements each.
+        rows = max(1, min(_next_pow2(-(-n_rows // 8)), (1 << 16) // block))
+    else:
+        rows = max(1, min(4096 // block, _next_pow2(n_rows)))
+    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    return rows, block, one, num_warps
+
+
+def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+            max_block: int | None = None) -> torch.Tensor:
+    """Probabilities of the 4-D scores ``x`` (any strides); ``mask`` already expanded to ``x``'s shape."""
+    b, h, sq, sk = x.shape
+    y = torch.empty((b, h, sq, sk), dtype=x.dtype, device=x.device)
+    n_rows = b * h * sq
+    if y.numel() == 0:
+        return y
+    rows, block, one, warps = _config(n_rows, sk, max_block)
+    if mask is not None:
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        ms = m.stride()
+    else:
+        m, ms = x, (0, 0, 0, 0)  # never read
+    _fwd_kernel[(triton.cdiv(n_rows, rows),)](
+        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms,
+        HAS_MASK=mask is not None, CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one,
+        num_warps=warps)
+    return y
+
+
+def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_dtype: torch.dtype,
+             max_block: int | None = None) -> torch.Tensor:
+    """``scale · y · (dy − Σ dy·y)`` of 4-D ``dy`` and ``y`` (any strides), contiguous in ``out_dtype``."""
+    b, h, sq, sk = y.shape
+    dx = torch.empty((b, h, sq, sk), dtype=out_dtype, device=y.device)
+    n_rows = b * h * sq
+    if dx.numel() == 0:
+        return dx
+    rows, block, one, warps = _config(n_rows, sk, max_block)
+    _bwd_kernel[(triton.cdiv(n_rows, rows),)](
+        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(),
+        CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one, num_warps=warps)
+    return dx
