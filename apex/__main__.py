@@ -12,7 +12,7 @@ def report() -> str:
     import torch
 
     import apex
-    from apex import _backend
+    from apex import _backend, _hardware
 
     lines = [
         f"apex:            {apex.__version__} ({os.path.dirname(apex.__file__)})",
@@ -40,6 +40,14 @@ def report() -> str:
         except RuntimeError as e:
             choice = f"error: {e}"
         lines.append(f"backend on {dev}: {choice} ({name})")
+        try:
+            cap = _hardware.capability(dev)
+            fast = ", ".join(str(d).replace("torch.", "") for d in cap.fast)
+            lines.append(f"fast dtypes on {dev}: {fast} ({cap.reason})")
+            if dev.type == "cpu" and not cap.has(torch.bfloat16):
+                lines.append(f"bf16 on {dev}:      {_hardware.measure_slowdown(torch.bfloat16).describe()}")
+        except RuntimeError as e:
+            lines.append(f"fast dtypes on {dev}: unknown ({e})")
     if torch.cuda.is_available():
         hip = getattr(torch.version, "hip", None)
         lines.append(f"gpu runtime:     {'ROCm ' + hip if hip else 'CUDA ' + str(torch.version.cuda)}")

@@ -5,7 +5,9 @@ A byte-level language model (vocabulary of 256 bytes, no tokenizer, nothing to d
 training and validation files deterministically by a hash of each file's relative path.
 
 apex pieces used:
-  * ``apex.amp`` (opt_level O1: bf16 on CPUs, fp16 on GPUs by default) with ``amp.scale_loss``;
+  * ``apex.amp`` with ``amp.scale_loss``: O1 in bf16 on CPUs that have bf16 hardware (AVX512-BF16 or AMX)
+    and in fp16 on GPUs; O0 (fp32) on CPUs without it, where bf16 is emulated and 30-85x slower
+    (``--dtype`` / ``--opt-level`` override the choice, ``python -m apex`` shows what the machine has);
   * ``apex.optimizers.FusedAdam`` (AdamW mode);
   * ``apex.normalization.FusedLayerNorm`` (or ``FusedRMSNorm`` with ``--norm rms``);
   * ``apex.parallel.DistributedDataParallel`` when started with ``torchrun --nproc_per_node N``
@@ -14,8 +16,8 @@ apex pieces used:
 
 Examples::
 
-    python examples/train_gpt.py                      # ~2 minutes on 2 CPU cores
-    python examples/train_gpt.py --compare            # apex bf16 + fused vs plain PyTorch fp32
+    python examples/train_gpt.py                      # a few minutes on 2 CPU cores
+    python examples/train_gpt.py --compare            # apex (amp + fused) vs plain PyTorch fp32
     python examples/train_gpt.py --save runs/ckpt     # checkpoint every --save-every steps
     python examples/train_gpt.py --resume runs/ckpt   # continue exactly where it stopped
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20
@@ -47,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from apex import amp
+from apex import _hardware, amp
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.optimizers import FusedAdam
 from apex.parallel import DistributedDataParallel as DDP
@@ -206,21 +208,21 @@ class GPT(nn.Module):
         return bytes(idx[0].tolist())
 
 
-def attention_kind(args, impl: str, device: torch.device) -> str:
+def attention_kind(args, dtype: torch.dtype, device: torch.device) -> str:
     """``--attention auto``: the faster kernel for the run's compute dtype (measured on CPUs: fused SDPA in
     fp32, matmul + softmax in bf16/fp16); fused SDPA on GPUs."""
     if args.attention != "auto":
         return args.attention
-    return "math" if impl == "apex" and device.type == "cpu" else "sdpa"
+    return "math" if dtype != torch.float32 and device.type == "cpu" else "sdpa"
 
 
-def make_model(args, impl: str, device: torch.device) -> GPT:
+def make_model(args, impl: str, dtype: torch.dtype, device: torch.device) -> GPT:
     if impl == "torch":
         norm = nn.LayerNorm if args.norm == "layer" else nn.RMSNorm
     else:
         norm = FusedLayerNorm if args.norm == "layer" else FusedRMSNorm
     return GPT(args.n_layer, args.n_head, args.n_embd, args.block_size, norm,
-               attention_kind(args, impl, device)).to(device)
+               attention_kind(args, dtype, device)).to(device)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -242,10 +244,40 @@ def lr_at(step: int, args) -> float:
 # Training.
 
 
-def amp_dtype(args, device: torch.device) -> torch.dtype:
-    if args.dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.bfloat16
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+STEPS_HALF, STEPS_FP32 = 400, 200
+
+
+def default_steps(args, device: torch.device) -> int:
+    """Fewer steps when the run computes in fp32, so that the first command takes minutes on any CPU."""
+    dtype = choose_precision(args, device)[0] if args.impl == "apex" else torch.float32
+    return STEPS_FP32 if dtype == torch.float32 else STEPS_HALF
+
+
+def choose_precision(args, device: torch.device) -> tuple[torch.dtype, str, str]:
+    """``(compute dtype, amp opt_level, why)`` for the apex run.
+
+    ``--dtype auto`` picks a half type only where the hardware computes in it (``apex._hardware``): on CPUs
+    bf16 with AVX512-BF16 or AMX, on GPUs fp16 (compute capability 7.0+) or bf16 (8.0+); elsewhere fp32
+    with amp O0, still with FusedAdam and the fused norm. On a CPU without bf16 hardware a bf16 matmul takes
+    30-85x the time of the fp32 one, which would turn a 2-minute run into hours. An explicit ``--dtype``
+    or ``--opt-level`` is obeyed (amp warns once when the half type is emulated).
+    """
+    cap = _hardware.capability(device)
+    if args.opt_level == "O0":
+        return torch.float32, "O0", "--opt-level O0"
+    if args.dtype != "auto":
+        dtype = DTYPES[args.dtype]
+        return dtype, "O0" if dtype == torch.float32 else args.opt_level or "O1", f"--dtype {args.dtype}"
+    preferred = (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.bfloat16, torch.float16)
+    for dtype in preferred:
+        if cap.has(dtype):
+            return dtype, args.opt_level or "O1", f"--dtype auto: {cap.reason}"
+    if args.opt_level is not None:  # a half opt level asked for by name: do it, in the default half type
+        return preferred[0], args.opt_level, f"--opt-level {args.opt_level}, although {cap.reason}"
+    return torch.float32, "O0", f"--dtype auto: {cap.reason}"
 
 
 class Run:
@@ -255,19 +287,22 @@ class Run:
 
     def __init__(self, args, info: DistInfo, impl: str):
         self.args, self.info, self.impl, self.use_amp = args, info, impl, impl == "apex"
+        if self.use_amp:
+            self.dtype, self.opt_level, self.why = choose_precision(args, info.device)
+        else:
+            self.dtype, self.opt_level, self.why = torch.float32, None, "the plain PyTorch baseline"
         torch.manual_seed(args.seed)  # both implementations start from the same weights
-        model = make_model(args, impl, info.device)
-        self.attention = attention_kind(args, impl, info.device)
+        model = make_model(args, impl, self.dtype, info.device)
+        self.attention = attention_kind(args, self.dtype, info.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         groups = param_groups(model, args.weight_decay)
         if self.use_amp:
             optimizer = FusedAdam(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True)
-            self.dtype = amp_dtype(args, info.device)
-            model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0,
-                                              half_dtype=self.dtype)
+            half = self.dtype if self.dtype != torch.float32 else None
+            model, optimizer = amp.initialize(model, optimizer, opt_level=self.opt_level, verbosity=0,
+                                              half_dtype=half)
         else:
             optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-            self.dtype = torch.float32
         self.raw, self.optimizer = model, optimizer
         self.model = DDP(model) if info.distributed else model
         self.history: dict[str, list] = {"train": [], "val": []}
@@ -275,7 +310,9 @@ class Run:
 
     def casting(self):
         """amp O1 switches autocast on for the whole process (as Apex's O1 patched torch functions
-        globally), so the fp32 baseline of ``--compare`` must switch it off around its own work."""
+        globally), so the fp32 baseline of ``--compare`` switches it off around all its own work: forward,
+        backward (autograd replays the autocast state of the thread that calls ``backward()``), clipping
+        and the optimizer step."""
         return contextlib.nullcontext() if self.use_amp else torch.autocast(self.info.device.type, enabled=False)
 
     def load(self, state: dict) -> None:
@@ -300,19 +337,19 @@ class Run:
             group["lr"] = lr_at(step, args)
         with self.casting():
             logits, loss = self.model(x, y)
-        if not self.use_amp and logits.dtype != torch.float32:
-            raise RuntimeError(f"the fp32 baseline computed in {logits.dtype}: mixed precision leaked into it")
-        if self.use_amp:
-            with amp.scale_loss(loss, self.optimizer) as scaled_loss:
-                scaled_loss.backward()
-            params = amp.master_params(self.optimizer)  # gradients are unscaled when the block exits
-        else:
-            loss.backward()
-            params = self.model.parameters()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if not self.use_amp and logits.dtype != torch.float32:
+                raise RuntimeError(f"the fp32 baseline computed in {logits.dtype}: mixed precision leaked in")
+            if self.use_amp:
+                with amp.scale_loss(loss, self.optimizer) as scaled_loss:  # backward without O1's casts
+                    scaled_loss.backward()
+                params = amp.master_params(self.optimizer)  # gradients are unscaled when the block exits
+            else:
+                loss.backward()
+                params = self.model.parameters()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         loss_t = loss.detach().float()
         if info.distributed:
             dist.all_reduce(loss_t)
@@ -363,6 +400,7 @@ class Run:
         tail = [v for _, v in h["train"]][-self.args.eval_interval:] or [float("nan")]
         return {
             "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "attention": self.attention,
+            "opt_level": self.opt_level, "why": self.why,
             "steps": done,
             "finished": done >= self.args.steps, "params": self.n_params, "tokens_per_s": self.tokens_per_s(),
             "train_time_s": self.train_time, "final_train_loss": sum(tail) / len(tail), "train_tail": len(tail),
@@ -402,6 +440,10 @@ def train(args, info: DistInfo) -> dict:
         if info.is_main:
             print(f"resumed from {args.resume} at step {start}/{args.steps}", flush=True)
     save_dir = args.save or args.resume
+    if info.is_main:
+        for run in runs:
+            print(f"{run.impl}: computes in {str(run.dtype).replace('torch.', '')}"
+                  + (f" with amp {run.opt_level}" if run.use_amp else "") + f" ({run.why})", flush=True)
 
     def checkpoint(step: int) -> None:
         if save_dir and info.is_main:
@@ -410,30 +452,38 @@ def train(args, info: DistInfo) -> dict:
     bar = tqdm(total=args.steps, initial=start, disable=not info.is_main or args.no_progress, unit="step",
                dynamic_ncols=True, desc="train", file=sys.stderr)
     stop = args.steps if args.stop_at is None else max(start, min(args.steps, args.stop_at))
-    val = {}
+    postfix: dict[str, str] = {}
+
+    def show(run: Run, loss: float) -> None:
+        at, v = run.history["val"][-1] if run.history["val"] else (0, float("nan"))
+        postfix[run.impl] = f"loss {loss:.3f} val {v:.3f} (step {at}) {run.tokens_per_s():,.0f} tok/s"
+
+    def validate(step: int) -> None:
+        for run in runs:
+            if not run.history["val"] or run.history["val"][-1][0] != step:
+                run.history["val"].append((step, run.evaluate(val_data)))
+        if info.is_main:  # a run stopped with Ctrl-C keeps the metrics and plot of its last validation
+            write_progress(Path(args.out), runs, step)
+
     for step in range(start, stop):
         if step % args.eval_interval == 0:
-            for run in runs:
-                val[run.impl] = run.evaluate(val_data)
-                run.history["val"].append((step, val[run.impl]))
+            validate(step)
         x, y = get_batch(train_data, args.batch_size, args.block_size,
                          batch_seed(args.seed, step, info.rank, info.world_size))
         x, y = x.to(info.device), y.to(info.device)
-        postfix = {}
         for run in runs:
             # The first step of a process pays one-off costs (allocator warm-up, kernel selection).
-            loss = run.train_step(step, x, y, timed=step > start)
-            postfix[run.impl] = f"loss {loss:.3f} val {val.get(run.impl, float('nan')):.3f} " \
-                                f"{run.tokens_per_s():,.0f} tok/s"
+            show(run, run.train_step(step, x, y, timed=step > start))
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             checkpoint(step + 1)
-    bar.close()
     if stop >= args.steps:
-        for run in runs:
-            if not run.history["val"] or run.history["val"][-1][0] != stop:
-                run.history["val"].append((stop, run.evaluate(val_data)))
+        validate(stop)
+        for run in runs:  # the bar's last line shows the final validation, not the one of step 0
+            show(run, run.history["train"][-1][1] if run.history["train"] else float("nan"))
+        bar.set_postfix(postfix, refresh=True)
+    bar.close()
     checkpoint(stop)
 
     peak, peak_kind = peak_memory_mib(info.device)
@@ -458,9 +508,24 @@ def train(args, info: DistInfo) -> dict:
 LABELS = {"apex": "apex", "torch": "PyTorch"}
 
 
+def write_progress(directory: Path, runs: list[Run], step: int) -> None:
+    """``metrics.json`` (``"finished": false``) and the loss plot as of the validation at ``step``; the end of
+    the run overwrites both with the full report."""
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = {"steps": step, "finished": False, "runs": {
+        r.impl: {"impl": r.impl, "dtype": str(r.dtype).replace("torch.", ""), "opt_level": r.opt_level,
+                 "why": r.why, "tokens_per_s": r.tokens_per_s(), "history": r.history} for r in runs}}
+    tmp = directory / "metrics.json.tmp"
+    tmp.write_text(json.dumps(partial, indent=1))
+    os.replace(tmp, directory / "metrics.json")  # never a half-written file, whenever Ctrl-C comes
+    plot_losses(directory / ("compare.png" if len(runs) == 2 else "loss.png"),
+                {f"{LABELS[r.impl]} {partial['runs'][r.impl]['dtype']}": r.history for r in runs},
+                f"step {step} of {runs[0].args.steps} (in progress)")
+
+
 def describe(r: dict, norm: str) -> str:
     if r["impl"] == "apex":
-        return f"amp O1 {r['dtype']}, FusedAdam, Fused{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
+        return f"amp {r['opt_level']} {r['dtype']}, FusedAdam, Fused{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
     return f"fp32, AdamW, nn.{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
 
 
@@ -472,6 +537,7 @@ def report(out: dict, directory: Path) -> None:
     rows = [
         ("", [LABELS[r["impl"]] for r in runs], "apex / PyTorch"),
         ("setup", [describe(r, norm) for r in runs], ""),
+        ("precision chosen by", [r["why"] for r in runs], ""),
         ("attention", [r["attention"] for r in runs], ""),
         ("parameters", [f"{r['params'] / 1e6:.2f} M" for r in runs], ""),
         ("steps", [str(r["steps"]) for r in runs], ""),
@@ -518,7 +584,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m.add_argument("--norm", choices=["layer", "rms"], default="layer",
                    help="FusedLayerNorm or FusedRMSNorm (nn.LayerNorm / nn.RMSNorm with --impl torch)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps (default: {STEPS_HALF} in a half type, {STEPS_FP32} in fp32, whose steps "
+                        "take about twice as long on CPUs)")
     t.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
@@ -532,9 +600,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = p.add_argument_group("precision and hardware")
     r.add_argument("--impl", choices=["apex", "torch"], default="apex",
                    help="apex (amp + fused optimizer + fused norm) or the plain PyTorch fp32 baseline")
-    r.add_argument("--opt-level", default="O1", help="apex.amp opt_level")
-    r.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
-                   help="amp's half type: auto is bf16 on CPUs and fp16 on GPUs")
+    r.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default=None,
+                   help="apex.amp opt_level (default: O1 in a half type, O0 in fp32)")
+    r.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="compute dtype: auto is a half type where the hardware has it (bf16 on CPUs with "
+                        "AVX512-BF16 or AMX, fp16 on GPUs) and fp32 (amp O0) elsewhere")
     add_runtime_args(r)
     o = p.add_argument_group("outputs and checkpoints")
     o.add_argument("--out", default="runs/train_gpt", help="directory for metrics.json and the loss plot")
@@ -551,7 +621,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compare and (args.save or args.resume):
         p.error("--compare does not checkpoint; drop --save/--resume")
-    require_positive(p, args, ("steps", "batch_size", "eval_interval", "eval_batches", "n_layer", "n_head",
+    if args.dtype == "fp32" and args.opt_level not in (None, "O0"):
+        p.error(f"--dtype fp32 computes in fp32: it goes with --opt-level O0, not {args.opt_level}")
+    if args.dtype in ("bf16", "fp16") and args.opt_level == "O0":
+        p.error(f"--opt-level O0 computes in fp32: drop --dtype {args.dtype} or pick O1/O2/O3")
+    require_positive(p, args, ("steps",) if args.steps is not None else ())
+    require_positive(p, args, ("batch_size", "eval_interval", "eval_batches", "n_layer", "n_head",
                                "n_embd", "block_size"))
     return args
 
@@ -560,11 +635,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     info = setup_distributed(args.device, args.dist_timeout)
     try:
+        if args.steps is None:
+            args.steps = default_steps(args, info.device)
         threads = set_cpu_threads(args.threads, info) if info.device.type == "cpu" else 0
         if info.is_main:
             what = "apex vs PyTorch fp32, step for step" if args.compare else args.impl
             print(f"train_gpt: {what} on {info.device}, {info.world_size} rank(s) x "
-                  f"{threads or torch.get_num_threads()} thread(s)", flush=True)
+                  f"{threads or torch.get_num_threads()} thread(s), {args.steps} steps", flush=True)
         t0 = time.perf_counter()
         try:
             out = train(args, info)

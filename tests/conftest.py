@@ -1,13 +1,26 @@
-"""Test configuration: Triton kernels run under the interpreter on this CPU-only machine.
+"""Test configuration: where the Triton kernels run.
+
+By default the Triton kernels run on CPU tensors under the Triton interpreter. ``APEX_TEST_DEVICE=cuda``
+runs the Triton-path cases compiled on a GPU instead (see ``tests/_device.py``); they are skipped, with the
+reason, where no CUDA device is visible::
+
+    APEX_TEST_DEVICE=cuda python -m pytest tests/ops tests/optimizers tests/normalization
 
 ``TRITON_INTERPRET`` must be set before any module that defines ``@triton.jit`` kernels is imported.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests import _device
+
+DEVICE = _device.requested()
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, never the interpreter
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
@@ -15,21 +28,70 @@ import torch  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-if HAS_TRITON:
+if HAS_TRITON and DEVICE == "cpu":
     from apex.testing import prepare_interpreter  # noqa: E402
 
     prepare_interpreter()
+elif HAS_TRITON:
+    # Test modules import TritonTrace after this file runs: they get the compiled-kernel launch counter.
+    import apex.testing  # noqa: E402
+
+    apex.testing.TritonTrace = _device.LaunchCounter
 
 BACKENDS = ["torch", "triton"] if HAS_TRITON else ["torch"]
 
 
+def pytest_report_header(config):
+    where, why = _device.triton_device()
+    if DEVICE == "cpu":
+        return "apex Triton-path tests: CPU tensors under the Triton interpreter (APEX_TEST_DEVICE=cuda for a GPU)"
+    if where is None:
+        return f"apex Triton-path tests: skipped ({why})"
+    return f"apex Triton-path tests: compiled on {torch.cuda.get_device_name(where)} ({where})"
+
+
+@contextlib.contextmanager
+def _triton_case():
+    """The place a Triton-path case runs: a skip without a GPU under the switch, else the device."""
+    where, why = _device.triton_device()
+    if where is None:
+        pytest.skip(why)
+    if where.type == "cuda":
+        with _device.OnDevice(where):
+            yield where
+    else:
+        yield where
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_name(request):
-    """Run a test once on the PyTorch path and once on the Triton path (interpreted)."""
+    """Run a test once on the PyTorch path (CPU tensors) and once on the Triton path (interpreted on CPU
+    tensors, or compiled on a GPU under ``APEX_TEST_DEVICE=cuda``)."""
     import apex
 
-    with apex.backend(request.param):
+    if request.param == "torch":
+        with apex.backend("torch"):
+            yield request.param
+        return
+    with _triton_case(), apex.backend("triton"):
         yield request.param
+
+
+@pytest.fixture
+def device(request):
+    """The device of the current case: the GPU for a Triton-path case under ``APEX_TEST_DEVICE=cuda``, the
+    CPU otherwise. For tensors a test creates with an explicit ``device=``."""
+    if "backend_name" in request.fixturenames and request.getfixturevalue("backend_name") == "triton":
+        return _device.triton_device()[0]
+    return torch.device("cpu")
+
+
+@pytest.fixture
+def triton_device():
+    """For tests that run the Triton path themselves (``with apex.backend("triton")``): skips without a GPU
+    under the switch, and creates the test's tensors on the device that the kernels run on."""
+    with _triton_case() as where:
+        yield where
 
 
 @pytest.fixture(autouse=True)

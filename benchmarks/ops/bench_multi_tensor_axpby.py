@@ -1,8 +1,8 @@
 """multi_tensor_axpby (out = a*x + b*y + inf/NaN check) over 1,000 tensors."""
 
+import amp_C
 import torch
 
-import amp_C
 from benchmarks._harness import Case, Counted
 from benchmarks.ops._lists import mixed_sizes, nbytes
 

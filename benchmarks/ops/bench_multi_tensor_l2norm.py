@@ -1,8 +1,8 @@
 """multi_tensor_l2norm (total and per-tensor norms) over 1,000 tensors."""
 
+import amp_C
 import torch
 
-import amp_C
 from benchmarks._harness import Case, Counted
 from benchmarks.ops._lists import mixed_sizes, nbytes
 

@@ -1,9 +1,9 @@
 """update_scale_hysteresis: the sync-free update against the Python fallback Megatron/NeMo use without
 amp_C (branches on ``found_inf.item()``, one host sync per step)."""
 
+import amp_C
 import torch
 
-import amp_C
 from benchmarks._harness import Case, Counted
 
 

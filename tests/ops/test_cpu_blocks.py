@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 
+import amp_C
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amp_C
 from apex.ops import _cpu_blocks
 from apex.testing import assert_rel_close
 

@@ -2,10 +2,10 @@
 gives them the same values as their contiguous twins, on both paths; a list whose layout differs from list
 0's at the same index is refused before anything changes."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.testing import assert_rel_close
 from tests.ops._lists import flag
 

@@ -1,9 +1,9 @@
 """amp_C.multi_tensor_adagrad against float64 in both modes, launches and bytes."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import flag, ragged
 
@@ -38,7 +38,7 @@ def test_adagrad_matches_float64(backend_name, mode, dtype):
         assert_rel_close(hh, rh, baseline=rh.to(dtype))
 
 
-def test_triton_moves_the_minimum_bytes():
+def test_triton_moves_the_minimum_bytes(triton_device):
     pytest.importorskip("triton")
     import apex
 

@@ -1,12 +1,12 @@
 """amp_C.multi_tensor_adam / _capturable / _capturable_master against float64, noop and unscale
 semantics, one launch and the minimum bytes on the Triton path."""
 
+import amp_C
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amp_C
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import flag, ragged
 
@@ -97,7 +97,7 @@ def test_adam_ignores_noop_and_propagates_nonfinite(backend_name):
     assert not torch.isfinite(m[2][5]) and torch.isfinite(p[0]).all()
 
 
-def test_triton_moves_the_minimum_bytes():
+def test_triton_moves_the_minimum_bytes(triton_device):
     pytest.importorskip("triton")
     g, p, m, v = _state(torch.float32, 3)
     n = sum(x.numel() for x in p)

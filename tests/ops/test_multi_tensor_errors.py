@@ -1,9 +1,9 @@
 """Wrong input to the amp_C ops is rejected with an error naming what was wrong, and changes nothing."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from tests.ops._lists import flag
 
 OPS = {

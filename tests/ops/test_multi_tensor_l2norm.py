@@ -1,9 +1,9 @@
+import amp_C
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amp_C
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import CHUNK_SIZES, flag, mixed, ragged
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
+import amp_C
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
 from apex.testing import TritonTrace, assert_rel_close
 

@@ -1,9 +1,9 @@
 """amp_C.multi_tensor_lars against float64: trust ratios per tensor, is_skipped, noop, one launch."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import flag, ragged
 

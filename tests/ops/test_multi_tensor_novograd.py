@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
 from apex.testing import TritonTrace, assert_rel_close
 

@@ -1,7 +1,7 @@
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import CHUNK_SIZES, flag, mixed, ragged

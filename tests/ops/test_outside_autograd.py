@@ -2,10 +2,10 @@
 outside ``torch.no_grad()`` (on both paths), they are updated in place, and nothing joins the autograd
 graph."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from tests.ops._lists import flag
 
 

@@ -2,12 +2,12 @@
 
 import math
 
+import amp_C
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import amp_C
 from apex.ops.update_scale_hysteresis import _update_torch, update_scale_hysteresis
 from tests.conftest import HAS_TRITON
 
@@ -95,10 +95,10 @@ def test_matches_kernel_reference_torch(found, growth_factor, backoff_factor, in
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(found=st.lists(st.sampled_from([0.0, 1.0]), min_size=1, max_size=6),
        backoff_factor=st.sampled_from([0.5, 0.3]), interval=st.integers(1, 3), hysteresis=st.integers(1, 3))
-def test_matches_kernel_reference_triton(found, backoff_factor, interval, hysteresis):
+def test_matches_kernel_reference_triton(triton_device, found, backoff_factor, interval, hysteresis):
     import apex
     from apex.testing import TritonTrace
 

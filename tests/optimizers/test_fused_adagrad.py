@@ -121,7 +121,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit(backend_name):
     assert_state_equal(opt.state_dict(), opt2.state_dict())
 
 
-def test_one_launch_per_dtype_group():
+def test_one_launch_per_dtype_group(triton_device):
     pytest.importorskip("triton")
     params = make_params(SHAPES_TRITON) + make_params(SHAPES_TRITON, torch.float16, seed=3)
     opt = FusedAdagrad(params)

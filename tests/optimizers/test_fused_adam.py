@@ -263,7 +263,7 @@ def _watch_all(tr, opt):
             tr.watch(p, p.grad, [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)])
 
 
-def test_one_launch_per_dtype_group_and_bounds():
+def test_one_launch_per_dtype_group_and_bounds(triton_device):
     pytest.importorskip("triton")
     shapes = [(1,), (3,), (4097,), (5, 7, 3)]
     params = make_params(shapes) + make_params(shapes, torch.float16, seed=3) + make_params(

@@ -170,7 +170,7 @@ def test_grad_scaler_inf_step_changes_nothing(backend_name):
             assert torch.equal(t, before[1]["state"][k][name])
 
 
-def test_triton_launches_are_constant_and_in_bounds():
+def test_triton_launches_are_constant_and_in_bounds(triton_device):
     def launches(n_params):
         params = [torch.nn.Parameter(torch.randn(7 + 13 * i)) for i in range(n_params)]
         half = [torch.nn.Parameter(torch.randn(5).half()) for _ in range(2)]
@@ -194,7 +194,7 @@ def test_triton_launches_are_constant_and_in_bounds():
     assert few <= 3 + 3 * 2
 
 
-def test_no_trust_ratio_is_a_single_pass():
+def test_no_trust_ratio_is_a_single_pass(triton_device):
     params = [torch.nn.Parameter(torch.randn(s)) for s in (3, 4097)]
     for p in params:
         p.grad = torch.randn_like(p)

@@ -97,7 +97,7 @@ def test_nonfinite_gradient_skips_the_step(backend_name):
     assert not torch.equal(params[0], before[0])
 
 
-def test_launches_are_constant_per_dtype_group():
+def test_launches_are_constant_per_dtype_group(triton_device):
     pytest.importorskip("triton")
     params = make_params(SHAPES_TRITON)
     opt = FusedLARS(params, lr=0.1, momentum=0.9)

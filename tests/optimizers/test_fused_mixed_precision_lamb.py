@@ -167,7 +167,7 @@ def test_lr_scheduler_and_param_groups(backend_name):
     assert [g["step"].item() for g in opt.param_groups] == [2, 2]
 
 
-def test_triton_launches_are_constant_and_in_bounds():
+def test_triton_launches_are_constant_and_in_bounds(triton_device):
     def launches(n):
         params = [torch.nn.Parameter(torch.randn(3 + 11 * i).half()) for i in range(n)]
         for p in params:

@@ -210,7 +210,7 @@ def test_grad_scaler_inf_step_changes_nothing(backend_name):
     assert opt.param_groups[0]["step"] == 1
 
 
-def test_triton_launches_are_constant_and_in_bounds():
+def test_triton_launches_are_constant_and_in_bounds(triton_device):
     def launches(n):
         params = [torch.nn.Parameter(torch.randn(3 + 11 * i)) for i in range(n)]
         for p in params:
