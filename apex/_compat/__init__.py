@@ -38,6 +38,8 @@ MODULES = (
     "fast_multihead_attn",
     "fmhalib",
     "bnp",
+    "fused_adam_cuda",
+    "fused_lamb_cuda",
 )
 
 
