@@ -1,0 +1,178 @@
+"""One tiled GEMM with fused prologues and epilogues, the building block of ``apex.ops.fused_dense``.
+
+``C[M, N] = epilogue(prologue_A(A[M, K]) @ prologue_B(B[K, N]))`` with fp32 accumulation, where
+
+* ``prologue_A``: ``A ← act(A)`` (``PRO_A``, a deferred GELU of the previous layer) and/or
+  ``A ← A · act'(AUX_A)`` (``DACT_A``, the activation derivative of the layer being differentiated,
+  computed from its saved output, or its pre-activation for GELU);
+* ``prologue_B``: ``B ← act(B)`` (``PRO_B``);
+* ``epilogue``: ``+ bias[n]``, then ``act`` (``EPI_ACT``), then ``· act'(AUX_C)`` (``DACT_C``);
+* ``ROWSUM``: the sum over ``K`` of the (prologued) ``A`` rows, written to ``DB[m]`` by the programs of
+  the first column block: the bias gradient of a weight-gradient GEMM, reduced in the same pass.
+
+Activation codes (Apex's ``mlp_cuda`` numbering, GELU added): 0 none, 1 ReLU, 2 sigmoid, 3 GELU with
+the tanh approximation (cuBLASLt's). Derivatives: ReLU and sigmoid from the activation's output
+(``y > 0``, ``y(1 − y)``), GELU from its input.
+
+Operands may have any strides (transposed views need no copy). fp16/bf16 operands go to ``tl.dot`` as they
+are (fp32 accumulation); fp32 operands use ``input_precision="ieee"`` unless the caller allows tf32. Under
+the Triton interpreter bf16 operands are upcast to fp32 before the dot (the interpreter's bf16 dot is
+wrong) and one fixed tile configuration, sized to the problem, is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = tl.sigmoid(x)
+    elif ACT == 3:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u); libdevice is unavailable under the interpreter
+        x = 0.5 * x * (1.0 + t)
+    return x
+
+
+@triton.jit
+def _dact(aux, ACT: tl.constexpr):
+    """act'(·) from the saved tensor: the output for ReLU/sigmoid, the input for GELU."""
+    if ACT == 1:
+        d = tl.where(aux > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        d = aux * (1.0 - aux)
+    else:
+        u = 0.7978845608028654 * (aux + 0.044715 * aux * aux * aux)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * aux * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * aux * aux)
+    return d
+
+
+@triton.jit
+def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K,
+                 s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_xm, s_xk, s_ym, s_yn,
+                 PRO_A: tl.constexpr, DACT_A: tl.constexpr, PRO_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EPI_ACT: tl.constexpr, DACT_C: tl.constexpr, ROWSUM: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    # Grouped ordering: GROUP_M row blocks share their B column blocks in L2.
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_mask = rm < M
+    n_mask = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if ROWSUM:
+        rsum = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_mask = kk < K
+        kk64 = kk.to(tl.int64)
+        a_mask = m_mask[:, None] & k_mask[None, :]
+        a = tl.load(A + rm64[:, None] * s_am + kk64[None, :] * s_ak, mask=a_mask, other=0.0)
+        if PRO_A != 0 or DACT_A != 0 or ROWSUM:
+            af = a.to(tl.float32)
+            if PRO_A != 0:
+                af = _act(af, PRO_A)
+            if DACT_A != 0:
+                x = tl.load(AuxA + rm64[:, None] * s_xm + kk64[None, :] * s_xk, mask=a_mask, other=0.0)
+                af = af * _dact(x.to(tl.float32), DACT_A)
+            af = tl.where(a_mask, af, 0.0)
+            if ROWSUM:
+                rsum += tl.sum(af, axis=1)
+            a = af.to(A.dtype.element_ty)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(B + kk64[:, None] * s_bk + rn64[None, :] * s_bn, mask=b_mask, other=0.0)
+        if PRO_B != 0:
+            b = tl.where(b_mask, _act(b.to(tl.float32), PRO_B), 0.0).to(B.dtype.element_ty)
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION)
+
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        bias = tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    if EPI_ACT != 0:
+        acc = _act(acc, EPI_ACT)
+    if DACT_C != 0:
+        y = tl.load(AuxC + rm64[:, None] * s_ym + rn64[None, :] * s_yn, mask=c_mask, other=0.0)
+        acc = acc * _dact(y.to(tl.float32), DACT_C)
+    tl.store(C + rm64[:, None] * s_cm + rn64[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=c_mask)
+    if ROWSUM:
+        if pid_n == 0:  # every column block computed the same sums; one writes them
+            tl.store(DB + rm, rsum.to(DB.dtype.element_ty), mask=m_mask)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    if _interpreting():
+        # The interpreter pays per operation, not per element: one large tile per dimension.
+        return dict(BM=_pow2(m, 16, 64), BN=_pow2(n, 16, 128), BK=_pow2(k, 16, 128), GROUP_M=8,
+                    num_warps=4, num_stages=1)
+    bk = 32 if dtype == torch.float32 else 64
+    bm = 128 if m > 64 else 64
+    bn = 128 if n > 64 else 64
+    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, epi_act: int = NONE,
+         pro_a: int = NONE, dact_a: int = NONE, aux_a: torch.Tensor | None = None, pro_b: int = NONE,
+         dact_c: int = NONE, aux_c: torch.Tensor | None = None, rowsum: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None, allow_tf32: bool = False) -> torch.Tensor:
+    """``C = epilogue(prologue(a) @ prologue(b))`` (see the module docstring); one launch.
+
+    ``a`` is ``[M, K]`` and ``b`` ``[K, N]``, any strides; ``aux_a`` has ``a``'s shape, ``aux_c`` and the
+    result ``C`` (contiguous, ``out_dtype``) are ``[M, N]``; ``rowsum`` (``[M]``, written) receives the row
+    sums of the prologued ``a``.
+    """
+    m, k = a.shape
+    k2, n = b.shape
+    assert k == k2 and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
+    if m == 0 or n == 0:
+        return c
+    cfg = _config(m, n, k, a.dtype)
+    interp = _interpreting()
+    precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
+    upcast = interp and a.dtype == torch.bfloat16
+    xa = aux_a if aux_a is not None else a
+    yc = aux_c if aux_c is not None else c
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    _gemm_kernel[grid](
+        a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        xa.stride(0), xa.stride(1), yc.stride(0), yc.stride(1),
+        PRO_A=pro_a, DACT_A=dact_a, PRO_B=pro_b, HAS_BIAS=bias is not None, EPI_ACT=epi_act, DACT_C=dact_c,
+        ROWSUM=rowsum is not None, UPCAST=upcast, PRECISION=precision, **cfg)
+    return c

@@ -1,0 +1,103 @@
+"""Apex's ``MLP``: ``y = act(… act(act(x W₀ᵀ + b₀) W₁ᵀ + b₁) …)``, the activation after every layer.
+
+Each layer is one fused GEMM (bias and activation in its epilogue on GPUs, ``torch.addmm`` with the
+activation in place on CPUs); see :mod:`apex.ops.fused_dense`. Differences from Apex: the input may have
+any leading dimensions (``[..., mlp_sizes[0]]``, Apex required 2-D); bf16 works on every path; fp64 runs
+on the PyTorch path. Under ``torch.autocast`` the input and parameters are cast to the autocast dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from copy import copy
+
+import torch
+from torch import nn
+
+from apex.ops.fused_dense import autocast_args, chain_grads, check_chain, save_chain
+
+_CODES = {"none": 0, "relu": 1, "sigmoid": 2}
+
+
+class MlpFunction(torch.autograd.Function):
+    """``MlpFunction.apply(bias, activation, input, *weights, *biases)`` (Apex's signature): ``bias`` is 0/1,
+    ``activation`` 0 (none), 1 (relu) or 2 (sigmoid)."""
+
+    @staticmethod
+    def forward(ctx, bias, activation, *args):
+        n = (len(args) - 1) // 2 if bias else len(args) - 1
+        return save_chain(ctx, (int(activation),) * n, bool(bias), args[0], args[1:])
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        dx, dws, dbs = chain_grads(ctx, grad_o, 2)
+        return (None, None, dx, *dws, *dbs)
+
+
+def mlp_function(bias, activation, *args) -> torch.Tensor:
+    """Differentiable MLP on ``args = (input, *weights, *biases)``; autocast-aware, checked."""
+    if activation not in (0, 1, 2):
+        raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
+    if not args:
+        raise ValueError("mlp_function needs an input and at least one weight")
+    cast, dev = autocast_args(*args)
+    n = len(cast) - 1
+    if bias:
+        if n % 2:
+            raise ValueError(f"with bias, args must be (input, *weights, *biases); got {len(cast)} tensors")
+        n //= 2
+    check_chain(cast[0], list(cast[1:1 + n]), list(cast[1 + n:]) if bias else [], (int(activation),) * n)
+    with torch.autocast(dev, enabled=False):
+        return MlpFunction.apply(bias, activation, *cast)
+
+
+class MLP(nn.Module):
+    """Multi-layer perceptron with fused GEMM + bias + activation layers.
+
+    Args:
+        mlp_sizes: feature sizes, input first: ``[480, 1024, 1]`` makes two layers, 480→1024→1.
+        bias: add a bias to every layer.
+        activation: ``'none'``, ``'relu'`` or ``'sigmoid'``, applied after every layer, the last included.
+
+    Parameters ``weight_i`` (``[mlp_sizes[i+1], mlp_sizes[i]]``) and ``bias_i``; ``weights`` and ``biases``
+    list them. Initialisation (Apex's): weights ``N(0, 2/(fan_in + fan_out))``, biases ``N(0, 1/fan_out)``.
+    """
+
+    def __init__(self, mlp_sizes, bias: bool = True, activation: str = "relu"):
+        super().__init__()
+        sizes = list(mlp_sizes) if isinstance(mlp_sizes, (list, tuple)) else None
+        if not sizes or len(sizes) < 2 or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
+                                               for s in sizes):
+            raise ValueError(f"mlp_sizes must be a list of at least two positive ints, got {mlp_sizes!r}")
+        if activation not in _CODES:
+            raise TypeError(f"activation must be 'none', 'relu' or 'sigmoid', got {activation!r}")
+        self.num_layers = len(sizes) - 1
+        self.mlp_sizes = copy(sizes)
+        self.bias = 1 if bias else 0
+        self.activation = _CODES[activation]
+        for i in range(self.num_layers):
+            setattr(self, f"weight_{i}", nn.Parameter(torch.empty(sizes[i + 1], sizes[i])))
+            if self.bias:
+                setattr(self, f"bias_{i}", nn.Parameter(torch.empty(sizes[i + 1])))
+        self.reset_parameters()
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight_{i}") for i in range(self.num_layers)]
+
+    @property
+    def biases(self) -> list[nn.Parameter]:
+        return [getattr(self, f"bias_{i}") for i in range(self.num_layers)] if self.bias else []
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in self.weights:
+                nn.init.normal_(w, 0.0, math.sqrt(2.0 / float(w.size(0) + w.size(1))))
+            for b in self.biases:
+                nn.init.normal_(b, 0.0, math.sqrt(1.0 / float(b.size(0))))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return mlp_function(self.bias, self.activation, input, *self.weights, *self.biases)
+
+    def extra_repr(self) -> str:
+        return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

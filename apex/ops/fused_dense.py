@@ -1,0 +1,339 @@
+"""Chains of dense layers with fused bias and activation: the engine of ``apex.mlp`` and ``apex.fused_dense``.
+
+A chain of ``L`` layers computes ``a₀ = x``, ``aᵢ₊₁ = actᵢ(aᵢ Wᵢᵀ + bᵢ)`` with ``Wᵢ`` of shape
+``[outᵢ, inᵢ]`` (``nn.Linear``'s layout) and ``actᵢ`` one of ``none``, ``relu``, ``sigmoid`` or ``gelu``
+(the tanh approximation, cuBLASLt's ``GELU`` epilogue). The input may have any leading dimensions
+(``[..., in₀]``; Apex required 2-D); they are flattened to rows.
+
+Dtype policy: the input, weights and biases share one floating dtype (under ``torch.autocast`` the public
+modules cast them to the autocast dtype first); products accumulate in fp32 (PyTorch's CPU and cuBLAS
+matmuls do too); each layer's output is rounded once to that dtype. fp32 GEMMs use tf32 on GPUs only where
+``torch.backends.cuda.matmul.allow_tf32`` allows it.
+
+Paths:
+
+* PyTorch (CPU tensors, or ``APEX_BACKEND=torch``): ``torch.addmm`` per layer with the activation applied
+  in place, and the backward ``nn.Sequential`` would run (``threshold_backward`` / ``sigmoid_backward`` /
+  ``gelu_backward``, then two ``mm`` and a ``sum``), without its extra copies.
+* Triton (``apex._kernels.fused_dense``): one GEMM launch per layer forward, bias and activation in its
+  epilogue; a GELU is deferred into the next layer's operand load, so only its input is stored. Backward:
+  two launches per layer: the weight gradient, whose launch also reduces the bias gradient, and the input
+  gradient, whose epilogue multiplies by the previous layer's activation derivative.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
+NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_chain(input: Tensor, weights, biases, acts) -> None:
+    """Validate a chain; raise ``TypeError``/``ValueError`` naming the offending argument."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOATS:
+        raise TypeError(f"input must be a floating-point tensor (fp16, bf16, fp32 or fp64), got {input.dtype}")
+    if input.dim() < 1:
+        raise ValueError("input must have at least one dimension (its last is the feature dimension)")
+    if len(weights) == 0:
+        raise ValueError("at least one weight is needed")
+    if biases is not None and len(biases) not in (0, len(weights)):
+        raise ValueError(f"expected {len(weights)} biases (one per weight) or none, got {len(biases)}")
+    if len(acts) != len(weights):
+        raise ValueError(f"expected one activation per layer ({len(weights)}), got {len(acts)}")
+    features = input.shape[-1]
+    for i, w in enumerate(weights):
+        if not isinstance(w, Tensor) or w.dim() != 2:
+            raise ValueError(f"weight {i} must be a 2-D tensor [out_features, in_features], got "
+                             f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
+        if w.shape[1] != features:
+            what = "input's last dimension" if i == 0 else f"weight {i - 1}'s out_features"
+            raise ValueError(f"weight {i} expects {w.shape[1]} input features but the {what} is {features}")
+        if w.dtype != input.dtype:
+            raise TypeError(f"weight {i} has dtype {w.dtype} but input has {input.dtype}: they must match "
+                            "(use torch.autocast or cast the module)")
+        if w.device != input.device:
+            raise ValueError(f"weight {i} is on {w.device} but input is on {input.device}")
+        if biases:
+            b = biases[i]
+            if not isinstance(b, Tensor) or tuple(b.shape) != (w.shape[0],):
+                raise ValueError(f"bias {i} must have shape ({w.shape[0]},), got "
+                                 f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
+            if b.dtype != input.dtype:
+                raise TypeError(f"bias {i} has dtype {b.dtype} but input has {input.dtype}: they must match")
+        features = w.shape[0]
+    if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
+        raise ValueError(f"activation codes must be 0 (none), 1 (relu), 2 (sigmoid) or 3 (gelu), got {acts}")
+
+
+def _use_triton(*tensors) -> bool:
+    if tensors[0].dtype == torch.float64:
+        return False
+    if torch.compiler.is_compiling():
+        # Under torch.compile the backend context cannot be read; CPU tensors take the PyTorch path (which
+        # the compiler traces), GPU tensors Triton, as "auto" would choose.
+        return tensors[0].is_cuda
+    from apex._backend import select
+
+    return select(*tensors) == "triton"
+
+
+# --------------------------------------------------------------------------------------------- forward
+def chain_forward(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list, bool]:
+    """Forward of a chain on 2-D input rows, without autograd.
+
+    Returns ``(output, outs, pres, triton)``: what the backward needs. ``outs[i]`` is layer ``i``'s stored
+    output (its activation output, or, on the Triton path, its pre-activation where the activation is a
+    GELU deferred into the next layer); ``pres[i]`` the pre-activation of a GELU layer on the PyTorch path.
+    """
+    triton = _use_triton(x2, *weights)
+    if triton and acts[-1] == GELU:
+        triton = False  # a GELU on the last layer cannot be deferred; the chains Apex builds never end so
+    outs: list = []
+    pres: list = [None] * len(weights)
+    inp = x2
+    if triton:
+        from apex._kernels import fused_dense as K
+
+        pro = NONE
+        for i, w in enumerate(weights):
+            b = biases[i] if biases else None
+            epi = NONE if acts[i] == GELU else acts[i]
+            inp = K.gemm(inp, w.t(), bias=b, epi_act=epi, pro_a=pro, allow_tf32=_tf32())
+            outs.append(inp)
+            pro = GELU if acts[i] == GELU else NONE
+        return inp, outs, pres, True
+    dt, ct = x2.dtype, _compute_dtype(x2)
+    inp = inp.to(ct)
+    for i, w in enumerate(weights):
+        b = biases[i].to(ct) if biases else None
+        z = torch.addmm(b, inp, w.t().to(ct)) if b is not None else torch.mm(inp, w.t().to(ct))
+        if acts[i] == RELU:
+            z.relu_()
+        elif acts[i] == SIGMOID:
+            z.sigmoid_()
+        elif acts[i] == GELU:
+            pres[i] = z.to(dt)
+            z = F.gelu(z, approximate="tanh")
+        outs.append(z.to(dt))  # saved (and returned) rounded once to the input dtype
+        inp = z
+    return outs[-1], outs, pres, False
+
+
+@functools.cache
+def _cpu_half_gemm_is_fast(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The GEMM dtype of the PyTorch path: the input's, except fp16/bf16 on CPUs without native half
+    matmuls (no AVX512-BF16/AMX), where PyTorch's half GEMM is ~30x slower than fp32 (measured, 512x512):
+    there the operands are upcast to fp32, accumulated in fp32 as PyTorch's half GEMM does, and each result
+    is rounded once to the input dtype."""
+    if x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cpu" and not _cpu_half_gemm_is_fast(x.dtype):
+        return torch.float32
+    return x.dtype
+
+
+def _tf32() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+# -------------------------------------------------------------------------------------------- backward
+def chain_backward(dy2: Tensor, x2: Tensor, weights, has_bias: bool, outs, pres, acts, triton: bool,
+                   need_dx: bool = True, need_w: bool = True) -> tuple[Tensor | None, list, list]:
+    """Gradients ``(dx, [dWᵢ], [dbᵢ])`` of a chain from ``chain_forward``'s saved tensors."""
+    n = len(weights)
+    dws: list = [None] * n
+    dbs: list = [None] * n
+    dx = None
+    if triton:
+        return _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w)
+    dt, ct = x2.dtype, _compute_dtype(x2)
+    g = dy2.to(ct)
+    for i in reversed(range(n)):
+        if acts[i] == RELU:
+            g = torch.ops.aten.threshold_backward(g, outs[i].to(ct), 0)
+        elif acts[i] == SIGMOID:
+            g = torch.ops.aten.sigmoid_backward(g, outs[i].to(ct))
+        elif acts[i] == GELU:
+            g = torch.ops.aten.gelu_backward(g, pres[i].to(ct), approximate="tanh")
+        inp = (outs[i - 1] if i > 0 else x2).to(ct)
+        if need_w:
+            dws[i] = g.t().mm(inp).to(dt)
+            if has_bias:
+                dbs[i] = g.sum(0).to(dt)
+        if i > 0:
+            g = g.mm(weights[i].to(ct))
+        elif need_dx:
+            dx = g.mm(weights[i].to(ct)).to(dt)
+    return dx, dws, dbs
+
+
+def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
+    from apex._kernels import fused_dense as K
+
+    n = len(weights)
+    dws: list = [None] * n
+    dbs: list = [None] * n
+    dx = None
+    tf32 = _tf32()
+    g = dy2
+    # The top layer's activation derivative is applied as its gradient is loaded (both GEMMs below);
+    # every lower layer's is applied in the epilogue of the input-gradient GEMM that produces its gradient.
+    dact, aux = (acts[-1], outs[-1]) if acts[-1] != NONE else (NONE, None)
+    for i in reversed(range(n)):
+        w = weights[i]
+        inp = outs[i - 1] if i > 0 else x2
+        pro_in = GELU if i > 0 and acts[i - 1] == GELU else NONE
+        if need_w:
+            db = torch.empty(w.shape[0], device=w.device, dtype=w.dtype) if has_bias else None
+            dws[i] = K.gemm(g.t(), inp, dact_a=dact, aux_a=aux.t() if aux is not None else None, pro_b=pro_in,
+                            rowsum=db, allow_tf32=tf32)
+            dbs[i] = db
+        if i > 0:
+            g = K.gemm(g, w, dact_a=dact, aux_a=aux, dact_c=acts[i - 1], aux_c=outs[i - 1], allow_tf32=tf32)
+        elif need_dx:
+            dx = K.gemm(g, w, dact_a=dact, aux_a=aux, allow_tf32=tf32)
+        dact, aux = NONE, None
+    return dx, dws, dbs
+
+
+# ---------------------------------------------------------------------------------------- autograd
+def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
+    """Run a chain's forward inside an autograd ``Function.forward`` and save what its backward needs."""
+    n = len(acts)
+    weights, biases = list(params[:n]), list(params[n:]) if has_bias else []
+    x2 = input.reshape(-1, input.shape[-1])
+    out, outs, pres, triton = chain_forward(x2, weights, biases, acts)
+    ctx.acts, ctx.has_bias, ctx.triton, ctx.in_shape = acts, has_bias, triton, input.shape
+    ctx.has_pre = [p is not None for p in pres]
+    ctx.save_for_backward(x2, *weights, *outs, *[p for p in pres if p is not None])
+    return out.view(*input.shape[:-1], out.shape[-1])
+
+
+def chain_grads(ctx, grad_out: Tensor, input_index: int) -> tuple[Tensor | None, list, list]:
+    """The gradients ``(dx, dweights, dbiases)`` for a ``Function`` whose forward called :func:`save_chain`;
+    ``input_index`` is the position of the input among ``forward``'s arguments (the parameters follow it)."""
+    n = len(ctx.acts)
+    saved = ctx.saved_tensors
+    x2, weights, outs = saved[0], list(saved[1:1 + n]), list(saved[1 + n:1 + 2 * n])
+    extra = iter(saved[1 + 2 * n:])
+    pres = [next(extra) if has else None for has in ctx.has_pre]
+    need_dx = ctx.needs_input_grad[input_index]
+    need_w = any(ctx.needs_input_grad[input_index + 1:])
+    dy2 = grad_out.reshape(-1, grad_out.shape[-1])
+    if dy2.dtype != x2.dtype:
+        dy2 = dy2.to(x2.dtype)
+    with torch.autocast(x2.device.type, enabled=False):
+        dx, dws, dbs = chain_backward(dy2, x2, weights, ctx.has_bias, outs, pres, ctx.acts, ctx.triton,
+                                      need_dx, need_w)
+    return (dx.view(ctx.in_shape) if dx is not None else None), dws, (dbs if ctx.has_bias else [])
+
+
+class DenseChainFunction(torch.autograd.Function):
+    """``apply(acts, has_bias, input, *weights, *biases)``: a differentiable chain (input ``[..., in]``)."""
+
+    @staticmethod
+    def forward(ctx, acts, has_bias, input, *params):
+        return save_chain(ctx, acts, has_bias, input, params)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dx, dws, dbs = chain_grads(ctx, grad_out, 2)
+        return (None, None, dx, *dws, *dbs)
+
+
+def autocast_args(*args):
+    """Cast floating tensors to the autocast dtype when ``torch.autocast`` is on for their device."""
+    dev = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+    if not torch.is_autocast_enabled(dev):
+        return args, dev
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args), dev
+
+
+def dense_chain(input: Tensor, weights, biases, activations) -> Tensor:
+    """Differentiable chain ``actᵢ(aᵢ Wᵢᵀ + bᵢ)``; ``activations`` are names or codes, one per layer.
+
+    Under ``torch.autocast`` the input and parameters are cast to the autocast dtype (gradients flow back to
+    the originals in their dtypes).
+    """
+    acts = tuple(ACTIVATIONS[a] if isinstance(a, str) and a in ACTIVATIONS else a for a in activations)
+    biases = list(biases) if biases else []
+    weights = list(weights)
+    args, dev = autocast_args(input, *weights, *biases)
+    x, ws, bs = args[0], list(args[1:1 + len(weights)]), list(args[1 + len(weights):])
+    check_chain(x, ws, bs, acts)
+    with torch.autocast(dev, enabled=False):
+        return DenseChainFunction.apply(acts, bool(bs), x, *ws, *bs)
+
+
+# ------------------------------------------------------------------------------------ functional entry
+def fused_dense(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``input @ weightᵀ + bias``, fused (bias in the GEMM's epilogue, bias gradient in the weight GEMM)."""
+    return dense_chain(input, [weight], [bias] if bias is not None else [], (NONE,))
+
+
+def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
+                           ) -> Tensor:
+    """``gelu_tanh(input @ weight1ᵀ + bias1) @ weight2ᵀ + bias2``."""
+    if bias1 is None or bias2 is None:
+        raise ValueError("fused_dense_gelu_dense needs both bias1 and bias2 (as Apex's FusedDenseGeluDense)")
+    return dense_chain(input, [weight1, weight2], [bias1, bias2], (GELU, NONE))
+
+
+# ------------------------------------------------------------- Apex's ``fused_dense_cuda`` entry points
+def _two_d(name: str, t: Tensor) -> Tensor:
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [batch, features], got "
+                         f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    return t
+
+
+def linear_bias_forward(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``fused_dense_cuda.linear_bias_forward``: ``input @ weightᵀ + bias`` (no autograd)."""
+    check_chain(_two_d("input", input), [weight], [bias], (NONE,))
+    return chain_forward(input, [weight], [bias], (NONE,))[0]
+
+
+def linear_bias_backward(input: Tensor, weight: Tensor, d_output: Tensor) -> list[Tensor]:
+    """``fused_dense_cuda.linear_bias_backward``: ``[d_input, d_weight, d_bias]``."""
+    check_chain(_two_d("input", input), [weight], [], (NONE,))
+    dx, dws, dbs = chain_backward(_two_d("d_output", d_output), input, [weight], True, [None], [None], (NONE,),
+                                  _use_triton(input, weight))
+    return [dx, dws[0], dbs[0]]
+
+
+def linear_gelu_linear_forward(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
+                               ) -> list[Tensor]:
+    """``fused_dense_cuda.linear_gelu_linear_forward``: ``[output1, output2, gelu_in]`` where
+    ``gelu_in = input @ weight1ᵀ + bias1``, ``output1 = gelu_tanh(gelu_in)`` and
+    ``output2 = output1 @ weight2ᵀ + bias2``."""
+    check_chain(_two_d("input", input), [weight1, weight2], [bias1, bias2], (GELU, NONE))
+    output2, outs, pres, triton = chain_forward(input, [weight1, weight2], [bias1, bias2], (GELU, NONE))
+    if triton:  # the Triton chain stores only the GELU's input
+        return [F.gelu(outs[0], approximate="tanh"), output2, outs[0]]
+    return [outs[0], output2, pres[0]]
+
+
+def linear_gelu_linear_backward(input: Tensor, gelu_in: Tensor, output1: Tensor, weight1: Tensor,
+                                weight2: Tensor, d_output2: Tensor) -> list[Tensor]:
+    """``fused_dense_cuda.linear_gelu_linear_backward``: ``[d_input, d_weight1, d_bias1, d_weight2, d_bias2]``."""
+    check_chain(_two_d("input", input), [weight1, weight2], [], (GELU, NONE))
+    triton = _use_triton(input, weight1, weight2)
+    outs = [gelu_in if triton else output1, None]  # the Triton backward recomputes the GELU from its input
+    dx, dws, dbs = chain_backward(_two_d("d_output2", d_output2), input, [weight1, weight2], True, outs,
+                                  [gelu_in, None], (GELU, NONE), triton)
+    return [dx, dws[0], dbs[0], dws[1], dbs[1]]

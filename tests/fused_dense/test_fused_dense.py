@@ -1,0 +1,128 @@
+"""apex.fused_dense modules against float64 references on both backends; init, autocast, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apex.fused_dense import (
+    DenseNoBiasFunc,
+    FusedDense,
+    FusedDenseFunc,
+    FusedDenseGeluDense,
+    FusedDenseGeluDenseFunc,
+    dense_no_bias_function,
+    fused_dense_function,
+    fused_dense_gelu_dense_function,
+)
+from apex.testing import assert_rel_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _gelu_dense(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _check(module, ref_fn, x, dtype):
+    module = module.to(dtype)
+    x = x.to(dtype).requires_grad_()
+    params = [x, *module.parameters()]
+    y = module(x)
+    dy = torch.randn(y.shape).to(dtype)
+    g = torch.autograd.grad(y, params, dy)
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    ref_y = ref_fn(*p64)
+    ref_g = torch.autograd.grad(ref_y, p64, dy.double())
+    base_y = ref_fn(*params)
+    base_g = torch.autograd.grad(base_y, params, dy)
+    tol = 1e-5 if dtype == torch.float32 else None
+    assert y.dtype == dtype and all(t.dtype == dtype for t in g)
+    assert_rel_close(y, ref_y, dtype, tol=tol, baseline=base_y, name="y")
+    assert_rel_close(list(g), list(ref_g), dtype, tol=tol, baseline=list(base_g), name="grads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("pair", [(1, 7), (129, 1), (7, 1000), (1000, 129)], ids=str)
+def test_fused_dense(backend_name, pair, bias, dtype):
+    m = FusedDense(*pair, bias=bias)
+    _check(m, lambda x, w, b=None: F.linear(x, w, b), torch.randn(6, pair[0]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", [(7, 129, 1), (1, 7, 129), (129, 33, 7)], ids=str)
+def test_fused_dense_gelu_dense(backend_name, sizes, dtype):
+    m = FusedDenseGeluDense(*sizes)
+    _check(m, _gelu_dense, torch.randn(5, sizes[0]), dtype)
+
+
+def test_leading_dims(backend_name):
+    m = FusedDenseGeluDense(5, 9, 3)
+    x = torch.randn(2, 3, 5)
+    y = m(x)
+    assert y.shape == (2, 3, 3)
+    assert_rel_close(y, _gelu_dense(x.double(), *[p.double() for p in m.parameters()]), tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast(backend_name, dtype):
+    m = FusedDenseGeluDense(7, 33, 5)
+    d = FusedDense(7, 4, bias=False)
+    x = torch.randn(6, 7, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y, y2 = m(x), d(x)
+        base = _gelu_dense(x, *m.parameters())
+    assert y.dtype == dtype and y2.dtype == dtype
+    (y.float().sum() + y2.float().sum()).backward()
+    assert m.weight1.grad.dtype == torch.float32 and d.weight.grad.dtype == torch.float32
+    assert_rel_close(y, _gelu_dense(x.detach().double(), *[p.double() for p in m.parameters()]), dtype,
+                     baseline=base)
+
+
+def test_initialisation_like_linear():
+    m = FusedDense(400, 300)
+    bound = 1 / math.sqrt(400)
+    for p in (m.weight, m.bias):
+        assert p.abs().max() <= bound and p.abs().max() > 0.9 * bound
+    assert abs(m.weight.std().item() - bound / math.sqrt(3)) < 0.02 * bound
+    g = FusedDenseGeluDense(40, 30, 20)
+    assert g.weight2.abs().max() <= 1 / math.sqrt(30) and g.bias1.abs().max() <= 1 / math.sqrt(40)
+    assert "in_features=400, out_features=300, bias=True" in repr(m)
+
+
+def test_functions_and_wrappers():
+    x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
+    w2, b2 = torch.randn(2, 3), torch.randn(2)
+    ref = F.linear(x, w, b)
+    assert torch.allclose(FusedDenseFunc.apply(x, w, b), ref, atol=1e-6)
+    assert torch.allclose(fused_dense_function(x, w, b), ref, atol=1e-6)
+    assert torch.allclose(DenseNoBiasFunc.apply(x, w), F.linear(x, w), atol=1e-6)
+    assert torch.allclose(dense_no_bias_function(x, w), F.linear(x, w), atol=1e-6)
+    gd = _gelu_dense(x, w, b, w2, b2)
+    assert torch.allclose(FusedDenseGeluDenseFunc.apply(x, w, b, w2, b2), gd, atol=1e-6)
+    assert torch.allclose(fused_dense_gelu_dense_function(x, w, b, w2, b2), gd, atol=1e-6)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="bias=False"):
+        FusedDenseGeluDense(4, 5, 6, bias=False)
+    with pytest.raises(ValueError, match="in_features"):
+        FusedDense(0, 3)
+    with pytest.raises(ValueError, match="intermediate_features"):
+        FusedDenseGeluDense(3, -1, 2)
+    m = FusedDense(5, 3)
+    with pytest.raises(ValueError, match="weight 0 expects 5 input features"):
+        m(torch.randn(2, 4))
+    with pytest.raises(TypeError, match="input must be a floating"):
+        m(torch.ones(2, 5, dtype=torch.int32))
+    with pytest.raises(TypeError, match="weight 0 has dtype"):
+        m(torch.randn(2, 5).half())
+    with pytest.raises(ValueError, match="bias1 and bias2"):
+        fused_dense_gelu_dense_function(torch.randn(2, 5), torch.randn(3, 5), None, torch.randn(2, 3), None)
+    g = FusedDenseGeluDense(5, 4, 3)
+    with pytest.raises(ValueError, match="weight 1 expects 6 input features but the weight 0.s out_features is 4"):
+        fused_dense_gelu_dense_function(torch.randn(2, 5), g.weight1, g.bias1, torch.randn(3, 6), g.bias2)

@@ -1,0 +1,213 @@
+"""apex.ops.fused_dense: dense chains (bias + activation fused) against a float64 reference, both backends."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import fused_dense as FD
+from apex.testing import TritonTrace, assert_rel_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ACT_NAMES = ["none", "relu", "sigmoid"]
+PAIRS = [(1, 7), (7, 129), (129, 1), (1000, 7), (7, 1000)]
+
+
+def _act(z, name):
+    if name == "relu":
+        return torch.relu(z)
+    if name == "sigmoid":
+        return torch.sigmoid(z)
+    if name == "gelu":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    return z
+
+
+def _plain(x, ws, bs, acts):
+    """The same chain in plain PyTorch (F.linear + activation), in the tensors' own dtype."""
+    for i, (w, a) in enumerate(zip(ws, acts)):
+        x = F.linear(x, w, bs[i] if bs else None)
+        x = F.gelu(x, approximate="tanh") if a == "gelu" else _act(x, a)
+    return x
+
+
+def _make(batch, sizes, dtype, bias=True):
+    x = torch.randn(batch, sizes[0]).to(dtype).requires_grad_()
+    ws = [(torch.randn(o, i) / math.sqrt(i)).to(dtype).requires_grad_() for i, o in zip(sizes, sizes[1:])]
+    bs = [(0.5 * torch.randn(o)).to(dtype).requires_grad_() for o in sizes[1:]] if bias else []
+    return x, ws, bs
+
+
+def _grads(fn, leaves, dy):
+    y = fn()
+    return y, torch.autograd.grad(y, leaves, dy)
+
+
+def _trace(backend_name, *tensors):
+    if backend_name != "triton":
+        return contextlib.nullcontext(None)
+    return TritonTrace(bounds=True).watch(*tensors)
+
+
+def check_chain(backend_name, batch, sizes, acts, dtype, bias=True):
+    x, ws, bs = _make(batch, sizes, dtype, bias)
+    leaves = [x, *ws, *bs]
+    dy = torch.randn(batch, sizes[-1]).to(dtype)
+    with _trace(backend_name, *leaves, dy) as tr:
+        y, g = _grads(lambda: FD.dense_chain(x, ws, bs, acts), leaves, dy)
+    if tr is not None:  # one launch per layer forward, two per layer backward
+        assert tr.launches == 3 * len(ws), dict(tr.kernels)
+    x64 = [t.detach().double().requires_grad_() for t in leaves]
+    n = len(ws)
+    ref_y, ref_g = _grads(lambda: _plain(x64[0], x64[1:1 + n], x64[1 + n:], acts), x64, dy.double())
+    base_y, base_g = _grads(lambda: _plain(x, ws, bs, acts), leaves, dy)
+    assert y.dtype == dtype and all(t.dtype == dtype for t in g)
+    tol = 1e-5 if dtype == torch.float32 else None
+    assert_rel_close(y, ref_y, dtype, tol=tol, baseline=base_y, name="y")
+    assert_rel_close(list(g), list(ref_g), dtype, tol=tol, baseline=list(base_g), name="grads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACT_NAMES)
+@pytest.mark.parametrize("pair", PAIRS, ids=str)
+def test_single_layer_matches_float64(backend_name, pair, act, dtype):
+    check_chain(backend_name, 9, list(pair), (act,), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes,acts", [([7, 129, 33, 5], ("relu", "sigmoid", "relu")),
+                                        ([129, 257, 7], ("gelu", "none")),
+                                        ([1, 7, 129], ("sigmoid", "none")),
+                                        ([33, 7, 1], ("gelu", "relu"))], ids=str)
+def test_chains_match_float64(backend_name, sizes, acts, dtype):
+    check_chain(backend_name, 13, sizes, acts, dtype)
+
+
+@pytest.mark.parametrize("act", ACT_NAMES)
+def test_no_bias(backend_name, act):
+    check_chain(backend_name, 11, [7, 129, 5], (act, act), torch.float32, bias=False)
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.integers(1, 40), sizes=st.lists(st.integers(1, 70), min_size=2, max_size=4),
+       act=st.sampled_from(["none", "relu", "sigmoid"]))
+def test_random_shapes(batch, sizes, act):
+    for be in ("torch", "triton"):
+        with apex.backend(be):
+            check_chain(be, batch, sizes, (act,) * (len(sizes) - 1), torch.float32)
+
+
+def test_leading_dims_and_non_contiguous(backend_name):
+    x = torch.randn(3, 9, 4).transpose(1, 2).requires_grad_()  # [3, 4, 9], non-contiguous
+    w = torch.randn(6, 9, requires_grad=True)
+    w_t = torch.randn(9, 6).t().requires_grad_()  # non-contiguous weight
+    b = torch.randn(6, requires_grad=True)
+    dy = torch.randn(3, 4, 6)
+    for weight in (w, w_t):
+        y, g = _grads(lambda w=weight: FD.dense_chain(x, [w], [b], ("relu",)), [x, weight, b], dy)
+        ref_y, ref_g = _grads(lambda w=weight: torch.relu(F.linear(x.double(), w.double(), b.double())),
+                              [x, weight, b], dy.double())
+        assert y.shape == (3, 4, 6)
+        assert_rel_close(y, ref_y, tol=1e-5)
+        assert_rel_close(list(g), list(ref_g), tol=1e-5)
+
+
+def test_only_weight_grads(backend_name):
+    x, ws, bs = _make(5, [7, 9, 3], torch.float32)
+    x.requires_grad_(False)
+    y = FD.dense_chain(x, ws, bs, ("relu", "relu"))
+    g = torch.autograd.grad(y.sum(), ws + bs)
+    x64 = x.double()
+    w64 = [w.detach().double().requires_grad_() for w in ws + bs]
+    ref = _plain(x64, w64[:2], w64[2:], ("relu", "relu"))
+    assert_rel_close(list(g), list(torch.autograd.grad(ref.sum(), w64)), tol=1e-5)
+
+
+def test_autocast_computes_in_autocast_dtype(backend_name):
+    x, ws, bs = _make(6, [7, 129, 3], torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = FD.dense_chain(x, ws, bs, ("relu", "none"))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and ws[0].grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base = _plain(x, ws, bs, ("relu", "none"))
+    ref = _plain(x.double(), [w.double() for w in ws], [b.double() for b in bs], ("relu", "none"))
+    assert_rel_close(y, ref, torch.bfloat16, baseline=base)
+
+
+def test_tf32_follows_pytorch_flag(monkeypatch):
+    from apex._kernels import fused_dense as K
+
+    seen = []
+    real = K.gemm
+    monkeypatch.setattr(K, "gemm", lambda *a, **k: seen.append(k["allow_tf32"]) or real(*a, **k))
+    x, ws, bs = _make(4, [7, 5], torch.float32)
+    with apex.backend("triton"):
+        FD.dense_chain(x, ws, bs, ("none",))
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+        FD.dense_chain(x, ws, bs, ("none",))
+    assert seen == [False, True]
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda x, w, b: (x.long(), [w], [b]), TypeError, "input must be a floating"),
+    (lambda x, w, b: (x[:, :3], [w], [b]), ValueError, "weight 0 expects 5 input features"),
+    (lambda x, w, b: (x, [w.half()], [b]), TypeError, "weight 0 has dtype"),
+    (lambda x, w, b: (x, [w], [b[:2]]), ValueError, "bias 0 must have shape"),
+    (lambda x, w, b: (x, [w[0]], [b]), ValueError, "weight 0 must be a 2-D"),
+    (lambda x, w, b: (x, [w], [b.double()]), TypeError, "bias 0 has dtype"),
+])
+def test_bad_input_is_rejected(bad, err, match):
+    x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
+    args = bad(x, w, b)
+    with pytest.raises(err, match=match):
+        FD.dense_chain(*args, ("relu",))
+    with pytest.raises(ValueError, match="activation codes"):
+        FD.dense_chain(x, [w], [b], (7,))
+
+
+def test_compat_fused_dense_cuda(backend_name):
+    import fused_dense_cuda
+
+    x, (w1, w2), (b1, b2) = _make(6, [7, 129, 5], torch.float32)
+    out = fused_dense_cuda.linear_bias_forward(x, w1, b1)
+    assert_rel_close(out, F.linear(x.double(), w1.double(), b1.double()), tol=1e-5)
+    dy = torch.randn(6, 129)
+    dx, dw, db = fused_dense_cuda.linear_bias_backward(x, w1, dy)
+    assert_rel_close([dx, dw, db], [dy.double() @ w1.double(), dy.double().t() @ x.double(), dy.double().sum(0)],
+                     tol=1e-5)
+    o1, o2, h = fused_dense_cuda.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    ref_h = F.linear(x.double(), w1.double(), b1.double())
+    assert_rel_close([h, o1, o2], [ref_h, _act(ref_h, "gelu"),
+                                   F.linear(_act(ref_h, "gelu"), w2.double(), b2.double())], tol=1e-5)
+    dy2 = torch.randn(6, 5)
+    grads = fused_dense_cuda.linear_gelu_linear_backward(x, h, o1, w1, w2, dy2)
+    p64 = [t.detach().double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    ref = _plain(p64[0], [p64[1], p64[3]], [p64[2], p64[4]], ("gelu", "none"))
+    assert_rel_close(list(grads), list(torch.autograd.grad(ref, p64, dy2.double())), tol=1e-5)
+
+
+def test_compat_mlp_cuda(backend_name):
+    import mlp_cuda
+
+    x, ws, bs = _make(6, [7, 33, 5], torch.float32)
+    out, reserved = mlp_cuda.forward(1, 2, [x, *ws, *bs])
+    assert reserved.dim() == 1 and reserved.numel() == 6 * (33 + 5)
+    p64 = [t.detach().double().requires_grad_() for t in (x, *ws, *bs)]
+    ref = _plain(p64[0], p64[1:3], p64[3:], ("sigmoid", "sigmoid"))
+    assert_rel_close(out, ref, tol=1e-5)
+    dy = torch.randn(6, 5)
+    grads = mlp_cuda.backward(1, 2, dy, [out, reserved], [x, *ws, *bs])
+    assert_rel_close(list(grads), list(torch.autograd.grad(ref, p64, dy.double())), tol=1e-5)
+    with pytest.raises(ValueError, match="fprop_outputs"):
+        mlp_cuda.backward(1, 2, dy, [out, reserved[:-1]], [x, *ws, *bs])
+    with pytest.raises(ValueError, match="activation"):
+        mlp_cuda.forward(1, 5, [x, *ws, *bs])
