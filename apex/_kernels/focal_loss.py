@@ -1,0 +1,88 @@
+"""Sigmoid focal loss (RetinaNet-style, Apex's ``focal_loss_cuda``): forward computes the loss partial sums
+and the un-normalised gradient in the same pass; backward scales that gradient in place.
+
+Per element ``p`` (class ``j`` of a row with target ``y``; ``y = −2`` ignored, ``y = −1`` background,
+classes ``j ≥ num_real_classes`` are padding), with ``σ = sigmoid(p)`` and ``sp = softplus(−p) = −log σ``:
+negative (``j ≠ y``): ``(1−α)·σ^γ·(n·p + sp)``; positive: ``α·(1−σ)^γ·(q·p + sp)``, where label smoothing
+``ε`` gives ``n = 1 − ε/2``, ``q = ε/2`` (``n = 1``, ``q = 0`` without): the BCE against targets
+``1 − ε/2`` and ``ε/2``. The gradient is the exact
+derivative of that loss. Each program writes one partial loss sum; they are added in a fixed order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, M, K, K_REAL, alpha, gamma, smoothing,
+               ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    p = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows, mask=rmask, other=-2)
+    sig = tl.sigmoid(p)
+    sp = tl.maximum(-p, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(p)))  # softplus(−p) without overflow
+    pos = (cols[None, :] == y[:, None]) & (y[:, None] >= 0)
+    base_coef = tl.where(pos, smoothing * 0.5, 1.0 - smoothing * 0.5)
+    off_b = tl.where(pos, 1.0 - smoothing + smoothing * 0.5, smoothing * 0.5) - sig
+    w1 = tl.where(pos, alpha, 1.0 - alpha)
+    q = tl.where(pos, 1.0 - sig, sig)
+    # q^γ with q in (0, 1]; exp2(γ·log2 q) is 0 at q = 0 (log2 0 = −inf) for γ > 0.
+    qg = tl.where(q > 0.0, tl.exp2(gamma * tl.log2(q)), tl.where(gamma == 0.0, 1.0, 0.0))
+    coeff_f = w1 * qg
+    coeff_b = tl.where(pos, -gamma * sig, gamma * (1.0 - sig))
+    bce = base_coef * p + sp
+    valid = mask & (y[:, None] != -2) & (cols[None, :] < K_REAL)
+    loss = tl.where(valid, coeff_f * bce, 0.0)
+    grad = tl.where(valid, coeff_f * (coeff_b * bce - off_b), 0.0)
+    tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.store(part_ptr + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
+
+
+@triton.jit
+def _focal_bwd(grad_ptr, g_ptr, npos_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    scale = tl.load(g_ptr).to(tl.float32) / tl.load(npos_ptr).to(tl.float32)
+    gr = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grad_ptr + offs, (gr * scale).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tensor, num_real_classes: int,
+            alpha: float, gamma: float, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, partial_grad)`` for a contiguous ``[M, K]`` ``x``; loss is a 0-d fp32 tensor."""
+    m, k = x.shape
+    grad = torch.empty_like(x)
+    block_k = triton.next_power_of_2(max(k, 1))
+    budget = 65536 if _interpreting() else 4096
+    rows = max(1, min(triton.next_power_of_2(max(m, 1)), budget // block_k))
+    progs = triton.cdiv(m, rows) if m else 0
+    parts = torch.zeros(max(progs, 1), device=x.device, dtype=torch.float32)
+    if progs:
+        _focal_fwd[(progs,)](x, labels, grad, parts, m, k, int(num_real_classes), float(alpha), float(gamma),
+                             float(smoothing), ROWS=rows, BLOCK_K=block_k)
+    loss = parts.sum() / num_positives_sum.reshape(()).float()
+    return loss, grad
+
+
+def backward(grad_loss: torch.Tensor, partial_grad: torch.Tensor, num_positives_sum: torch.Tensor) -> torch.Tensor:
+    """Scale ``partial_grad`` in place by ``grad_loss / num_positives_sum`` and return it."""
+    n = partial_grad.numel()
+    if n:
+        block = 65536 if _interpreting() else 1024
+        _focal_bwd[(triton.cdiv(n, block),)](partial_grad, grad_loss.reshape(1).float(),
+                                            num_positives_sum.reshape(1).float(), n, BLOCK=block)
+    return partial_grad

@@ -1,0 +1,306 @@
+"""GroupNorm (+ optional SiLU) forward and backward on ``[N, C, S]`` views of NCHW or NHWC tensors.
+
+Addressing is by strides, so NCHW (channel stride S) and NHWC / channels_last (channel stride 1) share the
+kernels; a program works on a ``[BLOCK_S, BLOCK_C]`` tile of one (sample, group).
+
+Small groups (the whole group fits one tile): one program per (n, group) reads x once, keeps it in
+registers for the statistics and writes y: one launch, minimum traffic. The backward likewise reads x and dy
+once and writes dx plus one row of per-channel partial (dgamma, dbeta) sums per sample.
+
+Large groups: each (n, group) is split over ``SPLIT`` programs (enough programs to fill a GPU when N·G is
+small). A statistics kernel writes each slice's (count, mean, M2) (Welford/Chan merge across tiles); the
+apply kernel merges the ``SPLIT`` partials of its group itself (fixed order: deterministic) and writes y.
+The backward does the same with (Σ dŷ, Σ dŷ·x̂). The per-channel parameter gradients are reduced from
+per-(n, slice) partial rows by one ``sum`` over rows: no atomics anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile sizes (elements); tests lower them to exercise the split path. None: the defaults below.
+LIMITS: dict[str, int | None] = {"tile": None, "fuse_max": None}
+MAX_GROUP_CHANNELS = 16384
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    s = s0 + tl.arange(0, BLOCK_S)
+    c = tl.arange(0, BLOCK_C)
+    mask = (s < s_end)[:, None] & (c < CG)[None, :]
+    offs = n.to(tl.int64) * sn + (g * CG + c)[None, :].to(tl.int64) * sc + s[:, None].to(tl.int64) * ss
+    return offs, mask, c
+
+
+@triton.jit
+def _affine_act(xhat, w, b, ACT: tl.constexpr):
+    z = xhat * w[None, :] + b[None, :]
+    if ACT:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _grad_pre_act(dy, xhat, w, b, ACT: tl.constexpr):
+    if ACT:  # d silu(z)/dz = σ(z)·(1 + z·(1 − σ(z)))
+        z = xhat * w[None, :] + b[None, :]
+        sg = tl.sigmoid(z)
+        dy = dy * sg * (1.0 + z * (1.0 - sg))
+    return dy
+
+
+@triton.jit
+def _params(w_ptr, b_ptr, g, c, CG, HAS_W: tl.constexpr):
+    cm = c < CG
+    if HAS_W:
+        w = tl.load(w_ptr + g * CG + c, mask=cm, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + g * CG + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(cm, 1.0, 0.0)
+        b = tl.zeros_like(w)
+    return w, b
+
+
+@triton.jit
+def _gn_fwd_fused(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, G, S, CG, sn, sc, ss, eps,
+                  HAS_W: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    ng = tl.program_id(0)
+    n = ng // G
+    g = ng % G
+    offs, mask, c = _tile(x_ptr, n, g, 0, S, sn, sc, ss, CG, BLOCK_S, BLOCK_C)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    cnt = (S * CG).to(tl.float32)
+    mean = tl.sum(tl.sum(x, axis=1), axis=0) / cnt
+    d = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=1), axis=0) / cnt + eps)
+    w, b = _params(w_ptr, b_ptr, g, c, CG, HAS_W)
+    y = _affine_act(d * rstd, w, b, ACT)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + ng, mean)
+    tl.store(rstd_ptr + ng, rstd)
+
+
+@triton.jit
+def _gn_stats(x_ptr, part_ptr, G, S, CG, S_PER, SPLIT, sn, sc, ss,
+              BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    ng = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = ng // G
+    g = ng % G
+    s_lo = sp * S_PER
+    s_end = tl.minimum(S, s_lo + S_PER)
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for s0 in range(s_lo, s_end, BLOCK_S):
+        offs, mask, c = _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        k = (tl.minimum(s_end - s0, BLOCK_S) * CG).to(tl.float32)
+        t_mean = tl.sum(tl.sum(x, axis=1), axis=0) / k
+        dt = tl.where(mask, x - t_mean, 0.0)
+        t_m2 = tl.sum(tl.sum(dt * dt, axis=1), axis=0)
+        tot = count + k
+        delta = t_mean - mean
+        mean = mean + delta * (k / tot)
+        m2 = m2 + t_m2 + delta * delta * (count * k / tot)
+        count = tot
+    base = part_ptr + (ng * SPLIT + sp) * 3
+    tl.store(base, count)
+    tl.store(base + 1, mean)
+    tl.store(base + 2, m2)
+
+
+@triton.jit
+def _merge_stats(part_ptr, ng, SPLIT, BLOCK_P: tl.constexpr):
+    j = tl.arange(0, BLOCK_P)
+    pm = j < SPLIT
+    base = part_ptr + (ng * SPLIT + j) * 3
+    cnt = tl.load(base, mask=pm, other=0.0)
+    mu = tl.load(base + 1, mask=pm, other=0.0)
+    m2 = tl.load(base + 2, mask=pm, other=0.0)
+    total = tl.sum(cnt, axis=0)
+    mean = tl.sum(cnt * mu, axis=0) / total
+    dm = mu - mean
+    return mean, (tl.sum(m2, axis=0) + tl.sum(cnt * dm * dm, axis=0)) / total
+
+
+@triton.jit
+def _gn_apply(x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, mean_ptr, rstd_ptr, G, S, CG, S_PER, SPLIT, sn, sc, ss, eps,
+              HAS_W: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+              BLOCK_P: tl.constexpr):
+    ng = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = ng // G
+    g = ng % G
+    mean, var = _merge_stats(part_ptr, ng, SPLIT, BLOCK_P)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    if sp == 0:
+        tl.store(mean_ptr + ng, mean)
+        tl.store(rstd_ptr + ng, rstd)
+    s_lo = sp * S_PER
+    s_end = tl.minimum(S, s_lo + S_PER)
+    for s0 in range(s_lo, s_end, BLOCK_S):
+        offs, mask, c = _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w, b = _params(w_ptr, b_ptr, g, c, CG, HAS_W)
+        y = _affine_act((x - mean) * rstd, w, b, ACT)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gn_bwd_sums(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_ptr, cpart_ptr, G, C, S, CG,
+                 S_PER, SPLIT, sn, sc, ss, HAS_W: tl.constexpr, ACT: tl.constexpr, FUSED: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per slice: Σ dŷ and Σ dŷ·x̂ for the group, and per-channel Σ dz·x̂, Σ dz. FUSED: also dx."""
+    ng = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = ng // G
+    g = ng % G
+    mean = tl.load(mean_ptr + ng)
+    rstd = tl.load(rstd_ptr + ng)
+    s_lo = sp * S_PER
+    s_end = tl.minimum(S, s_lo + S_PER)
+    c = tl.arange(0, BLOCK_C)
+    w, b = _params(w_ptr, b_ptr, g, c, CG, HAS_W)
+    a1 = 0.0
+    a2 = 0.0
+    dgw = tl.zeros((BLOCK_C,), tl.float32)
+    dgb = tl.zeros((BLOCK_C,), tl.float32)
+    for s0 in range(s_lo, s_end, BLOCK_S):
+        offs, mask, c = _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        dz = _grad_pre_act(dy, xhat, w, b, ACT)
+        dxh = dz * w[None, :]
+        a1 += tl.sum(tl.sum(dxh, axis=1), axis=0)
+        a2 += tl.sum(tl.sum(dxh * xhat, axis=1), axis=0)
+        dgw += tl.sum(dz * xhat, axis=0)
+        dgb += tl.sum(dz, axis=0)
+        if FUSED:  # the whole group was this one tile: finish dx from registers
+            cnt = (S * CG).to(tl.float32)
+            dx = rstd * (dxh - a1 / cnt - xhat * (a2 / cnt))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    row = n * SPLIT + sp
+    cm = c < CG
+    tl.store(cpart_ptr + row.to(tl.int64) * 2 * C + g * CG + c, dgw, mask=cm)
+    tl.store(cpart_ptr + row.to(tl.int64) * 2 * C + C + g * CG + c, dgb, mask=cm)
+    if not FUSED:
+        tl.store(gpart_ptr + (ng * SPLIT + sp) * 2, a1)
+        tl.store(gpart_ptr + (ng * SPLIT + sp) * 2 + 1, a2)
+
+
+@triton.jit
+def _gn_bwd_dx(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_ptr, G, S, CG, S_PER, SPLIT,
+               sn, sc, ss, HAS_W: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    ng = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = ng // G
+    g = ng % G
+    mean = tl.load(mean_ptr + ng)
+    rstd = tl.load(rstd_ptr + ng)
+    j = tl.arange(0, BLOCK_P)
+    pm = j < SPLIT
+    cnt = (S * CG).to(tl.float32)
+    m1 = tl.sum(tl.load(gpart_ptr + (ng * SPLIT + j) * 2, mask=pm, other=0.0), axis=0) / cnt
+    m2 = tl.sum(tl.load(gpart_ptr + (ng * SPLIT + j) * 2 + 1, mask=pm, other=0.0), axis=0) / cnt
+    c = tl.arange(0, BLOCK_C)
+    w, b = _params(w_ptr, b_ptr, g, c, CG, HAS_W)
+    s_lo = sp * S_PER
+    s_end = tl.minimum(S, s_lo + S_PER)
+    for s0 in range(s_lo, s_end, BLOCK_S):
+        offs, mask, c = _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat = (x - mean) * rstd
+        dxh = _grad_pre_act(dy, xhat, w, b, ACT) * w[None, :]
+        dx = rstd * (dxh - m1 - xhat * m2)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def supported(channels_per_group: int) -> bool:
+    return channels_per_group <= MAX_GROUP_CHANNELS
+
+
+def _plan(n: int, groups: int, cg: int, s: int):
+    """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem."""
+    interp = _interpreting()
+    tile = LIMITS["tile"] or (65536 if interp else 4096)
+    fuse_max = LIMITS["fuse_max"] or (65536 if interp else 16384)
+    block_c = triton.next_power_of_2(cg)
+    s_pow = triton.next_power_of_2(max(s, 1))
+    if s_pow * block_c <= fuse_max:
+        return True, s_pow, block_c, max(s, 1), 1
+    block_s = min(s_pow, max(1, tile // block_c))
+    target = 3 * n * groups if interp else 1024  # programs wanted; the interpreter pays per program
+    split = max(1, min(triton.cdiv(s, block_s), triton.cdiv(target, n * groups)))
+    s_per = triton.cdiv(triton.cdiv(s, split), block_s) * block_s
+    return False, block_s, block_c, s_per, triton.cdiv(s, s_per)
+
+
+def _strides(x: torch.Tensor):
+    n, c = x.shape[:2]
+    return x.stride(0), x.stride(1), (x.stride(-1) if x.dim() > 2 else 1)
+
+
+def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
+    """``(y, mean, rstd)``; ``x`` is ``[N, C, *spatial]`` whose spatial dims flatten with one stride."""
+    n, ch = x.shape[:2]
+    s = x[0, 0].numel() if n and ch else 0
+    cg = ch // groups
+    y = torch.empty_like(x)
+    mean = torch.empty(n * groups, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    if x.numel() == 0:
+        return y, mean, rstd
+    sn, sc, ss = _strides(x)
+    has_w = weight is not None
+    w = weight if has_w else mean
+    b = bias if has_w else mean
+    fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
+    if fused:
+        _gn_fwd_fused[(n * groups,)](x, y, w, b, mean, rstd, groups, s, cg, sn, sc, ss, float(eps),
+                                     HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc)
+        return y, mean, rstd
+    part = torch.empty(n * groups * split * 3, device=x.device, dtype=torch.float32)
+    _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, BLOCK_S=bs, BLOCK_C=bc)
+    _gn_apply[(n * groups, split)](x, y, w, b, part, mean, rstd, groups, s, cg, s_per, split, sn, sc, ss,
+                                   float(eps), HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
+                                   BLOCK_P=triton.next_power_of_2(split))
+    return y, mean, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean, rstd, silu: bool):
+    """``(dx, dweight, dbias)`` (fp32 parameter gradients, None without affine); ``dy`` has x's strides."""
+    n, ch = x.shape[:2]
+    s = x[0, 0].numel() if n and ch else 0
+    cg = ch // groups
+    dx = torch.empty_like(x)
+    has_w = weight is not None
+    fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
+    cpart = torch.zeros(n * split, 2 * ch, device=x.device, dtype=torch.float32)
+    if x.numel() == 0:
+        return dx, cpart[:, :ch].sum(0) if has_w else None, cpart[:, ch:].sum(0) if has_w else None
+    sn, sc, ss = _strides(x)
+    w = weight if has_w else mean
+    b = bias if has_w else mean
+    gpart = torch.empty(n * groups * split * 2, device=x.device, dtype=torch.float32) if not fused else mean
+    _gn_bwd_sums[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, cpart, groups, ch, s, cg, s_per, split,
+                                      sn, sc, ss, HAS_W=has_w, ACT=silu, FUSED=fused, BLOCK_S=bs, BLOCK_C=bc)
+    if not fused:
+        _gn_bwd_dx[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, groups, s, cg, s_per, split,
+                                        sn, sc, ss, HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
+                                        BLOCK_P=triton.next_power_of_2(split))
+    if not has_w:
+        return dx, None, None
+    return dx, cpart[:, :ch].sum(0), cpart[:, ch:].sum(0)

@@ -1,0 +1,101 @@
+"""``out[i] = a[idx[i]] * b[i]`` (a gather-multiply over rows) and its transpose, the segment sum
+``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]``.
+
+The segment sum is deterministic by construction: the caller sorts ``idx`` (stable) and passes the
+permutation and each target row's segment bounds; one program owns one block of target rows and one block
+of features and adds its contributions in sorted order. No atomics, so repeated indices give the same bits
+on every run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _gather_mul(a_ptr, b_ptr, idx_ptr, out_ptr, M, F, sa, sb, so, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < F)[None, :]
+    src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    a = tl.load(a_ptr + src[:, None] * sa + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows.to(tl.int64)[:, None] * sb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], (a * b).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _segment_mul_sum(g_ptr, b_ptr, perm_ptr, start_ptr, out_ptr, a_ptr, out2_ptr, R, F, sg, sb, so, sa, so2,
+                     ROWS: tl.constexpr, BLOCK_F: tl.constexpr, PAIR: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    rmask = rows < R
+    fmask = (cols < F)[None, :]
+    lo = tl.load(start_ptr + rows, mask=rmask, other=0)
+    hi = tl.load(start_ptr + rows + 1, mask=rmask, other=0)
+    acc = tl.zeros((ROWS, BLOCK_F), tl.float32)
+    if PAIR:  # the rows i of this segment gather exactly this target row: out2[i] = g[i] * a[r] comes free
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], mask=rmask[:, None] & fmask,
+                    other=0.0).to(tl.float32)
+    # As many steps as this program's longest segment: a runtime bound, no host sync.
+    for j in range(0, tl.max(hi - lo, axis=0)):
+        live = (lo + j) < hi
+        i = tl.load(perm_ptr + lo + j, mask=rmask & live, other=0).to(tl.int64)
+        m = (rmask & live)[:, None] & fmask
+        g = tl.load(g_ptr + i[:, None] * sg + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + i[:, None] * sb + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += g * b
+        if PAIR:
+            tl.store(out2_ptr + i[:, None] * so2 + cols[None, :], (g * a).to(out2_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & fmask)
+
+
+def _tiles(m: int, f: int):
+    block_f = min(triton.next_power_of_2(max(f, 1)), 256)
+    budget = 16384 if _interpreting() else 2048
+    rows = max(1, min(triton.next_power_of_2(max(m, 1)), budget // block_f))
+    return rows, block_f
+
+
+def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a[idx] * b`` for 2-D ``a``, ``b`` with unit feature stride; ``idx`` int64, in range (checked)."""
+    m, f = b.shape
+    out = torch.empty((m, f), device=b.device, dtype=out_dtype)
+    if m and f:
+        rows, bf = _tiles(m, f)
+        _gather_mul[(triton.cdiv(m, rows), triton.cdiv(f, bf))](a, b, idx, out, m, f, a.stride(0), b.stride(0),
+                                                               out.stride(0), ROWS=rows, BLOCK_F=bf)
+    return out
+
+
+def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_out: int,
+                    out_dtype: torch.dtype, a: torch.Tensor | None = None):
+    """``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]`` (fp32 accumulation, sorted order). With ``a`` (the gathered
+    tensor), also ``out2 = a[idx] * g`` from the same pass, returned as ``(out, out2)``."""
+    m, f = b.shape
+    out = torch.empty((rows_out, f), device=b.device, dtype=out_dtype)
+    out2 = torch.empty((m, f), device=b.device, dtype=out_dtype) if a is not None else None
+    if rows_out == 0 or f == 0:
+        return (out, out2) if a is not None else out
+    perm = torch.sort(idx, stable=True).indices
+    counts = torch.bincount(idx, minlength=rows_out)
+    start = torch.zeros(rows_out + 1, device=b.device, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=start[1:])
+    rows, bf = _tiles(rows_out, f)
+    if _interpreting():
+        rows = min(rows, 16)
+    pair = a is not None
+    _segment_mul_sum[(triton.cdiv(rows_out, rows), triton.cdiv(f, bf))](
+        g, b, perm, start, out, a if pair else out, out2 if pair else out, rows_out, f, g.stride(0), b.stride(0),
+        out.stride(0), a.stride(0) if pair else 0, out2.stride(0) if pair else 0, ROWS=rows, BLOCK_F=bf, PAIR=pair)
+    return (out, out2) if pair else out

@@ -1,0 +1,108 @@
+"""Softmax cross entropy with label smoothing: one-pass forward (online log-sum-exp) and one-pass backward.
+
+Forward, per row of ``V`` logits: the running maximum ``m`` and ``s = Σ exp(x − m)`` are updated chunk by
+chunk (the rescaling ``s·exp(m_old − m_new)`` keeps it exact), together with ``Σ x`` and the label's logit,
+so the logits are read once. Backward, per element: ``g · (exp(x − lse) − (1−ε)·[j = label] − ε/V)``, read
+once and written once; the gradient may be written over the logits themselves (``out`` aliasing ``x``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _xent_fwd(x_ptr, lab_ptr, loss_ptr, lse_ptr, M, V, stride_x, smoothing, padding_idx,
+              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rmask = rows < M
+    label = tl.load(lab_ptr + rows, mask=rmask, other=0)
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    m = tl.full((ROWS,), -3.0e38, tl.float32)  # finite: exp(m_old − m_new) never sees −inf − (−inf)
+    s = tl.zeros((ROWS,), tl.float32)
+    sum_x = tl.zeros((ROWS,), tl.float32)
+    x_lab = tl.zeros((ROWS,), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = rmask[:, None] & (cols < V)[None, :]
+        x = tl.load(base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+        sum_x += tl.sum(tl.where(mask, x, 0.0), axis=1)
+        x_lab += tl.sum(tl.where(cols[None, :] == label[:, None], x, 0.0), axis=1)
+    lse = m + tl.log(s)
+    loss = lse - (1.0 - smoothing) * x_lab - smoothing * (sum_x / V)
+    loss = tl.where(label == padding_idx, 0.0, loss)
+    tl.store(loss_ptr + rows, loss, mask=rmask)
+    tl.store(lse_ptr + rows, lse, mask=rmask)
+
+
+@triton.jit
+def _xent_bwd(g_ptr, x_ptr, lab_ptr, lse_ptr, out_ptr, M, V, stride_x, stride_o, stride_g, smoothing,
+              padding_idx, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < V)[None, :]
+    label = tl.load(lab_ptr + rows, mask=rmask, other=0)
+    g = tl.load(g_ptr + rows * stride_g, mask=rmask, other=0.0).to(tl.float32)
+    g = tl.where(label == padding_idx, 0.0, g)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = tl.exp(x - lse[:, None])
+    target = tl.where(cols[None, :] == label[:, None], 1.0 - smoothing, 0.0)
+    dx = g[:, None] * (p - target - smoothing / V)
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], dx.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_per_program(m: int, v: int, block: int) -> int:
+    # Short vocabularies: several rows per program keep the grid (and the interpreter's time) small.
+    rows = max(1, min(64, 4096 // max(block, 1)))
+    if interpreting():
+        rows = max(rows, min(64, triton.next_power_of_2(max(1, m // 8))))
+    return min(triton.next_power_of_2(max(m, 1)), rows)
+
+
+def _block(v: int) -> int:
+    cap = 8192 if interpreting() else 4096
+    return min(cap, triton.next_power_of_2(max(v, 16)))
+
+
+def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(losses, lse)`` in fp32 for a ``[M, V]`` view with unit column stride."""
+    m, v = x.shape
+    losses = torch.empty(m, device=x.device, dtype=torch.float32)
+    lse = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return losses, lse
+    block = _block(v)
+    rows = _rows_per_program(m, v, block)
+    _xent_fwd[(triton.cdiv(m, rows),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
+                                       int(padding_idx), ROWS=rows, BLOCK=block)
+    return losses, lse
+
+
+def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, smoothing: float,
+             padding_idx: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the logits' gradient into ``out`` (which may be ``x`` itself) and return it."""
+    m, v = x.shape
+    if m == 0 or v == 0:
+        return out
+    block = min(_block(v), 1024 if not interpreting() else 8192)
+    rows = _rows_per_program(m, v, block)
+    grid = (triton.cdiv(m, rows), triton.cdiv(v, block))
+    _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride(0), out.stride(0), grad.stride(0),
+                    float(smoothing), int(padding_idx), ROWS=rows, BLOCK=block)
+    return out

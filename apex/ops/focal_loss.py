@@ -1,0 +1,149 @@
+"""Sigmoid focal loss with Apex's target conventions (``apex.contrib.focal_loss``).
+
+``cls_output`` ``[..., K]`` holds per-class logits, ``cls_targets_at_level`` ``[...]`` an int64 class per
+row: ``0 ≤ y < num_real_classes`` a positive for class ``y``, ``−1`` background (every class negative),
+``−2`` ignored (no loss, no gradient). Classes ``j ≥ num_real_classes`` are padding and ignored. With
+``σ = sigmoid(p)`` and label smoothing ``ε`` (BCE targets ``1 − ε/2`` / ``ε/2``), an element's loss is
+``α·(1−σ)^γ·BCE`` for the positive class and ``(1−α)·σ^γ·BCE`` otherwise; the result is
+``Σ loss / num_positives_sum`` (a 0-d fp32 tensor; ``num_positives_sum`` is a one-element tensor).
+
+As Apex, the forward also produces the un-normalised gradient (the expensive transcendental work is the
+same), kept in the logits' dtype; the backward only scales it (in place) by ``grad / num_positives_sum``.
+Dtype policy: arithmetic in fp32 (fp64 for fp64 logits on PyTorch). Paths: ``apex._kernels.focal_loss``
+on CUDA/ROCm tensors (one pass each way, per-program partial sums, no atomics); PyTorch operators on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from apex.ops._norm import select
+
+Tensor = torch.Tensor
+
+
+def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing) -> None:
+    if not isinstance(cls_output, torch.Tensor) or not cls_output.is_floating_point():
+        raise TypeError("cls_output must be a floating-point torch.Tensor")
+    if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise TypeError(f"cls_targets_at_level must be an int64 tensor, got {got}")
+    if cls_output.dim() < 1 or tuple(targets.shape) != tuple(cls_output.shape[:-1]):
+        raise ValueError(f"cls_targets_at_level must have shape {list(cls_output.shape[:-1])} (cls_output "
+                         f"without the class dimension), got {list(targets.shape)}")
+    if not isinstance(num_positives_sum, torch.Tensor) or num_positives_sum.numel() != 1 or \
+            not num_positives_sum.is_floating_point():
+        raise ValueError("num_positives_sum must be a one-element floating-point tensor")
+    for name, t in (("cls_targets_at_level", targets), ("num_positives_sum", num_positives_sum)):
+        if t.device != cls_output.device:
+            raise ValueError(f"{name} is on {t.device} but cls_output is on {cls_output.device}")
+    k = cls_output.shape[-1]
+    if isinstance(num_real_classes, bool) or not isinstance(num_real_classes, int) or \
+            not 0 < num_real_classes <= k:
+        raise ValueError(f"num_real_classes must be an int in [1, {k}] (cls_output's last dimension), "
+                         f"got {num_real_classes!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if float(gamma) < 0:
+        raise ValueError(f"gamma must be non-negative, got {gamma!r}")
+    if targets.numel():
+        bad = (targets < -2) | (targets >= num_real_classes)
+        if bool(bad.any()):
+            first = int(targets.reshape(-1)[bad.reshape(-1)][0])
+            raise ValueError(f"cls_targets_at_level must be −2 (ignore), −1 (background) or a class in "
+                             f"[0, {num_real_classes}), got {first}")
+
+
+def _forward_torch(x, y, k_real, alpha, gamma, smoothing):
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    p = x.to(ct)
+    k = x.shape[-1]
+    cols = torch.arange(k, device=x.device)
+    pos = (cols == y.unsqueeze(-1)) & (y.unsqueeze(-1) >= 0)
+    valid = (y.unsqueeze(-1) != -2) & (cols < k_real)
+    sig = torch.sigmoid(p)
+    sp = F.softplus(-p)
+    bce = torch.where(pos, smoothing / 2, 1 - smoothing / 2) * p + sp
+    q = torch.where(pos, 1 - sig, sig)
+    coeff_f = torch.where(pos, alpha, 1 - alpha) * q.pow(gamma)
+    coeff_b = torch.where(pos, -gamma * sig, gamma * (1 - sig))
+    off_b = torch.where(pos, 1 - smoothing / 2, smoothing / 2) - sig
+    loss = torch.where(valid, coeff_f * bce, 0).sum()
+    grad = torch.where(valid, coeff_f * (coeff_b * bce - off_b), 0)
+    return loss.to(torch.float32 if ct == torch.float32 else ct), grad.to(x.dtype)
+
+
+def focal_loss_forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_positives_sum: Tensor,
+                       num_real_classes: int, alpha: float, gamma: float, label_smoothing: float = 0.0
+                       ) -> tuple[Tensor, Tensor]:
+    """``(loss, partial_grad)``: the normalised loss and the gradient before the ``grad / N⁺`` scaling."""
+    _check(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing)
+    k = cls_output.shape[-1]
+    if select(cls_output) == "triton" and cls_output.dtype != torch.float64:
+        from apex._kernels import focal_loss as kernels
+
+        loss, grad = kernels.forward(cls_output.reshape(-1, k).contiguous(),
+                                     cls_targets_at_level.reshape(-1).contiguous(), num_positives_sum,
+                                     num_real_classes, float(alpha), float(gamma), float(label_smoothing))
+        return loss, grad.view(cls_output.shape)
+    loss, grad = _forward_torch(cls_output, cls_targets_at_level, num_real_classes, float(alpha), float(gamma),
+                                float(label_smoothing))
+    return loss / num_positives_sum.reshape(()).to(loss.dtype), grad
+
+
+def focal_loss_backward(grad_output: Tensor, partial_grad: Tensor, num_positives_sum: Tensor) -> Tensor:
+    """Scale ``partial_grad`` in place by ``grad_output / num_positives_sum`` and return it (Apex's
+    ``focal_loss_cuda.backward``, which also reuses the buffer)."""
+    if not isinstance(grad_output, torch.Tensor) or grad_output.numel() != 1:
+        raise ValueError("grad_output must be a one-element tensor (the loss is a scalar)")
+    if select(partial_grad) == "triton" and partial_grad.dtype != torch.float64 and \
+            partial_grad.is_contiguous():
+        from apex._kernels import focal_loss as kernels
+
+        return kernels.backward(grad_output, partial_grad, num_positives_sum)
+    scale = grad_output.reshape(()).double() / num_positives_sum.reshape(()).double()
+    if partial_grad.dtype == torch.float64:
+        return partial_grad.mul_(scale)
+    return partial_grad.copy_(partial_grad.float().mul_(scale.float()))
+
+
+class FocalLoss(torch.autograd.Function):
+    """``FocalLoss.apply(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma,
+    label_smoothing=0.0)`` → 0-d loss."""
+
+    @staticmethod
+    def forward(ctx, cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma,
+                label_smoothing=0.0):
+        loss, partial_grad = focal_loss_forward(cls_output, cls_targets_at_level, num_positives_sum,
+                                                num_real_classes, alpha, gamma, label_smoothing)
+        ctx.save_for_backward(partial_grad, num_positives_sum)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        partial_grad, num_positives_sum = ctx.saved_tensors
+        # As Apex, the saved buffer is scaled in place and becomes the gradient: no second logits-sized buffer.
+        # A second backward through the same graph is refused by autograd's version check on that buffer.
+        grad = focal_loss_backward(grad_loss, partial_grad, num_positives_sum)
+        return grad, None, None, None, None, None, None
+
+
+def focal_loss(cls_output: Tensor, cls_targets_at_level: Tensor, num_positive_sum: Tensor, num_real_classes: int,
+               alpha: float, gamma: float, label_smoothing: float = 0.0) -> Tensor:
+    """Fused focal loss (Apex's functional name and argument names)."""
+    return FocalLoss.apply(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
+                           label_smoothing)
+
+
+# ------------------------------------------------------------------- Apex's ``focal_loss_cuda`` entry points
+def forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_positives_sum: Tensor, num_real_classes: int,
+            alpha: float, gamma: float, smoothing_factor: float) -> list[Tensor]:
+    """``focal_loss_cuda.forward``: ``[loss, partial_grad]``."""
+    return list(focal_loss_forward(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha,
+                                   gamma, smoothing_factor))
+
+
+def backward(grad_output: Tensor, partial_grad: Tensor, num_positives_sum: Tensor) -> Tensor:
+    """``focal_loss_cuda.backward``: the input gradient, written over ``partial_grad``."""
+    return focal_loss_backward(grad_output, partial_grad, num_positives_sum)

@@ -1,0 +1,266 @@
+"""GroupNorm with an optional fused SiLU: ``y = act((x − mean_g) / sqrt(var_g + eps) · weight_c + bias_c)``.
+
+Statistics are per (sample, group) over the group's ``C/G`` channels and all spatial positions (biased
+variance). ``act`` is ``""``/None (none) or ``"silu"``/``"swish"``. Inputs are ``[N, C, *spatial]`` in NCHW
+(contiguous) or NHWC (``channels_last`` / ``channels_last_3d``) layout; the output keeps the input's layout.
+
+Dtype policy: arithmetic and the saved ``mean``/``rstd`` in fp32 (fp64 for fp64 inputs, on PyTorch); the
+output and ``dx`` in the input dtype; parameter gradients in the parameters' dtype, which may differ from the
+input's (fp32 weights with fp16/bf16 activations, as Apex's NHWC kernels allow).
+
+Paths: CUDA/ROCm tensors run ``apex._kernels.group_norm`` behind the ``apex::group_norm_fwd`` /
+``apex::group_norm_bwd`` custom ops (one launch forward and one backward, plus a parameter-gradient row sum,
+when a group fits one tile; two launches each otherwise); CPU tensors run ``F.group_norm`` (PyTorch's
+fused kernel, which handles channels_last) and ``F.silu``, in fp32 for fp16/bf16 inputs; groups of 2^16
+elements or more take ``var_mean`` statistics and a centred backward instead (see ``ACCURATE_MIN_GROUP``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from apex.ops._norm import select
+
+Tensor = torch.Tensor
+ACTIVATIONS = (None, "", "silu", "swish")
+
+
+def check_args(input: object, num_groups: object, weight: object, bias: object, act: object) -> bool:
+    """Validate a call; return whether the SiLU is applied."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    if input.dim() < 2:
+        raise ValueError(f"input must have shape [N, C, *spatial], got {list(input.shape)}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    c = input.shape[1]
+    if c % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide the number of channels C={c}")
+    if (weight is None) != (bias is None):
+        raise ValueError("weight and bias must both be given or both be None")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor or None")
+        if tuple(p.shape) != (c,):
+            raise ValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
+        if p.device != input.device:
+            raise ValueError(f"{name} is on {p.device} but input is on {input.device}")
+    a = act.lower() if isinstance(act, str) else act
+    if a not in ACTIVATIONS:
+        raise ValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
+    return a in ("silu", "swish")
+
+
+def _layout(x: Tensor) -> Tensor:
+    """``x`` itself if its spatial dims flatten with one stride in NCHW or NHWC order, else a copy."""
+    if x.is_contiguous():
+        return x
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is not None and x.is_contiguous(memory_format=fmt):
+        return x
+    return x.contiguous()
+
+
+def _use_kernel(x: Tensor, num_groups: int) -> bool:
+    if x.dtype == torch.float64 or select(x) != "triton":
+        return False
+    from apex._kernels import group_norm as kernels
+
+    return kernels.supported(x.shape[1] // num_groups)
+
+
+# ------------------------------------------------------------------------------------------- torch
+def _group_norm_torch(x, num_groups, weight, bias, eps, silu):
+    # fp16/bf16 or mixed dtypes: compute in fp32 and round the output once. PyTorch's CPU kernels in bf16
+    # lose ~1e-2 in the parameter gradients, and its mixed-type kernel ~1e-4 in fp32 ones.
+    ct = torch.promote_types(torch.float32, x.dtype)
+    if weight is not None:
+        ct = torch.promote_types(ct, weight.dtype)
+    if ct == x.dtype and (weight is None or weight.dtype == ct):
+        y = F.group_norm(x, num_groups, weight, bias, eps)
+        return F.silu(y) if silu else y
+    cast = (lambda p: p.to(ct) if p is not None else None)
+    y = F.group_norm(x.to(ct), num_groups, cast(weight), cast(bias), eps)
+    return (F.silu(y) if silu else y).to(x.dtype)
+
+
+# PyTorch's CPU GroupNorm loses accuracy on large groups whose mean is far from zero (its fp32 statistics
+# and its uncentred backward sums cancel: 5e-3 relative in dweight for 32×128×256×256 fp16 inputs with mean
+# −2.3, as in Apex's own test). From this many elements per group the PyTorch path computes the statistics
+# with ``var_mean`` and the backward from centred values instead.
+ACCURATE_MIN_GROUP = 1 << 16
+
+
+def _forward_torch(x, num_groups, weight, bias, eps, silu):
+    """``(y, mean, rstd)`` with fp32 (fp64) statistics from ``var_mean``; y keeps x's memory format."""
+    n, c = x.shape[:2]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dims = tuple(range(2, x.dim() + 1))
+    var, mean = torch.var_mean(x.unflatten(1, (num_groups, c // num_groups)).to(ct), dims, correction=0)
+    rstd = (var + eps).rsqrt()
+    shape = (n, c) + (1,) * (x.dim() - 2)
+    scale = rstd.repeat_interleave(c // num_groups, 1)
+    shift = -mean.repeat_interleave(c // num_groups, 1) * scale
+    if weight is not None:
+        scale = scale * weight.to(ct)
+        shift = shift * weight.to(ct) + bias.to(ct)
+    y = torch.addcmul(shift.reshape(shape), x.to(ct), scale.reshape(shape))
+    if silu:
+        y = F.silu(y)
+    return y.to(x.dtype), mean.reshape(-1), rstd.reshape(-1)
+
+
+class _AccurateGroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps, silu):
+        y, mean, rstd = _forward_torch(x, num_groups, weight, bias, eps, silu)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.num_groups, ctx.silu = num_groups, silu
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _backward_torch(dy, x, mean, rstd, ctx.num_groups, weight, bias, ctx.silu)
+        return dx, None, dw, db, None, None
+
+
+# --------------------------------------------------------------------------------- dispatch (no autograd)
+def group_norm_forward(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+                       eps: float = 1e-5, act: str | None = "") -> tuple[Tensor, Tensor, Tensor]:
+    """``(output, mean, rstd)`` without autograd; ``mean``/``rstd`` have ``N·G`` fp32 entries."""
+    silu = check_args(input, num_groups, weight, bias, act)
+    x = _layout(input)
+    if _use_kernel(x, num_groups):
+        from apex._kernels import group_norm as kernels
+
+        return kernels.forward(x, num_groups, weight, bias, float(eps), silu)
+    return _forward_torch(x, num_groups, weight, bias, float(eps), silu)
+
+
+def group_norm_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor, num_groups: int,
+                        weight: Tensor | None = None, bias: Tensor | None = None, act: str | None = ""
+                        ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(grad_input, grad_weight, grad_bias)`` from the saved statistics."""
+    silu = check_args(input, num_groups, weight, bias, act)
+    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != tuple(input.shape):
+        got = list(grad_output.shape) if isinstance(grad_output, torch.Tensor) else type(grad_output).__name__
+        raise ValueError(f"grad_output must have the input's shape {list(input.shape)}, got {got}")
+    ng = input.shape[0] * num_groups
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if not isinstance(t, torch.Tensor) or t.numel() != ng:
+            raise ValueError(f"{name} must hold N·G = {ng} values")
+    x = _layout(input)
+    if _use_kernel(x, num_groups):
+        from apex._kernels import group_norm as kernels
+
+        dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
+        dx, dw, db = kernels.backward(dy, x, num_groups, weight, bias, mean.reshape(-1).float().contiguous(),
+                                      rstd.reshape(-1).float().contiguous(), silu)
+        return dx, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None
+    return _backward_torch(grad_output, x, mean, rstd, num_groups, weight, bias, silu)
+
+
+def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
+    n, c = x.shape[:2]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    shape = (n, num_groups, c // num_groups, -1)
+    xh = (x.to(ct).reshape(shape) - mean.to(ct).reshape(n, num_groups, 1, 1)) * rstd.to(ct).reshape(
+        n, num_groups, 1, 1)
+    w = weight.to(ct).reshape(1, num_groups, -1, 1) if weight is not None else None
+    dz = dy.to(ct).reshape(shape)
+    if silu:
+        z = xh * w + bias.to(ct).reshape(1, num_groups, -1, 1) if w is not None else xh
+        sg = torch.sigmoid(z)
+        dz = dz * sg * (1 + z * (1 - sg))
+    dxh = dz * w if w is not None else dz
+    m1 = dxh.mean((2, 3), keepdim=True)
+    m2 = (dxh * xh).mean((2, 3), keepdim=True)
+    dx = ((dxh - m1 - xh * m2) * rstd.to(ct).reshape(n, num_groups, 1, 1)).reshape(x.shape).to(x.dtype)
+    if weight is None:
+        return dx, None, None
+    dw = (dz * xh).sum((0, 3)).reshape(c).to(weight.dtype)
+    db = dz.sum((0, 3)).reshape(c).to(bias.dtype)
+    return dx, dw, db
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("apex::group_norm_fwd", mutates_args=())
+def _fwd_op(input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, act: str
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = group_norm_forward(input, num_groups, weight, bias, eps, act)
+    return y, mean, rstd
+
+
+@_fwd_op.register_fake
+def _(input, num_groups, weight, bias, eps, act):
+    ng = input.shape[0] * num_groups
+    return torch.empty_like(input), input.new_empty((ng,), dtype=torch.float32), \
+        input.new_empty((ng,), dtype=torch.float32)
+
+
+@torch.library.custom_op("apex::group_norm_bwd", mutates_args=())
+def _bwd_op(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor, num_groups: int,
+            weight: Tensor | None, bias: Tensor | None, act: str) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = group_norm_backward(grad_output, input, mean, rstd, num_groups, weight, bias, act)
+    empty = input.new_empty((0,))
+    return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
+
+
+@_bwd_op.register_fake
+def _(grad_output, input, mean, rstd, num_groups, weight, bias, act):
+    return (torch.empty_like(input), torch.empty_like(weight) if weight is not None else input.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else input.new_empty((0,)))
+
+
+def _setup(ctx, inputs, output):
+    input, num_groups, weight, bias, eps, act = inputs
+    _, mean, rstd = output
+    ctx.num_groups, ctx.act = num_groups, act
+    ctx.save_for_backward(input, weight, bias, mean, rstd)
+
+
+def _backward(ctx, grad_y, grad_mean, grad_rstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.apex.group_norm_bwd(grad_y, x, mean, rstd, ctx.num_groups, weight, bias, ctx.act)
+    return dx, None, dw if weight is not None else None, db if bias is not None else None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------- autograd entry
+def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, act: str | None = "") -> Tensor:
+    """Differentiable GroupNorm (+ SiLU with ``act="silu"``); see the module docstring."""
+    silu = check_args(input, num_groups, weight, bias, act)
+    if not _use_kernel(input, int(num_groups)):
+        if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
+            return _AccurateGroupNorm.apply(input, int(num_groups), weight, bias, float(eps), silu)
+        return _group_norm_torch(input, int(num_groups), weight, bias, float(eps), silu)
+    return torch.ops.apex.group_norm_fwd(input, int(num_groups), weight, bias, float(eps),
+                                         "silu" if silu else "")[0]
+
+
+# ---------------------------------------------------------------------- Apex's ``group_norm_cuda`` entry points
+def forward(input: Tensor, groups: int, weight: Tensor, bias: Tensor, eps: float, passes: int = 1,
+            with_swish: bool = False) -> list[Tensor]:
+    """``group_norm_cuda.forward``: ``[y, sums]``; ``sums`` holds (mean, rstd) pairs per (n, group), fp32.
+    ``passes`` is accepted and ignored (the kernels choose their own split)."""
+    y, mean, rstd = group_norm_forward(input, groups, weight, bias, eps, "silu" if with_swish else "")
+    return [y, torch.stack([mean.float(), rstd.float()], -1).reshape(-1)]
+
+
+def backward(grad_output: Tensor, sums: Tensor, input: Tensor, groups: int, weight: Tensor, bias: Tensor,
+             eps: float, passes: int = 1, with_swish: bool = False) -> list[Tensor]:
+    """``group_norm_cuda.backward``: ``[dx, dweight, dbias]`` from the ``sums`` of :func:`forward`."""
+    pairs = sums.reshape(-1, 2)
+    return list(group_norm_backward(grad_output, input, pairs[:, 0], pairs[:, 1], groups, weight, bias,
+                                    "silu" if with_swish else ""))

@@ -1,0 +1,154 @@
+"""``index_mul_2d(in1, in2, idx1) = in1[idx1] * in2`` for 2-D ``in1`` ``[R, F]``, ``in2`` ``[M, F]`` and
+``idx1`` ``[M]`` (Apex's ``apex.contrib.index_mul_2d``, used by OpenFold), with first and second derivatives.
+
+Gradients: ``d in2 = g * in1[idx1]``; ``d in1[r] = Σ_{i: idx1[i] = r} g[i] * in2[i]``, a segment sum over
+repeated indices. That sum is deterministic on both paths: the Triton path sorts ``idx1`` (stable) and
+each program adds its rows' contributions in that order (no atomics, unlike Apex's kernel); the PyTorch
+path uses ``index_add_``, sequential on CPU. Double backward (forces of an energy, as in Apex's test) is
+supported by a second autograd function built from the same two primitives.
+
+Dtype policy: fp32/fp16/bf16 (and fp64 on PyTorch), ``in1`` and ``in2`` of one dtype; products in fp32 with
+one rounding to that dtype; segment sums accumulate in fp32 (fp64 for fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops._norm import select
+
+Tensor = torch.Tensor
+
+
+def _check(in1: object, in2: object, idx1: object) -> None:
+    for name, t in (("in1", in1), ("in2", in2)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor, got shape {list(t.shape)}")
+    if in2.dtype != in1.dtype:
+        raise TypeError(f"in1 and in2 must have the same dtype, got {in1.dtype} and {in2.dtype}")
+    if in1.shape[1] != in2.shape[1]:
+        raise ValueError(f"in1 and in2 must have the same number of columns, got {in1.shape[1]} and "
+                         f"{in2.shape[1]}")
+    if not isinstance(idx1, torch.Tensor) or idx1.dtype not in (torch.int64, torch.int32):
+        raise TypeError("idx1 must be an int64 or int32 tensor")
+    if idx1.dim() != 1 or idx1.shape[0] != in2.shape[0]:
+        raise ValueError(f"idx1 must be 1-D with in2's {in2.shape[0]} rows, got shape {list(idx1.shape)}")
+    for name, t in (("in2", in2), ("idx1", idx1)):
+        if t.device != in1.device:
+            raise ValueError(f"{name} is on {t.device} but in1 is on {in1.device}")
+    if idx1.numel():
+        lo, hi = int(idx1.min()), int(idx1.max())
+        if lo < 0 or hi >= in1.shape[0]:
+            raise ValueError(f"idx1 must index in1's rows [0, {in1.shape[0]}), got values in [{lo}, {hi}]")
+
+
+def _triton(t: Tensor) -> bool:
+    return t.dtype != torch.float64 and select(t) == "triton"
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ------------------------------------------------------------------------------- primitives (no autograd)
+def gather_mul(a: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+    """``a[idx] * b`` in ``b``'s dtype."""
+    if _triton(b):
+        from apex._kernels import index_mul_2d as kernels
+
+        return kernels.gather_mul(_rows(a), _rows(b), idx.to(torch.int64).contiguous(), b.dtype)
+    return torch.index_select(a, 0, idx).mul_(b)
+
+
+def segment_mul_sum(g: Tensor, b: Tensor, idx: Tensor, rows: int) -> Tensor:
+    """``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]`` (``rows`` rows), accumulated in fp32, deterministic."""
+    if _triton(b):
+        from apex._kernels import index_mul_2d as kernels
+
+        return kernels.segment_mul_sum(_rows(g), _rows(b), idx.to(torch.int64).contiguous(), rows, b.dtype)
+    ct = torch.float64 if b.dtype == torch.float64 else torch.float32
+    out = torch.zeros(rows, b.shape[1], dtype=ct, device=b.device)
+    return out.index_add_(0, idx, g.to(ct) * b.to(ct)).to(b.dtype)
+
+
+def backward_pair(g: Tensor, in1: Tensor, in2: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(segment_mul_sum(g, in2), in1[idx] * g)``: on the Triton path one pass over ``g`` and ``in2``."""
+    if _triton(in2):
+        from apex._kernels import index_mul_2d as kernels
+
+        return kernels.segment_mul_sum(_rows(g), _rows(in2), idx.to(torch.int64).contiguous(), in1.shape[0],
+                                       in2.dtype, _rows(in1))
+    return segment_mul_sum(g, in2, idx, in1.shape[0]), gather_mul(in1, g, idx)
+
+
+# --------------------------------------------------------------------------------------------- autograd
+class IndexMul2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, in1, in2, idx1):
+        _check(in1, in2, idx1)
+        ctx.save_for_backward(in1, in2, idx1)
+        return gather_mul(in1, in2, idx1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        in1, in2, idx1 = ctx.saved_tensors
+        grad_in1, grad_in2 = IndexMul2dBackward.apply(in1, in2, idx1, grad_out)
+        return grad_in1, grad_in2, None
+
+
+class IndexMul2dBackward(torch.autograd.Function):
+    """``(d in1, d in2)`` from ``grad_out``, itself differentiable (for double backward)."""
+
+    @staticmethod
+    def forward(ctx, in1, in2, idx1, grad_out):
+        ctx.save_for_backward(in1, in2, idx1, grad_out)
+        return backward_pair(grad_out, in1, in2, idx1)
+
+    @staticmethod
+    def backward(ctx, gg1, gg2):
+        in1, in2, idx1, g = ctx.saved_tensors
+        gg1 = gg1 if gg1 is not None else torch.zeros_like(in1)
+        gg2 = gg2 if gg2 is not None else torch.zeros_like(in2)
+        d_in1, d_in2 = backward_pair(g, gg1, gg2, idx1)
+        d_g = gather_mul(gg1, in2, idx1).add_(gather_mul(in1, gg2, idx1))
+        return d_in1, d_in2, None, d_g
+
+
+def index_mul_2d(in1: Tensor, in2: Tensor, idx1: Tensor) -> Tensor:
+    """``in1[idx1] * in2``, differentiable twice in ``in1`` and ``in2``."""
+    return IndexMul2d.apply(in1, in2, idx1)
+
+
+# -------------------------------------------------------------- Apex's ``fused_index_mul_2d`` entry points
+def float_forward(out: Tensor, in1: Tensor, in2: Tensor, idx1: Tensor) -> None:
+    """``fused_index_mul_2d.float_forward``: writes ``in1[idx1] * in2`` into ``out``."""
+    _check(in1, in2, idx1)
+    out.copy_(gather_mul(in1, in2, idx1))
+
+
+def float_backward(grad_in1: Tensor, grad_in2: Tensor, grad_out: Tensor, in1: Tensor, in2: Tensor,
+                   idx1: Tensor) -> None:
+    """``fused_index_mul_2d.float_backward``: adds into ``grad_in1`` (zeroed by the caller, as in Apex) and
+    writes ``grad_in2``."""
+    _check(in1, in2, idx1)
+    d1, d2 = backward_pair(grad_out, in1, in2, idx1)
+    grad_in1.add_(d1)
+    grad_in2.copy_(d2)
+
+
+def float_backward_backward(grad_grad_out: Tensor, grad_in1: Tensor, grad_in2: Tensor, grad_out: Tensor,
+                            grad_grad_in1: Tensor, grad_grad_in2: Tensor, in1: Tensor, in2: Tensor,
+                            idx1: Tensor) -> None:
+    """``fused_index_mul_2d.float_backward_backward``: the double-backward products, into the first three."""
+    _check(in1, in2, idx1)
+    grad_grad_out.copy_(gather_mul(grad_grad_in1, in2, idx1).add_(gather_mul(in1, grad_grad_in2, idx1)))
+    d1, d2 = backward_pair(grad_out, grad_grad_in1, grad_grad_in2, idx1)
+    grad_in1.add_(d1)
+    grad_in2.copy_(d2)
+
+
+half_forward = float_forward
+half_backward = float_backward
+half_backward_backward = float_backward_backward

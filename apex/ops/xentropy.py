@@ -1,0 +1,208 @@
+"""Softmax cross entropy with label smoothing, per row (Apex's ``xentropy``).
+
+For logits ``x`` of shape ``[..., V]`` and integer ``labels`` of shape ``[...]``:
+``loss = lse(x) − (1−ε)·x[label] − ε·mean(x)`` with ``lse(x) = log Σ exp(x)``, i.e.
+``(1−ε)·nll + ε·mean(−log p)``. Rows whose label equals ``padding_idx`` give zero loss and zero gradient.
+The backward rebuilds the softmax from the saved ``lse`` (one value per row, no saved probabilities):
+``dx = g · (exp(x − lse) − (1−ε)·onehot(label) − ε/V)``.
+
+Dtype policy: arithmetic in fp32 (fp64 for fp64 logits); losses and ``lse`` are fp32 for fp16/bf16/fp32
+logits (as Apex's kernel at e13873de, which always returns fp32 losses), fp64 for fp64; the gradient has
+the logits' dtype. ``half_to_float`` is accepted for Apex's signature; it only decides the dtype of the
+``max_log_sum_exp`` that the ``xentropy_cuda.forward`` adapter returns.
+
+``inplace_backward=True`` (not in Apex) writes the logits' gradient over the logits' own buffer: for large
+vocabularies the ``[rows, V]`` gradient is then never allocated next to the logits, which saves one
+logits-sized buffer at the peak of the backward. The logits must not be used after the loss's backward
+(they are overwritten), and they may not be a leaf tensor that requires grad.
+
+Paths: CUDA/ROCm tensors run ``apex._kernels.xentropy`` (forward: one read of the logits with an online
+log-sum-exp; backward: one read, one write); CPU tensors run PyTorch operators (``log_softmax`` in fp32 to
+get ``lse``, a ``gather`` and a row sum; backward ``exp(x − lse)`` and two in-place updates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops._norm import select
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check(logits: object, labels: object, smoothing: object, padding_idx: object) -> int:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V > 0, got {list(logits.shape)}")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without the class "
+                         f"dimension), got {list(labels.shape)}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels is on {labels.device} but logits is on {logits.device}")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"smoothing must be a float in [0, 1], got {smoothing!r}")
+    if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
+        raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
+    v = logits.shape[-1]
+    if labels.numel():
+        bad = (labels < 0) | (labels >= v)
+        if padding_idx is not None:
+            bad &= labels != padding_idx
+        if bool(bad.any()):
+            first = int(labels.reshape(-1)[bad.reshape(-1)][0])
+            raise ValueError(f"labels must lie in [0, {v}) or equal padding_idx={padding_idx}, got {first}")
+    return v
+
+
+def _pad(padding_idx: int | None) -> int:
+    # No padding: −1 never matches, since the checks reject negative labels then.
+    return -1 if padding_idx is None else int(padding_idx)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- dispatch (no autograd)
+def softmax_cross_entropy_forward(logits: Tensor, labels: Tensor, smoothing: float = 0.0,
+                                  padding_idx: int | None = 0) -> tuple[Tensor, Tensor]:
+    """``(losses, lse)``: per-row losses (zero on padding rows) and ``log Σ exp`` of each row."""
+    v = _check(logits, labels, smoothing, padding_idx)
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, v)
+    lab = labels.reshape(-1)
+    if select(logits) == "triton" and logits.dtype != torch.float64:
+        from apex._kernels import xentropy as kernels
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        losses, lse = kernels.forward(x, lab.contiguous(), float(smoothing), _pad(padding_idx))
+        return losses.reshape(lead), lse.reshape(lead)
+    losses, lse = _forward_torch(x, lab, float(smoothing), padding_idx)
+    return losses.reshape(lead), lse.reshape(lead)
+
+
+def _forward_torch(x, lab, smoothing, padding_idx):
+    ct = _compute_dtype(x.dtype)
+    v = x.shape[-1]
+    pad = lab == padding_idx if padding_idx is not None else torch.zeros_like(lab, dtype=torch.bool)
+    safe = lab.masked_fill(pad, 0).unsqueeze(-1)
+    # One fused pass for the log-probabilities (half inputs read directly into fp32); lse = x − log p.
+    logp = torch.log_softmax(x, -1, dtype=ct)
+    lse = x[:, :1].to(ct).sub(logp[:, :1]).squeeze(-1)
+    nll = logp.gather(-1, safe).squeeze(-1).neg_()
+    losses = nll.mul_(1.0 - smoothing)
+    if smoothing:
+        losses.sub_(logp.sum(-1), alpha=smoothing / v)
+    return losses.masked_fill_(pad, 0), lse
+
+
+def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tensor, labels: Tensor,
+                                   smoothing: float = 0.0, padding_idx: int | None = 0,
+                                   inplace: bool = False) -> Tensor:
+    """Gradient of the losses with respect to the logits; ``inplace=True`` writes it over ``logits``."""
+    v = _check(logits, labels, smoothing, padding_idx)
+    lead = tuple(logits.shape[:-1])
+    for name, t in (("grad_loss", grad_loss), ("max_log_sum_exp", lse)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {list(lead)}, got {got}")
+    if inplace and not logits.is_contiguous():
+        raise ValueError("inplace_backward=True needs contiguous logits (the gradient is written over them)")
+    x = logits.reshape(-1, v)
+    lab = labels.reshape(-1)
+    g = grad_loss.reshape(-1)
+    s = lse.reshape(-1)
+    if select(logits) == "triton" and logits.dtype != torch.float64:
+        from apex._kernels import xentropy as kernels
+
+        if inplace:
+            out = x
+        else:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            out = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
+        kernels.backward(g, x, lab.contiguous(), s.float().contiguous(), float(smoothing), _pad(padding_idx),
+                         out)
+        return out.view(logits.shape) if inplace else out.reshape(logits.shape)
+    dx = _backward_torch(g, x, lab, s, float(smoothing), padding_idx, inplace)
+    return dx.view(logits.shape)
+
+
+def _backward_torch(g, x, lab, lse, smoothing, padding_idx, inplace):
+    ct = _compute_dtype(x.dtype)
+    v = x.shape[-1]
+    g = g.to(ct)
+    if padding_idx is not None:
+        g = g.masked_fill(lab == padding_idx, 0)
+        safe = lab.masked_fill(lab == padding_idx, 0)
+    else:
+        safe = lab
+    # In place only where the arithmetic dtype is the logits' own (fp32/fp64); half logits need fp32 work.
+    if inplace and x.dtype == ct:
+        p = x.sub_(lse.unsqueeze(-1).to(ct))
+    else:  # a half x minus an fp32 lse promotes to fp32
+        p = torch.sub(x, lse.unsqueeze(-1).to(ct))
+    p = p.exp_()
+    p.mul_(g.unsqueeze(-1))
+    if smoothing:
+        p.sub_((g * (smoothing / v)).unsqueeze(-1))
+    rows = torch.arange(x.shape[0], device=x.device)
+    p.index_put_((rows, safe), g * (smoothing - 1.0), accumulate=True)
+    if p.dtype == x.dtype:
+        return p
+    return x.copy_(p) if inplace else p.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------- autograd
+class SoftmaxCrossEntropyLoss(torch.autograd.Function):
+    """``SoftmaxCrossEntropyLoss.apply(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False,
+    inplace_backward=False)`` → per-row losses (fp32 for half/float logits)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
+        if inplace_backward and logits.is_leaf and logits.requires_grad:
+            raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad: "
+                             "pass the output of a layer, or inplace_backward=False")
+        losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
+        ctx.save_for_backward(logits, lse, labels)
+        ctx.smoothing = float(smoothing)
+        ctx.padding_idx = padding_idx
+        ctx.inplace = bool(inplace_backward)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, labels = ctx.saved_tensors
+        dx = softmax_cross_entropy_backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx,
+                                            ctx.inplace)
+        return dx, None, None, None, None, None
+
+
+def softmax_cross_entropy(logits: Tensor, labels: Tensor, smoothing: float = 0.0, padding_idx: int | None = 0,
+                          half_to_float: bool = False, inplace_backward: bool = False) -> Tensor:
+    """Differentiable per-row label-smoothed cross entropy (see the module docstring)."""
+    return SoftmaxCrossEntropyLoss.apply(logits, labels, smoothing, padding_idx, half_to_float, inplace_backward)
+
+
+# ---------------------------------------------------------------------- Apex's ``xentropy_cuda`` entry points
+def forward(input: Tensor, labels: Tensor, smoothing: float, half_to_float: bool) -> list[Tensor]:
+    """``xentropy_cuda.forward``: ``[losses, max_log_sum_exp]`` (no padding row masking, as Apex's)."""
+    losses, lse = softmax_cross_entropy_forward(input, labels, smoothing, None)
+    if not half_to_float and input.dtype in (torch.float16, torch.bfloat16):
+        lse = lse.to(input.dtype)
+    return [losses, lse]
+
+
+def backward(grad_loss: Tensor, logits: Tensor, max_log_sum_exp: Tensor, labels: Tensor, smoothing: float
+             ) -> Tensor:
+    """``xentropy_cuda.backward``: the logits' gradient (rows are not masked here, as in Apex)."""
+    return softmax_cross_entropy_backward(grad_loss, logits, max_log_sum_exp, labels, smoothing, None)

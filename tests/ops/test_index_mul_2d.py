@@ -1,0 +1,133 @@
+"""apex.ops.index_mul_2d: output, gradients and double-backward against float64 on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import index_mul_2d as IM
+from apex.testing import assert_rel_close
+from tests.ops._norms import DTYPES, trace
+
+
+def _inputs(r, m, f, dtype):
+    in1 = torch.randn(r, f).to(dtype)
+    in2 = torch.randn(m, f).to(dtype)
+    idx = torch.randint(0, r, (m,))
+    return in1, in2, idx
+
+
+def _energy_and_force(fn, in1, in2, idx):
+    """Apex's test: an energy, its gradient in in1 ("force") with create_graph, then a second backward."""
+    a = in1.detach().clone().requires_grad_()
+    b = in2.detach().clone().requires_grad_()
+    out = fn(a, b, idx)
+    energy = (out.double() ** 2).sum() / out.numel()
+    (force,) = torch.autograd.grad(energy, a, create_graph=True)
+    loss = energy + (force.double() ** 2).sum()
+    ga, gb = torch.autograd.grad(loss, [a, b])
+    return out, force, ga, gb
+
+
+def _ref(in1, in2, idx):
+    return _energy_and_force(lambda a, b, i: a[i] * b, in1.double(), in2.double(), idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("r,m,f", [(1, 1, 1), (7, 50, 33), (30, 9, 130)], ids=str)
+def test_index_mul_2d_first_and_second_derivatives(backend_name, r, m, f, dtype):
+    in1, in2, idx = _inputs(r, m, f, dtype)
+    with trace(backend_name, in1, in2, idx):
+        got = _energy_and_force(IM.index_mul_2d, in1, in2, idx)
+    ref = _ref(in1, in2, idx)
+    assert got[0].dtype == dtype
+    if dtype == torch.float32:
+        assert_rel_close(list(got), list(ref), tol=1e-5)
+    else:
+        # Each stage rounds to the dtype once; the chain has about four such stages.
+        tol = 4e-3 if dtype == torch.float16 else 4 * 2 ** -8
+        assert_rel_close(list(got), list(ref), tol=tol)
+
+
+def test_index_mul_2d_repeated_indices_are_deterministic(backend_name):
+    in1, in2, _ = _inputs(3, 200, 17, torch.float32)
+    idx = torch.randint(0, 3, (200,))
+    g = torch.randn(200, 17)
+    with trace(backend_name, in1, in2, idx, g):
+        a = in1.clone().requires_grad_()
+        out = IM.index_mul_2d(a, in2, idx)
+        (d1,) = torch.autograd.grad(out, a, g)
+        a2 = in1.clone().requires_grad_()
+        (d2,) = torch.autograd.grad(IM.index_mul_2d(a2, in2, idx), a2, g)
+    assert torch.equal(d1, d2)
+    ref = torch.zeros(3, 17, dtype=torch.float64).index_add_(0, idx, g.double() * in2.double())
+    assert_rel_close(d1, ref, tol=1e-6)
+
+
+def test_index_mul_2d_non_contiguous(backend_name):
+    in1 = torch.randn(20, 8)[::2]
+    in2 = torch.randn(6, 16)[:, ::2]
+    idx = torch.tensor([0, 9, 3, 3, 9, 1])
+    with trace(backend_name, in1, in2, idx):
+        got = _energy_and_force(IM.index_mul_2d, in1, in2, idx)
+    assert_rel_close(list(got), list(_ref(in1, in2, idx)), tol=1e-5)
+
+
+def test_index_mul_2d_apex_entry_points(backend_name):
+    import fused_index_mul_2d as ext
+
+    from apex.contrib.index_mul_2d import index_mul_2d
+
+    in1, in2, idx = _inputs(5, 12, 7, torch.float16)
+    out = torch.empty_like(in2)
+    ext.half_forward(out, in1, in2, idx)
+    assert_rel_close(out, in1.double()[idx] * in2.double(), tol=1e-3)
+    g = torch.randn(12, 7).half()
+    gi1, gi2 = torch.zeros_like(in1), torch.empty_like(in2)
+    ext.half_backward(gi1, gi2, g, in1, in2, idx)
+    ref1 = torch.zeros(5, 7, dtype=torch.float64).index_add_(0, idx, g.double() * in2.double())
+    assert_rel_close([gi1, gi2], [ref1, g.double() * in1.double()[idx]], tol=2e-3)
+    gg1, gg2 = torch.randn(5, 7).half(), torch.randn(12, 7).half()
+    ggo, g1, g2 = torch.empty_like(g), torch.zeros_like(in1), torch.empty_like(in2)
+    ext.half_backward_backward(ggo, g1, g2, g, gg1, gg2, in1, in2, idx)
+    d = lambda t: t.double()  # noqa: E731
+    assert_rel_close(ggo, d(gg1)[idx] * d(in2) + d(in1)[idx] * d(gg2), tol=2e-3)
+    assert_rel_close(g1, torch.zeros(5, 7, dtype=torch.float64).index_add_(0, idx, d(g) * d(gg2)), tol=2e-3)
+    assert_rel_close(g2, d(gg1)[idx] * d(g), tol=2e-3)
+    a = in1.float().requires_grad_()
+    assert_rel_close(index_mul_2d(a, in2.float(), idx), d(in1)[idx] * d(in2), tol=1e-6)
+
+
+def test_index_mul_2d_bad_input_raises():
+    in1, in2, idx = _inputs(4, 6, 3, torch.float32)
+    with pytest.raises(ValueError, match=r"idx1 must index in1's rows \[0, 4\)"):
+        IM.index_mul_2d(in1, in2, torch.tensor([0, 1, 2, 4, 0, 1]))
+    with pytest.raises(ValueError, match=r"idx1 must index"):
+        IM.index_mul_2d(in1, in2, torch.tensor([0, 1, -1, 3, 0, 1]))
+    with pytest.raises(ValueError, match="idx1 must be 1-D with in2's 6 rows"):
+        IM.index_mul_2d(in1, in2, idx[:3])
+    with pytest.raises(TypeError, match="same dtype"):
+        IM.index_mul_2d(in1, in2.half(), idx)
+    with pytest.raises(ValueError, match="same number of columns"):
+        IM.index_mul_2d(in1, torch.randn(6, 4), idx)
+    with pytest.raises(ValueError, match="in1 must be a 2-D"):
+        IM.index_mul_2d(torch.randn(4), in2, idx)
+    with pytest.raises(TypeError, match="idx1 must be an int64"):
+        IM.index_mul_2d(in1, in2, idx.float())
+    out = torch.full_like(in2, 7.0)
+    with pytest.raises(ValueError):
+        IM.float_forward(out, in1, in2, torch.tensor([0, 1, 2, 9, 0, 1]))
+    assert (out == 7.0).all()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(r=st.integers(1, 12), m=st.integers(1, 60), f=st.integers(1, 40), backend=st.sampled_from(["torch", "triton"]))
+def test_index_mul_2d_random_shapes(r, m, f, backend):
+    torch.manual_seed(r * 10000 + m * 100 + f)
+    in1, in2, idx = _inputs(r, m, f, torch.float32)
+    with apex.backend(backend), trace(backend, in1, in2, idx):
+        got = _energy_and_force(IM.index_mul_2d, in1, in2, idx)
+    assert_rel_close(list(got), list(_ref(in1, in2, idx)), tol=1e-5)

@@ -1,0 +1,199 @@
+"""apex.ops.xentropy: losses and logits' gradients against a float64 reference on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import xentropy as X
+from apex.testing import assert_rel_close
+from tests.ops._norms import DTYPES, trace
+
+
+def _inputs(m, v, dtype, pad_frac=0.25, padding_idx=0, scale=3.0):
+    x = (torch.randn(m, v) * scale).to(dtype)
+    lab = torch.randint(0, v, (m,))
+    pad = torch.rand(m) < pad_frac
+    if padding_idx is not None:
+        lab[pad] = padding_idx
+    return x, lab
+
+
+def _ref(x, lab, smoothing, padding_idx, dy):
+    x64 = x.detach().double().requires_grad_()
+    logp = torch.log_softmax(x64, -1)
+    pad = lab == padding_idx if padding_idx is not None else torch.zeros_like(lab, dtype=torch.bool)
+    safe = lab.masked_fill(pad, 0)
+    loss = -(1 - smoothing) * logp.gather(-1, safe[:, None]).squeeze(-1) - smoothing * logp.mean(-1)
+    loss = loss.masked_fill(pad, 0)
+    (dx,) = torch.autograd.grad(loss, x64, dy.double())
+    return loss.detach(), dx
+
+
+def _baseline(x, lab, smoothing, padding_idx, dy):
+    """PyTorch's own cross entropy in the logits' dtype (for the fp16/bf16 error bound)."""
+    xb = x.detach().clone().requires_grad_()
+    ign = padding_idx if padding_idx is not None else -100
+    loss = F.cross_entropy(xb, lab, reduction="none", ignore_index=ign, label_smoothing=smoothing)
+    (dx,) = torch.autograd.grad(loss, xb, dy.to(loss.dtype))
+    return loss, dx
+
+
+def _run(x, lab, smoothing, padding_idx, dy, inplace=False):
+    leaf = x.detach().clone().requires_grad_()
+    logits = leaf * 1 if inplace else leaf  # a non-leaf for the in-place backward
+    losses = X.softmax_cross_entropy(logits, lab, smoothing, padding_idx, inplace_backward=inplace)
+    (dx,) = torch.autograd.grad(losses, leaf, dy)
+    return losses, dx
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,v", [(1, 1), (13, 77), (6, 2053), (3, 9001)], ids=str)
+def test_xentropy_matches_float64(backend_name, m, v, dtype, smoothing):
+    x, lab = _inputs(m, v, dtype)
+    dy = torch.randn(m)
+    with trace(backend_name, x, lab, dy) as tr:
+        losses, dx = _run(x, lab, smoothing, 0, dy)
+    if tr is not None:
+        assert tr.launches == 2  # one forward pass, one backward pass
+    ref_l, ref_dx = _ref(x, lab, smoothing, 0, dy)
+    assert losses.dtype == (torch.float32) and dx.dtype == dtype
+    assert_rel_close(losses, ref_l, tol=1e-5, name="losses")
+    if dtype == torch.float32:
+        assert_rel_close(dx, ref_dx, tol=1e-5, name="dx")
+    else:
+        _, base_dx = _baseline(x, lab, smoothing, 0, dy)
+        # The interpreter truncates fp32 → bf16: allow one more ulp there.
+        tol = 2 * 2 ** -8 if dtype == torch.bfloat16 else None
+        assert_rel_close(dx, ref_dx, dtype, tol=tol, baseline=base_dx, name="dx")
+
+
+def test_xentropy_padding_rows_give_zero_loss_and_grad(backend_name):
+    x, lab = _inputs(10, 300, torch.float32, pad_frac=0.0)
+    lab[[1, 4, 7]] = 5  # padding_idx = 5
+    dy = torch.randn(10)
+    with trace(backend_name, x, lab, dy):
+        losses, dx = _run(x, lab, 0.2, 5, dy)
+    assert (losses[[1, 4, 7]] == 0).all() and (dx[[1, 4, 7]] == 0).all()
+    assert (losses[[0, 2, 3]] != 0).all()
+    ref_l, ref_dx = _ref(x, lab, 0.2, 5, dy)
+    assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_xentropy_inplace_backward_writes_into_the_logits(backend_name, dtype):
+    x, lab = _inputs(9, 1500, dtype)
+    dy = torch.randn(9)
+    logits = x.clone().requires_grad_()
+    inner = logits * 1
+    buf = inner.data_ptr()
+    with trace(backend_name, inner, lab, dy):
+        losses = X.softmax_cross_entropy(inner, lab, 0.1, 0, inplace_backward=True)
+        (dx,) = torch.autograd.grad(losses, inner, dy)
+    assert dx.data_ptr() == buf  # the gradient lives in the logits' buffer: no second [rows, V] tensor
+    _, ref_dx = _ref(x, lab, 0.1, 0, dy)
+    _, copy_dx = _run(x, lab, 0.1, 0, dy)
+    assert_rel_close(dx, copy_dx, dtype, tol=1e-6 if dtype == torch.float32 else 2 ** -7)
+    assert_rel_close(dx, ref_dx, dtype, tol=1e-5 if dtype == torch.float32 else 2 * 2 ** -8)
+
+
+def test_xentropy_non_contiguous_and_batched(backend_name):
+    x = torch.randn(2, 5, 300)[:, :, :257]
+    lab = torch.randint(0, 257, (2, 5))
+    lab[0, 1] = 0
+    dy = torch.randn(2, 5)
+    assert not x.is_contiguous()
+    with trace(backend_name, x, lab, dy):
+        leaf = x.clone().requires_grad_()
+        losses = X.softmax_cross_entropy(leaf, lab, 0.1, 0)
+        (dx,) = torch.autograd.grad(losses, leaf, dy)
+    ref_l, ref_dx = _ref(x.reshape(10, 257), lab.reshape(10), 0.1, 0, dy.reshape(10))
+    assert_rel_close(losses.reshape(10), ref_l, tol=1e-5)
+    assert_rel_close(dx.reshape(10, 257), ref_dx, tol=1e-5)
+
+
+def test_xentropy_apex_entry_points(backend_name):
+    import xentropy_cuda
+
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    x, lab = _inputs(8, 500, torch.float16)
+    dy = torch.randn(8)
+    losses, mlse = xentropy_cuda.forward(x, lab, 0.1, True)
+    assert losses.dtype == torch.float32 and mlse.dtype == torch.float32
+    assert_rel_close(mlse, torch.logsumexp(x.double(), -1), tol=1e-6)
+    ref_l, ref_dx = _ref(x, lab, 0.1, None, dy)  # no padding masking in the raw entry points
+    assert_rel_close(losses, ref_l, tol=1e-5)
+    dx = xentropy_cuda.backward(dy, x, mlse, lab, 0.1)
+    assert dx.dtype == torch.float16
+    assert_rel_close(dx, ref_dx, torch.float16)
+    _, mlse_h = xentropy_cuda.forward(x, lab, 0.1, False)
+    assert mlse_h.dtype == torch.float16
+    leaf = x.clone().requires_grad_()
+    out = SoftmaxCrossEntropyLoss.apply(leaf, lab, 0.1, 0, True)
+    (g,) = torch.autograd.grad(out, leaf, dy)
+    ref_l, ref_dx = _ref(x, lab, 0.1, 0, dy)
+    assert_rel_close([out, g], [ref_l, ref_dx], torch.float16, tol=2e-3)
+
+
+def test_xentropy_bad_input_raises_and_writes_nothing(backend_name):
+    x = torch.randn(4, 10)
+    before = x.clone()
+    lab = torch.tensor([1, 2, 10, 0])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\).*got 10"):
+        X.softmax_cross_entropy(x, lab)
+    with pytest.raises(ValueError, match="labels must lie"):
+        X.softmax_cross_entropy(x, torch.tensor([1, -1, 2, 3]))
+    with pytest.raises(ValueError, match=r"labels must have shape \[4\]"):
+        X.softmax_cross_entropy(x, torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="labels must be an integer"):
+        X.softmax_cross_entropy(x, torch.ones(4))
+    with pytest.raises(TypeError, match="logits must be a floating-point"):
+        X.softmax_cross_entropy(torch.ones(4, 10, dtype=torch.int64), torch.tensor([1, 2, 3, 0]))
+    with pytest.raises(ValueError, match="smoothing"):
+        X.softmax_cross_entropy(x, torch.tensor([1, 2, 3, 0]), smoothing=1.5)
+    with pytest.raises(ValueError, match="V > 0"):
+        X.softmax_cross_entropy(torch.randn(4, 0), torch.tensor([1, 2, 3, 0]))
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="leaf tensor"):
+        X.softmax_cross_entropy(leaf, torch.tensor([1, 2, 3, 0]), inplace_backward=True)
+    with pytest.raises(ValueError, match="grad_loss must have shape"):
+        X.softmax_cross_entropy_backward(torch.ones(3), x, torch.ones(4), torch.tensor([1, 2, 3, 0]))
+    assert torch.equal(x, before)
+
+
+def test_xentropy_padding_idx_outside_the_vocabulary(backend_name):
+    x, lab = _inputs(6, 40, torch.float32, pad_frac=0.0)
+    lab[2] = -100
+    dy = torch.randn(6)
+    losses, dx = _run(x, lab, 0.0, -100, dy)
+    ref_l, ref_dx = _ref(x, lab, 0.0, -100, dy)
+    assert losses[2] == 0
+    assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-5)
+
+
+def test_xentropy_float64_uses_float64():
+    x, lab = _inputs(5, 33, torch.float64)
+    dy = torch.randn(5, dtype=torch.float64)
+    losses, dx = _run(x, lab, 0.3, 0, dy)
+    ref_l, ref_dx = _ref(x, lab, 0.3, 0, dy)
+    assert losses.dtype == torch.float64
+    assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-12)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(m=st.integers(1, 20), v=st.integers(1, 3000), smoothing=st.sampled_from([0.0, 0.05, 1.0]),
+       backend=st.sampled_from(["torch", "triton"]))
+def test_xentropy_random_shapes(m, v, smoothing, backend):
+    torch.manual_seed(m * 10000 + v)
+    x, lab = _inputs(m, v, torch.float32)
+    dy = torch.randn(m)
+    with apex.backend(backend), trace(backend, x, lab, dy):
+        losses, dx = _run(x, lab, smoothing, 0, dy)
+    ref_l, ref_dx = _ref(x, lab, smoothing, 0, dy)
+    assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-5)
