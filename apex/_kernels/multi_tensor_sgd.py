@@ -3,15 +3,29 @@
 Lists: grads, weights, momentum buffers, model copies (the last repeats the weights when there is no copy
 and is then never touched). Bytes per fp32 element: 20 with momentum (g, w, buf read; w, buf written),
 16 on the first step (the buffer is written, not read), 12 without momentum.
+
+SGD on fp16/bf16 weights without a copy list (ROUND) rounds after every step of ``torch.optim.SGD``'s
+sequence of operations, so that the update uses the stored momentum as PyTorch does (see
+apex/ops/multi_tensor_sgd.py); fp32 weights and fp32 masters with copies keep one fp32 pass.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from apex._kernels import multi_tensor as mt
 from apex._kernels._rounding import cast
+
+
+@triton.jit
+def _rounded(x, DT: tl.constexpr, ROUND: tl.constexpr):
+    """``x`` rounded to ``DT`` and back to fp32 when ROUND (one PyTorch operation's stored result)."""
+    if ROUND:
+        return cast(x, DT).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
@@ -21,7 +35,7 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                 G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
-                WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr):
+                WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr, ROUND: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     n = n * (tl.load(noop_flag) == 0).to(n.dtype)  # Apex skips the whole update when the flag is set
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
@@ -41,8 +55,9 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) * scale
         w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = _rounded(g, G_DT, ROUND)
         if not WD_AFTER:
-            g = g + wd * w
+            g = _rounded(g + wd * w, W_DT, ROUND)
         if LARS:
             # ROCm's convention: the buffer holds the (negative) step, w += buf.
             if HAS_MOMENTUM:
@@ -67,14 +82,14 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                     buf = g
                 else:
                     buf = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-                    buf = buf * momentum + (1.0 - dampening) * g
+                    buf = _rounded(_rounded(buf * momentum, M_DT, ROUND) + (1.0 - dampening) * g, M_DT, ROUND)
                 tl.store(m_ptr + idx, cast(buf, M_DT), mask=mask)
                 if NESTEROV:
-                    g = g + momentum * buf
+                    g = _rounded(g + momentum * buf, W_DT, ROUND)
                 else:
                     g = buf
             if WD_AFTER:
-                g = g + wd * w
+                g = _rounded(g + wd * w, W_DT, ROUND)
             w = w + (-lr * g)
         tl.store(w_ptr + idx, cast(w, W_DT), mask=mask)
         if HAS_COPY:
@@ -86,6 +101,8 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
     has_copy = len(lists) == 4
     full = lists if has_copy else lists + [lists[1]]
     for indices, sub in mt.group(full):
+        w_dtype = sub[1][0].dtype
+        rounded = not (lars or has_copy or w_dtype == torch.float32)
         if lars:
             gn, pn = grad_norms[indices], param_norms[indices]  # norms of this group's tensors, in order
         else:
@@ -94,4 +111,4 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
                   float(lr), float(wd), float(momentum), float(dampening), float(scale),
                   float(trust_coefficient), float(eps),
                   HAS_MOMENTUM=momentum != 0, FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
-                  WD_AFTER=bool(wd_after_momentum), HAS_COPY=has_copy, LARS=bool(lars))
+                  WD_AFTER=bool(wd_after_momentum), HAS_COPY=has_copy, LARS=bool(lars), ROUND=rounded)

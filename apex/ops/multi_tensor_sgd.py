@@ -15,6 +15,14 @@ that receive the updated weights (Apex's fp32-master / fp16-model case). Per ele
 Nothing is done when ``noop_flag`` is set. This is ``torch.optim.SGD``'s rule (its first step initialises
 the buffer to the gradient), so the PyTorch path calls ``torch._fused_sgd_`` when the dtypes and options
 allow, and ``torch._foreach_*`` otherwise.
+
+Rounding (a deliberate choice, issue 22). fp32 weights, and fp32 masters with a fourth list of fp16 model
+copies (amp O2), are computed exactly as above, in fp32. fp16/bf16 weights *without* a fourth list follow
+``torch.optim.SGD`` bit for bit instead: every line above is one PyTorch operation whose result is rounded
+to the storage dtype (``g*scale`` to the grad's, ``buf*momentum`` and then ``+ (1-dampening)*g`` to the
+buffer's, the Nesterov/weight-decay sums and the new weight to the weight's), so the update uses the
+*stored* (rounded) momentum. Apex's CUDA kernel instead feeds the unrounded fp32 momentum into the update,
+which drifts from ``torch.optim.SGD`` by about an ulp per step; a drop-in replacement should not.
 """
 
 from __future__ import annotations
@@ -62,6 +70,16 @@ def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_aft
         return {xs[0].dtype} if uniform else {x.dtype for x in xs}
 
     fp32 = {torch.float32}
+    if copies is None and dtypes(w) != fp32:
+        low = [i for i, x in enumerate(w) if x.dtype != torch.float32]
+        opts = dict(lr=lr, wd=wd, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                    first_run=first_run, wd_after_momentum=wd_after_momentum, scale=scale)
+        if len(low) < len(w):  # a mixed list (amp_C called directly): the fp32 weights keep the fp32 rule
+            rest = [i for i, x in enumerate(w) if x.dtype == torch.float32]
+            sgd_torch([[lst[i] for i in rest] for lst in lists], **opts)
+            lists = [[lst[i] for i in low] for lst in lists]
+        _sgd_rounded_like_torch(*lists, **opts)
+        return
     if (copies is None and scale == 1.0 and (wd == 0.0 or not wd_after_momentum)
             and dtypes(w) == fp32 and dtypes(g) == fp32 and (momentum == 0.0 or dtypes(buf) == fp32)):
         torch._fused_sgd_(w, g, buf if momentum != 0.0 else [], weight_decay=wd, momentum=momentum, lr=lr,
@@ -90,3 +108,26 @@ def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_aft
     write_back(w, w32)
     if copies is not None:
         torch._foreach_copy_(copies, w32)
+
+
+def _sgd_rounded_like_torch(g, w, buf, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum,
+                            scale) -> None:
+    """fp16/bf16 weights without master copies: ``torch.optim.SGD``'s own sequence of operations on the
+    stored tensors (each computes in fp32 and rounds its result), so the results are PyTorch's bit for bit.
+    The unscaling rounds ``g*scale`` to the grad's dtype, as ``GradScaler.unscale_`` does in place."""
+    if scale != 1.0:
+        g = torch._foreach_mul(g, scale)
+    if wd != 0.0 and not wd_after_momentum:
+        g = torch._foreach_add(g, w, alpha=wd)
+    if momentum != 0.0:
+        if first_run:
+            torch._foreach_copy_(buf, g)
+        else:
+            # A 0-dim tensor, not a Python float: torch 2.13's in-place foreach multiply on CPU rounds a
+            # Python scalar to fp16/bf16 first (0.9 -> 0.8999), which Tensor.mul_ (torch.optim.SGD) does not.
+            torch._foreach_mul_(buf, torch.tensor(momentum, device=buf[0].device))
+            torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+        g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+    if wd != 0.0 and wd_after_momentum:
+        g = torch._foreach_add(g, w, alpha=wd)
+    torch._foreach_add_(w, g, alpha=-lr)

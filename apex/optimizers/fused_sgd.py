@@ -20,7 +20,11 @@ class FusedSGD(FusedOptimizerBase):
         g = g + weight_decay * p                         (if wd_after_momentum)
         p = p - lr * g
 
-    Arithmetic is fp32; parameters and buffers keep their dtype (fp32, fp16 or bf16). With Apex's amp
+    Arithmetic is fp32; parameters and buffers keep their dtype (fp32, fp16 or bf16). Rounding rule
+    (deliberate, issue 22): fp16/bf16 parameters without fp32 masters follow ``torch.optim.SGD`` exactly:
+    each line above rounds its result to the storage dtype, so the step uses the *stored* fp16/bf16
+    momentum (Apex's CUDA kernel used the unrounded fp32 one and drifted an ulp a step from PyTorch);
+    fp32 parameters and amp's fp32 masters are computed in fp32 in one pass, as in Apex. With Apex's amp
     (``amp.initialize(..., opt_level="O2")``) the fp32 master weights of fp16 models are updated and copied
     into the model in the same pass (``materialize_master_grads`` picks which gradients are read), and the
     loss scale recorded by amp (``most_recent_scale``) is divided out inside the update.

@@ -1,9 +1,9 @@
 """amp_C.multi_tensor_sgd against float64: every option, the fp16-copy fourth list, noop, launches, bytes."""
 
+import amp_C
 import pytest
 import torch
 
-import amp_C
 from apex.testing import TritonTrace, assert_rel_close
 from tests.ops._lists import flag, ragged
 
@@ -67,7 +67,7 @@ def test_fourth_list_receives_the_updated_master_and_noop_skips(backend_name):
         assert torch.equal(m, x.half())
 
 
-def test_triton_moves_the_minimum_bytes():
+def test_triton_moves_the_minimum_bytes(triton_device):
     pytest.importorskip("triton")
     import apex
 

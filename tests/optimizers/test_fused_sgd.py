@@ -148,7 +148,7 @@ def test_amp_master_weight_protocol(backend_name):
         assert opt.most_recent_scale == 1.0
 
 
-def test_one_launch_per_dtype_group():
+def test_one_launch_per_dtype_group(triton_device):
     pytest.importorskip("triton")
     params = make_params(SHAPES_TRITON) + make_params(SHAPES_TRITON, torch.bfloat16, seed=3)
     opt = FusedSGD(params, lr=0.1, momentum=0.9)
@@ -198,3 +198,62 @@ def test_sparse_and_mismatched_grads_raise_and_change_nothing():
     with pytest.raises(RuntimeError, match="dtype"):
         opt.step()
     assert torch.equal(a, a0) and len(opt.state) == 0
+
+
+REDUCED_OPTIONS = [dict(momentum=0.125), dict(momentum=0.9, nesterov=True, weight_decay=0.05),
+                   dict(momentum=0.8, dampening=0.3, weight_decay=0.05)]
+
+
+def rounded_like_torch(params, grads_per_step, *, lr, momentum, dampening=0.0, weight_decay=0.0,
+                       nesterov=False):
+    """torch.optim.SGD's sequence of operations on fp16/bf16 tensors, each result rounded to the dtype
+    (float64 arithmetic, Python-float scalars as CUDA's opmath uses them)."""
+    out = []
+    for i, p0 in enumerate(params):
+        def rnd(x, dt=p0.dtype):
+            return x.to(dt).double()
+
+        p, buf = p0.detach().double(), None
+        for grads in grads_per_step:
+            g = grads[i].double()
+            if weight_decay:
+                g = rnd(g + weight_decay * p)
+            buf = g.clone() if buf is None else rnd(rnd(momentum * buf) + (1 - dampening) * g)
+            g = rnd(g + momentum * buf) if nesterov else buf
+            p = rnd(p - lr * g)
+        out.append((p, buf))
+    return out
+
+
+@pytest.mark.parametrize("opts", REDUCED_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_reduced_precision_params_follow_torch_optim_sgd(backend_name, opts, dtype):
+    """The rounding rule (issue 22): fp16/bf16 params without fp32 masters keep an fp16/bf16 momentum buffer
+    and, like torch.optim.SGD, step with the *stored* (rounded) buffer, not with Apex CUDA's unrounded fp32
+    one; every operation of torch's rule rounds its result. The PyTorch path runs torch's own operations, so
+    it equals torch.optim.SGD on the same device bit for bit (on the CPU, torch rounds an ``alpha`` to
+    fp16/bf16 first); the Triton path computes each of them in fp32 with fp32 scalars (CUDA's opmath) and
+    rounds: it must equal the rounded reference except for rare double-rounding ties."""
+    shapes = SHAPES_TRITON if backend_name == "triton" else [(278011,), (5, 7, 3)]
+    gen = torch.Generator().manual_seed(9876)
+    params = [torch.nn.Parameter(torch.rand(*s, generator=gen).to(dtype)) for s in shapes]
+    twins = clone_params(params)
+    ours, ref = FusedSGD(params, lr=0.25, **opts), torch.optim.SGD(twins, lr=0.25, **opts)
+    grads = [[torch.rand(p.shape, generator=gen).to(dtype) for p in params] for _ in range(7)]
+    expected = rounded_like_torch(params, grads, lr=0.25, **opts)
+    for g in grads:
+        set_grads(params, g)
+        set_grads(twins, [x.clone() for x in g])
+        ours.step()
+        ref.step()
+    for a, b, (p_ref, buf_ref) in zip(params, twins, expected):
+        buf = ours.state[a]["momentum_buffer"]
+        assert a.dtype == dtype and buf.dtype == dtype
+        if backend_name == "torch":
+            assert torch.equal(a, b)
+            assert torch.equal(buf, ref.state[b]["momentum_buffer"])
+        else:
+            for x, r in ((a, p_ref), (buf, buf_ref)):
+                ulp = torch.finfo(dtype).eps * r.abs().clamp_min(2.0**-14)
+                assert ((x.double() - r).abs() <= ulp).all()
+                assert (x.double() != r).double().mean() <= 0.01
