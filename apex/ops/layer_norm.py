@@ -186,7 +186,9 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     the weight dtype)."""
     shape, _, _ = check_args(input, normalized_shape, weight, bias)
     out_dtype = out_dtype or input.dtype
-    if not memory_efficient and select(input) == "torch":
+    # While torch.export traces (torch.onnx.export), PyTorch's own layer_norm: exporters know it (ONNX
+    # LayerNormalization) and have no translation for the apex::layer_norm_fwd custom op of the GPU path.
+    if torch.compiler.is_exporting() or (not memory_efficient and select(input) == "torch"):
         return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
     return torch.ops.apex.layer_norm_fwd(input, weight, bias, list(shape), float(eps), bool(memory_efficient),
                                          out_dtype)[0]

@@ -9,7 +9,9 @@ Paths, both behind the ``apex::rms_norm_fwd`` / ``apex::rms_norm_bwd`` custom op
 the one-pass Triton kernels of ``apex._kernels.rms_norm``; CPU tensors run a short sequence of PyTorch
 operators (``vector_norm`` for the statistics and two multiplies forward; PyTorch's fused LayerNorm
 backward with a zero mean plus one correction term backward). PyTorch's ``F.rms_norm`` on CPU is not a
-fused kernel (it decomposes into ~5 operators forward and ~14 backward) and measured slower.
+fused kernel (it decomposes into ~5 operators forward and ~14 backward) and measured slower. While
+``torch.export`` traces (``torch.onnx.export``'s default exporter uses it), ``rms_norm`` records the same math
+as standard operators instead of the custom op, so exported graphs (ONNX: ReduceMean, Sqrt, Mul) need no apex.
 """
 
 from __future__ import annotations
@@ -164,8 +166,23 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
              memory_efficient: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
     """Differentiable RMSNorm; ``out_dtype`` defaults to the input dtype."""
     shape, _, _ = check_args(input, normalized_shape, weight)
+    if torch.compiler.is_exporting():
+        # torch.export (and so torch.onnx.export's dynamo exporter) records PyTorch's own operators: an
+        # exported graph must not depend on apex being importable, and exporters have no translation for
+        # apex::rms_norm_fwd. torch.compile keeps the custom op (its fused kernels).
+        return _rms_norm_composite(input, shape, weight, float(eps), out_dtype or input.dtype)
     return torch.ops.apex.rms_norm_fwd(input, weight, list(shape), float(eps), bool(memory_efficient),
                                        out_dtype or input.dtype)[0]
+
+
+def _rms_norm_composite(x: Tensor, shape, weight: Tensor | None, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """The same math and dtype policy in standard operators only (ONNX: Pow/ReduceMean/Sqrt/Mul)."""
+    xs = x.to(stats_dtype(x.dtype))
+    dims = list(range(-len(shape), 0))
+    y = xs * torch.rsqrt(xs.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y.to(out_dtype)
 
 
 # ------------------------------------------------------------- Apex's ``fused_layer_norm_cuda`` entry points
