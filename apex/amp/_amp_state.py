@@ -6,9 +6,14 @@ other ``amp.*`` call reads it. The object is reset by each ``initialize`` call.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
+
+CPU_HALF_ENV = "APEX_AMP_CPU_HALF"
+_CPU_HALF_VALUES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
 
 
 class AmpState:
@@ -19,6 +24,20 @@ class AmpState:
 
 
 _amp_state = AmpState()
+
+
+def default_half_dtype(device_type: str) -> torch.dtype:
+    """The half type of O1-O3 when the call names none: fp16 on CUDA; on other devices bf16, or fp16 when
+    the environment variable ``APEX_AMP_CPU_HALF=fp16`` is set (read at each ``amp.initialize``/``amp.init``),
+    which makes CPU runs use Apex's CUDA dtype (fp16 casts, fp16 overflows, dynamic loss scaling of fp16).
+    """
+    if device_type == "cuda":
+        return torch.float16
+    value = os.environ.get(CPU_HALF_ENV, "").strip().lower() or "bf16"
+    if value not in _CPU_HALF_VALUES:
+        raise ValueError(f"environment variable {CPU_HALF_ENV} must be 'fp16' or 'bf16' (or 'float16', 'half', "
+                         f"'bfloat16'), got {os.environ[CPU_HALF_ENV]!r}")
+    return _CPU_HALF_VALUES[value]
 
 
 def warn_or_err(msg: str) -> None:

@@ -34,6 +34,9 @@ TORCH_FP32 = (
     "sum", "var", "renorm",
 )
 TENSOR_FP32 = TORCH_FP32 + ("__pow__", "__rpow__", "__ipow__")
+# Apex's O1 also lists Tensor.cpu: a half tensor copied to the host arrives in fp32. Autocast has no such
+# rule on any device, so this wrapper is installed on CUDA as well (``patch_transfers``).
+TENSOR_TRANSFERS_FP32 = ("cpu",)
 
 BANNED_MESSAGE = (
     "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It requires that "
@@ -127,3 +130,11 @@ def patch(handle, allow_banned: bool) -> None:
         orig = F.binary_cross_entropy
         handle._save_func(F, "binary_cross_entropy", orig)
         F.binary_cross_entropy = _banned_wrapper(orig, handle)
+
+
+def patch_transfers(handle) -> None:
+    """Wrap ``Tensor.cpu`` (Apex's fp32 transfer rule) for ``handle`` on every device."""
+    for name in TENSOR_TRANSFERS_FP32:
+        orig = getattr(torch.Tensor, name)
+        handle._save_func(torch.Tensor, name, orig)
+        setattr(torch.Tensor, name, _fp32_wrapper(orig, handle))

@@ -232,8 +232,11 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
             break
         if device is not None:
             break
+    # A dynamic scale starts at 2**16, or at max_loss_scale when that is lower, as in Apex.
+    max_scale = _amp_state.max_loss_scale
+    init_scale = 2.0 ** 16 if max_scale is None else min(2.0 ** 16, float(max_scale))
     _amp_state.loss_scalers = [
-        LossScaler(properties.loss_scale, min_loss_scale=_amp_state.min_loss_scale,
+        LossScaler(properties.loss_scale, init_scale=init_scale, min_loss_scale=_amp_state.min_loss_scale,
                    max_loss_scale=_amp_state.max_loss_scale, device=device)
         for _ in range(num_losses)
     ]

@@ -83,7 +83,9 @@ def lazy_init_with_master_weights(self) -> None:
     self.load_state_dict(self.state_dict())
 
 
-def post_backward_models_are_masters(scaler, params, stashed_grads) -> None:
+def post_backward_models_are_masters(scaler, params, stashed_grads, scale_override=None) -> None:
+    """Unscale the fresh grads of ``params`` in place, adding the stashed ones. ``scale_override``:
+    ``(grads_have_scale, stashed_have_scale, out_scale)``, the sums then kept at ``out_scale``."""
     grads_needing_unscale, grads_with_stash, stashed = [], [], []
     for i, (param, stashed_grad) in enumerate(zip(params, stashed_grads)):
         if param.grad is None and stashed_grad is not None:
@@ -96,14 +98,50 @@ def post_backward_models_are_masters(scaler, params, stashed_grads) -> None:
         stashed_grads[i] = None
     if grads_needing_unscale:
         scaler.unscale(grads_needing_unscale, grads_needing_unscale, scaler.loss_scale(),
-                       models_are_masters=True)
+                       models_are_masters=True,
+                       scale_override=None if scale_override is None else scale_override[0] / scale_override[2])
     if grads_with_stash:
-        scaler.unscale_with_stashed(grads_with_stash, stashed, grads_with_stash)
+        scaler.unscale_with_stashed(grads_with_stash, stashed, grads_with_stash, scale_override=scale_override)
+
+
+def _keeps_model_grads(optimizer) -> bool:
+    """``FusedSGD(materialize_master_grads=False)`` (Apex's protocol): the optimizer reads the half model
+    grads, still scaled, and divides by its ``most_recent_scale`` inside the update; amp makes no fp32
+    master grads for it."""
+    from apex.optimizers.fused_sgd import FusedSGD  # (FusedLARS has the flag but reads the master grads)
+
+    return isinstance(optimizer, FusedSGD) and optimizer.materialize_master_grads is False
+
+
+def _model_grad_lists(stash):
+    return ((stash.all_fp16_params, stash.all_fp16_grad_stash),
+            (stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash))
+
+
+def _prepare_backward_keep_model_grads(self) -> None:
+    for params, grad_stash in _model_grad_lists(self._amp_stash):
+        for i, param in enumerate(params):
+            grad_stash[i] = param.grad
+            param.grad = None
+
+
+def _post_backward_keep_model_grads(self, scaler) -> None:
+    # The grads already accumulated carry the optimizer's most_recent_scale, the new ones this loss's scale:
+    # the sums are kept at the smaller of the two (no overflow from rescaling up), which the step divides out.
+    grads_have = scaler.loss_scale()
+    stashed_have = self.most_recent_scale
+    out = min(grads_have, stashed_have) if self.scale_set_by_backward else grads_have
+    for params, grad_stash in _model_grad_lists(self._amp_stash):
+        post_backward_models_are_masters(scaler, params, grad_stash, (grads_have, stashed_have, out))
+    self.most_recent_scale = out
+    self.scale_set_by_backward = True
 
 
 def prepare_backward_with_master_weights(self) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
+    if _keeps_model_grads(self):
+        return _prepare_backward_keep_model_grads(self)
     for param in stash.all_fp16_params:
         param.grad = None  # the backward writes fresh half grads; the fp32 masters keep what came before
     for i, param in enumerate(stash.all_fp32_from_fp32_params):
@@ -114,6 +152,8 @@ def prepare_backward_with_master_weights(self) -> None:
 def post_backward_with_master_weights(self, scaler) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
+    if _keeps_model_grads(self):
+        return _post_backward_keep_model_grads(self, scaler)
     new_in, new_out, acc_in, acc_out = [], [], [], []
     for half, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
         if half.grad is None:

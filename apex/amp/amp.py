@@ -167,7 +167,8 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     arguments in its order).
 
     ``patch_type`` (Apex's name) or ``dtype``: the low-precision type, fp16 by default on CUDA and bf16
-    on the CPU. ``amp.initialize(..., opt_level="O1")`` calls this; direct use is only for legacy scripts.
+    on the CPU (fp16 there too with the environment variable ``APEX_AMP_CPU_HALF=fp16``).
+    ``amp.initialize(..., opt_level="O1")`` calls this; direct use is only for legacy scripts.
     """
     if patch_type is not None:
         if dtype is not None and dtype != patch_type:
@@ -176,7 +177,7 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"patch_type must be torch.float16 or torch.bfloat16, got {dtype!r}")
     global _DECORATOR_HANDLE
-    from apex.amp._amp_state import _amp_state
+    from apex.amp._amp_state import _amp_state, default_half_dtype
 
     old = getattr(_amp_state, "handle", None)
     if old is not None:
@@ -188,13 +189,14 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
         return handle
     device_type = device_type or _default_device_type()
     if dtype is None:
-        dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+        dtype = default_half_dtype(device_type)  # CPU: bf16 unless APEX_AMP_CPU_HALF=fp16
     handle = AmpHandle(loss_scale, enable_caching, verbose, device_type=device_type, dtype=dtype)
     _apply_registry(handle)
-    if device_type == "cpu":  # CUDA autocast has these lists itself
-        from apex.amp import _fp32_lists
+    from apex.amp import _fp32_lists
 
+    if device_type == "cpu":  # CUDA autocast has these lists itself
         _fp32_lists.patch(handle, allow_banned)
+    _fp32_lists.patch_transfers(handle)  # ...but no device's autocast has Apex's Tensor.cpu rule
     handle._activate()
     _DECORATOR_HANDLE = handle
     _amp_state.handle = handle

@@ -6,8 +6,9 @@ from collections import OrderedDict
 
 import torch
 
-from apex.amp._amp_state import _amp_state, maybe_print, warn_or_err
+from apex.amp._amp_state import _amp_state, default_half_dtype, maybe_print, warn_or_err
 from apex.amp._initialize import _initialize, _models_device_type
+from apex.amp._slow_half import warn_if_slow
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -193,7 +194,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
 
     The half type: ``cast_model_type`` when given (``torch.float16`` or ``torch.bfloat16``), else
     ``half_dtype`` (an apex extra, also choosing O1's autocast dtype), else fp16 for CUDA models and bf16
-    for CPU models.
+    for CPU models; the environment variable ``APEX_AMP_CPU_HALF=fp16`` makes CPU models use fp16 too.
 
     Returns the model(s) and optimizer(s) in the shape they were passed (a list in gives a list out);
     without optimizers only the model(s).
@@ -249,7 +250,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         # The half type: an explicit cast_model_type wins, then half_dtype, then the device's default.
         device_type = _models_device_type(models)
         if half_dtype is None:
-            half_dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+            half_dtype = default_half_dtype(device_type)  # CPU: bf16 unless APEX_AMP_CPU_HALF=fp16
         if cast_model_type is None and props.cast_model_type in _HALF:
             props.options["cast_model_type"] = half_dtype
         elif props.cast_model_type in _HALF:
@@ -261,7 +262,10 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         for k, v in props.options.items():
             maybe_print(f"{k:22} : {v}", True)
 
-        return _initialize(models, optimizers, props, num_losses, cast_model_outputs)
+        result = _initialize(models, optimizers, props, num_losses, cast_model_outputs)
+        if props.patch_torch_functions or props.cast_model_type in _HALF:
+            warn_if_slow(device_type, half_dtype, props.opt_level)  # once per process, with a measured factor
+        return result
     except Exception:
         # A failed initialize leaves amp uninitialized rather than half configured.
         _reset_casting()

@@ -34,6 +34,10 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None, del
     is updated and, if any gradient was inf or NaN, the next ``optimizer.step()`` of each optimizer is
     skipped, leaving parameters and optimizer state untouched.
 
+    The block runs with O1's casting switched off, so ``backward()`` computes each gradient in the dtype its
+    forward ran in: regions that ran in fp32 under O1 (``float_function``, ``disable_casts``) get fp32
+    gradients, as with Apex, whose O1 never cast inside backward.
+
     Args:
         loss: typically a scalar tensor.
         optimizers: the optimizer(s) returned by ``amp.initialize`` that own the parameters receiving
@@ -67,7 +71,8 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None, del
     loss_scale = loss_scaler.loss_scale()
 
     if (not _amp_state.opt_properties.master_weights and not loss_scaler.dynamic and loss_scale == 1.0):
-        yield loss.float()
+        with _backward_casts_off():
+            yield loss.float()
         if _amp_state.opt_properties.patch_torch_functions:
             _amp_state.handle._clear_cache()
         return
@@ -77,7 +82,9 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None, del
             if not optimizer._amp_stash.params_have_scaled_gradients:
                 optimizer._prepare_amp_backward()
 
-    yield loss.float() * loss_scale
+    scaled = loss.float() * loss_scale
+    with _backward_casts_off():
+        yield scaled
 
     if delay_unscale:
         for optimizer in optimizers:
@@ -97,6 +104,21 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None, del
 
     if _amp_state.opt_properties.patch_torch_functions:
         _amp_state.handle._clear_cache()
+
+
+def _backward_casts_off():
+    """The body of ``scale_loss`` (the user's ``backward()``) runs without O1's casting.
+
+    Autocast is process-wide under O1 and autograd replays the thread's autocast state in backward, so
+    without this the backward of a region that ran in fp32 (``float_function``, ``disable_casts``, a model
+    that is not amp's) would recompute its matmuls in the half type. Apex's O1 patched only the forward
+    functions and never touched backward; regions that ran in half precision still get half gradients,
+    because their saved inputs are half tensors.
+    """
+    handle = getattr(_amp_state, "handle", None)
+    if handle is None or not _amp_state.opt_properties.patch_torch_functions:
+        return contextlib.nullcontext()
+    return handle._disable_casts()
 
 
 @contextlib.contextmanager

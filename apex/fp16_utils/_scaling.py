@@ -142,24 +142,29 @@ class LossScaler:
                 LossScaler.warned_unscaling_non_fp32_grad = True
                 return
 
-    def unscale(self, model_grads, master_grads, unused_scale=None, models_are_masters: bool = False) -> None:
-        """``master_grads[i] = model_grads[i] / loss_scale``, flagging infs/NaNs in the model grads."""
+    def unscale(self, model_grads, master_grads, unused_scale=None, models_are_masters: bool = False,
+                scale_override: float | None = None) -> None:
+        """``master_grads[i] = model_grads[i] / loss_scale`` (or ``/ scale_override``), flagging infs/NaNs in
+        the model grads."""
         if self._has_overflow:
             return
-        scale = self._loss_scale
+        scale = self._loss_scale if scale_override is None else float(scale_override)
         if scale == 1.0 and models_are_masters and not self.dynamic:
             return
         pairs = [(a, b) for a, b in zip(model_grads, master_grads) if a is not None]
         if not pairs:
             return
         ins, outs = [p[0] for p in pairs], [p[1] for p in pairs]
-        self._warn_non_fp32(outs)
+        if scale_override is None:  # with an override (FusedSGD's half model grads) half grads are the plan
+            self._warn_non_fp32(outs)
         scale_into(self._buf_for(ins), ins, outs, 1.0 / scale)
 
-    def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads) -> None:
+    def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale_override=None) -> None:
         """``master = model / loss_scale + stashed`` (gradient accumulation across backward passes).
 
-        Only the incoming ``model_grads`` are checked for infs/NaNs, as in Apex's ``axpby`` kernel.
+        ``scale_override=(grads_have_scale, stashed_have_scale, out_scale)`` (Apex's): ``master = model *
+        out/grads_have + stashed * out/stashed_have``, a sum kept at the scale ``out_scale``. Only the incoming
+        ``model_grads`` are checked for infs/NaNs, as in Apex's ``axpby`` kernel.
         """
         if self._has_overflow:
             return
@@ -168,20 +173,23 @@ class LossScaler:
         if not triples:
             return
         buf = self._buf_for([t[0] for t in triples])
-        inv = 1.0 / self._loss_scale
+        inv, b = 1.0 / self._loss_scale, 1.0
+        if scale_override is not None:
+            grads_have, stashed_have, out = (float(v) for v in scale_override)
+            inv, b = out / grads_have, out / stashed_have
         ms, ss, outs = ([t[i] for t in triples] for i in range(3))
         cpu = _backend.select(ms) == "torch"
         good, bad = ([], list(range(len(ms)))) if cpu else _split_contiguous(ms, ss, outs)
         if good:
-            # out = (1/scale) * model + 1 * stashed in fp32, checking only the model grads (arg 0).
+            # out = inv * model + b * stashed in fp32, checking only the model grads (arg 0).
             multi_tensor_axpby(_CHUNK, buf, [[ms[i] for i in good], [ss[i] for i in good],
-                                             [outs[i] for i in good]], inv, 1.0, 0)
+                                             [outs[i] for i in good]], inv, b, 0)
         if bad:
             tmp = [ms[i].float() for i in bad]
             tmp = [t.clone() if t is ms[i] else t for t, i in zip(tmp, bad)]
             _scale_into_torch(buf, tmp, tmp, inv)
             with torch.no_grad():
-                torch._foreach_add_(tmp, [ss[i].float() for i in bad])
+                torch._foreach_add_(tmp, [ss[i].float() for i in bad], alpha=b)
                 torch._foreach_copy_([outs[i] for i in bad], tmp)
 
     def clear_overflow_state(self) -> None:
