@@ -1,0 +1,139 @@
+"""Rotary positional embedding (rotate-half RoPE), forward and backward in one launch each.
+
+The input is a strided 4-D view ``[S, B, H, D]`` (``sbhd``; ``thd`` is ``[T, 1, H, D]``; the 2-D image
+variant is ``[s, b, h, d]`` from the caller's ``[b, s, h, d]``). Each program owns one ``(s, b)`` row and
+a block of heads, loads that tile of ``x`` once (the partner half of the rotary columns is a second load
+of the same addresses, a cache hit) and writes the output tile once. For the rotary columns
+``j < R`` of a segment, with ``half = R / 2`` and ``p(j)`` the column in the other half:
+
+* forward:  ``y_j = x_j cos_j + sign_j x_p(j) sin_j``      (sign −1 in the first half, +1 in the second)
+* backward: ``dx_j = dy_j cos_j − sign_j dy_p(j) sin_p(j)`` (the transpose of the forward rotation)
+
+Columns past the rotary part pass through. Arithmetic in fp32, one rounding to the output dtype; for
+fp16/bf16 (``ROUND``) the tables and each product are rounded to that dtype first, reproducing upstream's
+kernel (and its unfused PyTorch formula) bit for bit.
+
+Modes (constexpr): 0 ``freqs`` (cos/sin computed from the fp32 angles), 1 cached ``cos``/``sin`` tables,
+2 ``thd`` with ``freqs`` (the position of token ``s`` is ``s − cu_seqlens[k]`` for its sequence ``k``,
+found by comparing against all of ``cu_seqlens``; tokens outside ``[cu[0], cu[-1])`` pass through),
+3 the 2-D image variant: two segments of ``R = D / 2`` columns, the first rotated by ``(cos_h, sin_h)``
+at row ``s // img_w``, the second by ``(cos_w, sin_w)`` at row ``s % img_w``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
+                 xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
+                 ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c,
+                 MODE: tl.constexpr, BACKWARD: tl.constexpr, ROUND: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CU: tl.constexpr):
+    row = tl.program_id(0)
+    s = row // B
+    b = row % B
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (hh < H) & (d < D)
+    x_row = X + s.to(tl.int64) * xs_s + b.to(tl.int64) * xs_b
+    x = tl.load(x_row + hh * xs_h + d * xs_d, mask=mask, other=0.0).to(tl.float32)
+
+    if MODE == 3:
+        seg = d // R
+        col = d - seg * R
+        rot = d < 2 * R
+    else:
+        seg = d * 0
+        col = d
+        rot = d < R
+    half = R // 2
+    first = col < half
+    pcol = tl.where(first, col + half, col - half)
+
+    if MODE == 2:
+        # Sequence of token s: the number of cu_seqlens[1:] entries <= s; rows outside pass through.
+        k = tl.arange(0, BLOCK_CU)
+        cu = tl.load(CU + k, mask=k < n_cu, other=0).to(tl.int64)
+        lo = tl.load(CU).to(tl.int64)
+        hi = tl.load(CU + n_cu - 1).to(tl.int64)
+        seq = tl.sum(((k >= 1) & (k < n_cu) & (cu <= s)).to(tl.int32), axis=0)
+        start = tl.load(CU + seq).to(tl.int64)
+        sb = d * 0 + s  # as a block: a scalar mask does not combine with block masks in the interpreter
+        rot = rot & (sb >= lo) & (sb < hi)
+        pos = s - start
+    elif MODE == 3:
+        pos = tl.where(seg == 0, s // img_w, s % img_w)
+    else:
+        pos = s
+    tmask = rot & (d < D)
+    scol = pcol if BACKWARD else col
+
+    if MODE == 0 or MODE == 2:
+        c = tl.cos(tl.load(TA + pos * ta_r + col * ta_c, mask=tmask, other=0.0).to(tl.float32))
+        sn = tl.sin(tl.load(TA + pos * ta_r + scol * ta_c, mask=tmask, other=0.0).to(tl.float32))
+    elif MODE == 1:
+        c = tl.load(TA + pos * ta_r + col * ta_c, mask=tmask, other=1.0).to(tl.float32)
+        sn = tl.load(TB + pos * tb_r + scol * tb_c, mask=tmask, other=0.0).to(tl.float32)
+    else:
+        m0 = tmask & (seg == 0)
+        m1 = tmask & (seg == 1)
+        c = tl.where(seg == 0, tl.load(TA + pos * ta_r + col * ta_c, mask=m0, other=1.0).to(tl.float32),
+                     tl.load(TC + pos * tc_r + col * tc_c, mask=m1, other=1.0).to(tl.float32))
+        sn = tl.where(seg == 0, tl.load(TB + pos * tb_r + scol * tb_c, mask=m0, other=0.0).to(tl.float32),
+                      tl.load(TD + pos * td_r + scol * td_c, mask=m1, other=0.0).to(tl.float32))
+
+    xp = tl.load(x_row + hh * xs_h + (pcol + seg * R) * xs_d, mask=mask & rot, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sign = tl.where(first, 1.0, -1.0)
+    else:
+        sign = tl.where(first, -1.0, 1.0)
+    if ROUND:  # fp16/bf16: the tables and each product rounded to the dtype, as upstream's kernel
+        dt = Y.dtype.element_ty
+        c = c.to(dt).to(tl.float32)
+        sn = sn.to(dt).to(tl.float32)
+        y = tl.where(rot, (x * c).to(dt).to(tl.float32) + sign * (xp * sn).to(dt).to(tl.float32), x)
+    else:
+        y = tl.where(rot, x * c + sign * xp * sn, x)
+    y_row = Y + s.to(tl.int64) * ys_s + b.to(tl.int64) * ys_b
+    tl.store(y_row + hh * ys_h + d * ys_d, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _strides2(t: torch.Tensor | None) -> tuple[int, int]:
+    return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+
+
+def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
+         ta: torch.Tensor, tb: torch.Tensor | None = None, tc: torch.Tensor | None = None,
+         td: torch.Tensor | None = None, cu: torch.Tensor | None = None, img_w: int = 1) -> torch.Tensor:
+    """Write the rotation of ``x`` (a 4-D ``[S, B, H, D]`` view) into ``y`` (same logical shape).
+
+    ``ta``..``td`` are 2-D ``[rows, cols]`` views of the angle or cos/sin tables; ``cu`` the int
+    ``cu_seqlens`` (mode 2).
+    """
+    S, B, H, D = x.shape
+    if S * B * H * D == 0:
+        return y
+    BLOCK_D = triton.next_power_of_2(D)
+    # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
+    cap = 16384 if _interpreting() else 4096
+    BLOCK_H = max(1, min(triton.next_power_of_2(H), cap // BLOCK_D))
+    n_cu = cu.numel() if cu is not None else 1
+    grid = (S * B, triton.cdiv(H, BLOCK_H))
+    strides = [*_strides2(ta), *_strides2(tb), *_strides2(tc), *_strides2(td)]
+    _rope_kernel[grid](x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
+                       td if td is not None else ta, cu if cu is not None else ta,
+                       B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
+                       MODE=mode, BACKWARD=backward, ROUND=y.dtype in (torch.float16, torch.bfloat16),
+                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                       BLOCK_CU=triton.next_power_of_2(max(n_cu, 2)))
+    return y

@@ -1,0 +1,95 @@
+"""Bias + GELU, tanh approximation (Megatron-LM's ``bias_gelu_impl``):
+``y = h/2 · (1 + tanh(√(2/π)(h + 0.044715 h³)))`` with ``h = input + bias``.
+
+Dtype policy: the bias add and the activation in fp32 (fp64 for fp64 inputs), one rounding to the input
+dtype; ``dbias`` summed in fp32 and returned in the bias dtype.
+
+Paths, behind the ``apex::bias_gelu_fwd``/``_bwd`` custom ops: CUDA/ROCm tensors one Triton launch each way
+(``apex._kernels.bias_gelu``); CPU tensors PyTorch's ``gelu``/``gelu_backward`` (``approximate="tanh"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex._backend import select
+from apex.ops.bias_swiglu import _contig, check_args
+
+Tensor = torch.Tensor
+
+
+def _h(x: Tensor, bias: Tensor | None) -> tuple[Tensor, bool]:
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if bias is not None:
+        return torch.add(x, bias.to(cd)), True
+    return (x, False) if x.dtype == cd else (x.to(cd), True)
+
+
+# ----------------------------------------------------------------------------- dispatch (no autograd)
+def bias_gelu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
+    n = check_args(input, bias, glu=False)
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_gelu as kernels
+
+        return kernels.forward(input.reshape(-1, n), _contig(bias), input.dtype).view(input.shape)
+    h, fresh = _h(input, bias)
+    y = torch.ops.aten.gelu_(h, approximate="tanh") if fresh else torch.nn.functional.gelu(h, approximate="tanh")
+    return y.to(input.dtype)
+
+
+def bias_gelu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    """The gradient of ``input`` (that of ``bias`` is its sum over the leading dims)."""
+    n = check_args(input, bias, glu=False)
+    if not isinstance(grad_output, torch.Tensor) or grad_output.shape != input.shape:
+        raise ValueError(f"grad_output must have shape {list(input.shape)}, got "
+                         f"{list(getattr(grad_output, 'shape', []))}")
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_gelu as kernels
+
+        dx = kernels.backward(grad_output.reshape(-1, n), input.reshape(-1, n), _contig(bias), input.dtype)
+        return dx.view(input.shape)
+    h, _ = _h(input, bias)
+    return torch.ops.aten.gelu_backward(grad_output.to(h.dtype), h, approximate="tanh").to(input.dtype)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("apex::bias_gelu_fwd", mutates_args=())
+def _fwd_op(input: Tensor, bias: Tensor | None) -> Tensor:
+    return bias_gelu_forward(input, bias)
+
+
+@_fwd_op.register_fake
+def _(input, bias):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("apex::bias_gelu_bwd", mutates_args=())
+def _bwd_op(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    return bias_gelu_backward(grad_output, input, bias)
+
+
+@_bwd_op.register_fake
+def _(grad_output, input, bias):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    input, bias = ctx.saved_tensors
+    dx = torch.ops.apex.bias_gelu_bwd(grad, input, bias)
+    db = None
+    if bias is not None and ctx.needs_input_grad[1]:
+        db = torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
+    return dx, db
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+def bias_gelu(input: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Differentiable tanh-approximate GELU of ``input + bias``."""
+    check_args(input, bias, glu=False)
+    return torch.ops.apex.bias_gelu_fwd(input, bias)

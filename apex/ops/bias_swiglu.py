@@ -1,0 +1,159 @@
+"""Bias + SwiGLU: ``y = silu(x₁ + b₁) · (x₂ + b₂)`` on the two halves of the last dim (Megatron-LM's MLP
+activation, ROCm Apex's ``fused_bias_swiglu``).
+
+``input`` ``[..., 2n]``, ``bias`` ``[2n]`` or None, ``y`` ``[..., n]``. Backward:
+``dx₂ = dy·silu(h₁)``, ``dx₁ = dy·h₂·σ(h₁)·(1 + h₁(1 − σ(h₁)))``, ``dbias = Σ dx`` over the leading dims.
+
+Dtype policy: the bias add and the activation in fp32 (fp64 for fp64 inputs), one rounding to the input
+dtype; the bias may be of any float dtype; ``dbias`` is summed in fp32 and returned in the bias dtype.
+
+Paths, behind the ``apex::bias_swiglu_fwd``/``_bwd`` custom ops: CUDA/ROCm tensors one Triton launch each
+way (``apex._kernels.bias_swiglu``); CPU tensors PyTorch's ``silu`` / ``silu_backward`` on the halves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from apex._backend import select
+
+Tensor = torch.Tensor
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_args(input: Tensor, bias: Tensor | None, glu: bool = True) -> int:
+    """Validate and return the width of the last dim of ``input``."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dim() < 1 or input.dtype not in _FLOATS:
+        raise ValueError(f"input must be a float tensor with at least one dim, got {input.dtype} "
+                         f"{list(input.shape)}")
+    n = input.shape[-1]
+    if glu and n % 2:
+        raise ValueError(f"input's last dim must be even for SwiGLU (two halves), got {n}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (n,) or bias.dtype not in _FLOATS:
+            raise ValueError(f"bias must be a float tensor of shape [{n}] (input's last dim), got {bias.dtype} "
+                             f"{list(bias.shape)}")
+        if bias.device != input.device:
+            raise ValueError(f"bias is on {bias.device} but input is on {input.device}")
+    return n
+
+
+def _contig(bias: Tensor | None) -> Tensor | None:
+    """The kernels index the bias with unit stride."""
+    return bias.contiguous() if bias is not None else None
+
+
+def _cd(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _h(x: Tensor, bias: Tensor | None) -> tuple[Tensor, bool]:
+    """``x + bias`` in the compute dtype, and whether it is a fresh tensor (safe to overwrite)."""
+    cd = _cd(x.dtype)
+    if bias is not None:
+        return torch.add(x, bias.to(cd)), True  # a half x promotes to fp32 here, no extra copy
+    return (x, False) if x.dtype == cd else (x.to(cd), True)
+
+
+def _fwd_torch(x: Tensor, bias: Tensor | None) -> Tensor:
+    # Two half-width temporaries (Megatron's eager form allocates four half widths): (x₂ + b₂) becomes the
+    # output and silu(x₁ + b₁) is computed in place in the other.
+    cd = _cd(x.dtype)
+    n = x.shape[-1] // 2
+    x1, x2 = x[..., :n], x[..., n:]
+    if bias is None:
+        a = F.silu(x1) if x.dtype == cd else F.silu(x1.to(cd), inplace=True)
+        return a.mul_(x2).to(x.dtype)
+    b = bias.to(cd)
+    a = F.silu(torch.add(x1, b[:n]), inplace=True)  # a half x promotes to fp32 here, no extra copy
+    return torch.add(x2, b[n:]).mul_(a).to(x.dtype)
+
+
+def _bwd_torch(dy: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+    h, _ = _h(x, bias)
+    n = h.shape[-1] // 2
+    h1, h2 = h[..., :n], h[..., n:]
+    d2 = F.silu(h1).mul_(dy)
+    d1 = torch.ops.aten.silu_backward(torch.mul(dy, h2), h1)
+    return torch.cat((d1, d2), -1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch (no autograd)
+def bias_swiglu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
+    """``fused_bias_swiglu.forward``: ``silu(x₁ + b₁)·(x₂ + b₂)``, ``[..., n]`` in the input dtype."""
+    n = check_args(input, bias)
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_swiglu as kernels
+
+        y = kernels.forward(input.reshape(-1, n), _contig(bias), input.dtype)
+        return y.view(*input.shape[:-1], n // 2)
+    return _fwd_torch(input, bias)
+
+
+def bias_swiglu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    """``fused_bias_swiglu.backward``: the gradient of ``input`` (that of ``bias`` is its sum over rows)."""
+    n = check_args(input, bias)
+    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != (*input.shape[:-1], n // 2):
+        raise ValueError(f"grad_output must have shape {[*input.shape[:-1], n // 2]}, got "
+                         f"{list(getattr(grad_output, 'shape', []))}")
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_swiglu as kernels
+
+        dx = kernels.backward(grad_output.reshape(-1, n // 2), input.reshape(-1, n), _contig(bias),
+                              input.dtype)
+        return dx.view(input.shape)
+    return _bwd_torch(grad_output, input, bias)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("apex::bias_swiglu_fwd", mutates_args=())
+def _fwd_op(input: Tensor, bias: Tensor | None) -> Tensor:
+    return bias_swiglu_forward(input, bias)
+
+
+@_fwd_op.register_fake
+def _(input, bias):
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+@torch.library.custom_op("apex::bias_swiglu_bwd", mutates_args=())
+def _bwd_op(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    return bias_swiglu_backward(grad_output, input, bias)
+
+
+@_bwd_op.register_fake
+def _(grad_output, input, bias):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    input, bias = ctx.saved_tensors
+    dx = torch.ops.apex.bias_swiglu_bwd(grad, input, bias)
+    db = None
+    if bias is not None and ctx.needs_input_grad[1]:
+        db = torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
+    return dx, db
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------- autograd entry
+def bias_swiglu(input: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Differentiable ``silu(x₁ + b₁)·(x₂ + b₂)`` over the halves of ``input``'s last dim."""
+    check_args(input, bias)
+    return torch.ops.apex.bias_swiglu_fwd(input, bias)
+
+
+def swiglu(input: Tensor) -> Tensor:
+    """Differentiable ``silu(x₁)·x₂`` over the halves of ``input``'s last dim."""
+    return bias_swiglu(input, None)

@@ -1,0 +1,326 @@
+"""Rotary positional embedding, rotate-half form, on the first ``R`` columns of the head dimension.
+
+For angles ``f`` (``freqs``) or cached ``cos``/``sin`` of ``R`` columns and ``rotate_half(x) = [−x₂, x₁]``:
+``y[..., :R] = x[..., :R]·cos + rotate_half(x[..., :R])·sin`` and ``y[..., R:] = x[..., R:]``. The backward
+is the transpose rotation (``dx = dy·cos − rotate_half(dy·sin)``); the tables get no gradient.
+
+Layouts: ``sbhd`` (``[s, b, h, d]`` with tables ``[≥s, 1, 1, R]``), ``thd`` (packed sequences ``[t, h, d]``
+with ``cu_seqlens``: token ``i`` of sequence ``k`` has position ``i − cu_seqlens[k]``), and the 2-D image
+variant (``[b, img_h·img_w, h, d]``; the first ``d/2`` columns rotated by the row's height index, the rest
+by its width index). Inputs may have any strides.
+
+Dtype policy: fp32 inputs compute in fp32 (fp64 in fp64). fp16/bf16 inputs follow upstream's arithmetic
+exactly: the cos/sin values are rounded to the input dtype, and each product and the sum are rounded to it
+(what upstream's CUDA kernel and its unfused PyTorch formula both do), so results agree with upstream's
+bit for bit rather than being one rounding more accurate. Output layout: contiguous, or ``[b, s, h, d]``
+memory seen as ``[s, b, h, d]`` with ``transpose_output_memory=True`` (also for the gradient, as upstream).
+
+Paths, behind the ``apex::fused_rope`` custom op: CUDA/ROCm tensors run one Triton launch each way
+(``apex._kernels.fused_rope``); CPU tensors four fused multiply-adds on the two halves, written straight
+into the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex._backend import select
+
+Tensor = torch.Tensor
+
+SBHD, CACHED, THD, IMG2D = 0, 1, 2, 3
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_tensor(x: object, name: str, dim: int, floating: bool = True) -> Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dim:
+        raise ValueError(f"{name} must be a {dim}-D tensor, got shape {list(x.shape)}")
+    if floating and x.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
+    return x
+
+
+def _check_table(tab: object, name: str, t: Tensor, rows: int, d: int, row_dim: int = 0) -> int:
+    """A ``[rows', 1, 1, R]`` (``row_dim=0``) or ``[1, rows', 1, R]`` (``row_dim=1``) table; returns R."""
+    _check_tensor(tab, name, 4)
+    other = 1 - row_dim
+    if tab.size(other) != 1 or tab.size(2) != 1:
+        want = "[s, 1, 1, R]" if row_dim == 0 else "[1, H, 1, R]"
+        raise ValueError(f"{name} must have shape {want}, got {list(tab.shape)}")
+    if tab.size(row_dim) < rows:
+        raise ValueError(f"{name} has {tab.size(row_dim)} positions, fewer than the {rows} needed")
+    r = tab.size(3)
+    if r > d or r % 2:
+        raise ValueError(f"{name}'s last dim ({r}) must be even and at most the head dim {d}")
+    if tab.device != t.device:
+        raise ValueError(f"{name} is on {tab.device} but the input is on {t.device}")
+    return r
+
+
+def _check_pair(cos: Tensor, sin: Tensor, names: str) -> None:
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"{names} must have the same shape and dtype, got {list(cos.shape)} {cos.dtype} "
+                         f"and {list(sin.shape)} {sin.dtype}")
+
+
+def check_sbhd(t: Tensor, freqs: Tensor) -> None:
+    _check_tensor(t, "t", 4)
+    _check_table(freqs, "freqs", t, t.size(0), t.size(3))
+
+
+def check_cached(t: Tensor, cos_: Tensor, sin_: Tensor) -> None:
+    _check_tensor(t, "t", 4)
+    _check_table(cos_, "cos_", t, t.size(0), t.size(3))
+    _check_table(sin_, "sin_", t, t.size(0), t.size(3))
+    _check_pair(cos_, sin_, "cos_ and sin_")
+
+
+def check_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> None:
+    _check_tensor(t, "t", 3)
+    _check_tensor(cu_seqlens, "cu_seqlens", 1, floating=False)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a non-empty int32/int64 tensor, got {cu_seqlens.dtype} with "
+                         f"{cu_seqlens.numel()} elements")
+    if cu_seqlens.device != t.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the input is on {t.device}")
+    _check_table(freqs, "freqs", t, 0, t.size(2))
+
+
+def _check_cu_values(cu: Tensor, tokens: int, max_s: int) -> None:
+    """Data-dependent checks of ``cu_seqlens`` (one host sync)."""
+    c = cu.detach().to("cpu", torch.int64)
+    if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
+    if int(c[0]) < 0 or int(c[-1]) > tokens:
+        raise ValueError(f"cu_seqlens must lie in [0, {tokens}] (the tokens of t), got {c.tolist()}")
+    longest = int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0
+    if longest > max_s:
+        raise ValueError(f"a sequence of cu_seqlens has {longest} tokens but freqs has only {max_s} positions")
+
+
+def check_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
+             sin_w: Tensor) -> None:
+    _check_tensor(t, "t", 4)
+    if not (isinstance(img_h, int) and isinstance(img_w, int) and img_h > 0 and img_w > 0):
+        raise ValueError(f"img_h and img_w must be positive ints, got {img_h!r} and {img_w!r}")
+    if t.size(1) != img_h * img_w:
+        raise ValueError(f"t's sequence length {t.size(1)} must equal img_h * img_w = {img_h * img_w}")
+    d = t.size(3)
+    if d % 2:
+        raise ValueError(f"t's head dim must be even for 2-D RoPE, got {d}")
+    for name, tab, rows in (("cos_h", cos_h, img_h), ("sin_h", sin_h, img_h), ("cos_w", cos_w, img_w),
+                            ("sin_w", sin_w, img_w)):
+        if _check_table(tab, name, t, rows, d, row_dim=1) != d // 2:
+            raise ValueError(f"{name}'s last dim must be head dim / 2 = {d // 2}, got {tab.size(3)}")
+    _check_pair(cos_h, sin_h, "cos_h and sin_h")
+    _check_pair(cos_w, sin_w, "cos_w and sin_w")
+
+
+# ------------------------------------------------------------------------------------------ torch path
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32, fp64 for fp64; fp16/bf16 compute in their own dtype, as upstream (see the docstring)."""
+    return torch.float64 if dtype == torch.float64 else dtype if dtype in (torch.float16, torch.bfloat16) \
+        else torch.float32
+
+
+def _rotate(x: Tensor, c: Tensor, s: Tensor, out: Tensor, backward: bool) -> None:
+    """``out = x·c + rotate_half(x)·s`` (forward) or its transpose, half by half, into ``out``."""
+    h = x.shape[-1] // 2
+    if h == 0:
+        return
+    x1, x2, c1, c2, s1, s2 = x[..., :h], x[..., h:], c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    if backward:  # dx1 = g1·c1 + g2·s2 ; dx2 = g2·c2 − g1·s1
+        terms = ((x1, c1, x2, s2, 1), (x2, c2, x1, s1, -1))
+    else:  # y1 = x1·c1 − x2·s1 ; y2 = x2·c2 + x1·s2
+        terms = ((x1, c1, x2, s1, -1), (x2, c2, x1, s2, 1))
+    for (a, ca, b, sb, sign), o in zip(terms, (out[..., :h], out[..., h:])):
+        torch.mul(a, ca, out=o)
+        if o.dtype in (torch.float16, torch.bfloat16):
+            o.add_(torch.mul(b, sb), alpha=sign)  # each product rounded, as upstream's kernel
+        else:
+            o.addcmul_(b, sb, value=sign)
+
+
+def _thd_tables(freqs2: Tensor, cu: Tensor, tokens: int, cd: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-token cos/sin ``[t, 1, R]`` from the positions ``i − cu_seqlens[k]`` (identity outside)."""
+    cu64 = cu.to(torch.int64)
+    idx = torch.arange(tokens, device=cu.device)
+    seq = torch.searchsorted(cu64[1:], idx, right=True)
+    valid = (idx >= cu64[0]) & (idx < cu64[-1])
+    pos = torch.where(valid, idx - cu64[seq.clamp_(max=cu64.numel() - 1)], 0)
+    f = _angles(freqs2, cd)[pos]
+    v = valid.unsqueeze(1)
+    return (torch.where(v, f.cos(), 1.0).to(cd).unsqueeze(1), torch.where(v, f.sin(), 0.0).to(cd).unsqueeze(1))
+
+
+def _angles(freqs: Tensor, cd: torch.dtype) -> Tensor:
+    """Angles in fp32 (fp64 for fp64 inputs): cos/sin are taken there, then rounded to ``cd``."""
+    return freqs.to(torch.float64 if cd == torch.float64 else torch.float32)
+
+
+def _torch_path(t, y, ta, tb, tc, td, cu, mode, img_w, backward):
+    cd = _compute_dtype(t.dtype)
+    if mode == IMG2D:
+        b, s, h, d = t.shape
+        ih, r = s // img_w, d // 2
+        x5, y5 = t.reshape(b, ih, img_w, h, d), y.view(b, ih, img_w, h, d)
+        ch, sh = ta[:, :ih].to(cd).unsqueeze(2), tb[:, :ih].to(cd).unsqueeze(2)
+        cw, sw = tc[:, :img_w].to(cd).unsqueeze(1), td[:, :img_w].to(cd).unsqueeze(1)
+        _rotate(x5[..., :r], ch, sh, y5[..., :r], backward)
+        _rotate(x5[..., r:], cw, sw, y5[..., r:], backward)
+        return y
+    if mode == THD:
+        r = ta.size(3)
+        c, s = _thd_tables(ta[:, 0, 0, :], cu, t.size(0), cd)
+    elif mode == SBHD:
+        r = ta.size(3)
+        f = _angles(ta[: t.size(0)], cd)
+        c, s = f.cos().to(cd), f.sin().to(cd)
+    else:
+        r = ta.size(3)
+        c, s = ta[: t.size(0)].to(cd), tb[: t.size(0)].to(cd)
+    _rotate(t[..., :r], c, s, y[..., :r], backward)
+    if r < t.size(-1):
+        y[..., r:].copy_(t[..., r:])
+    return y
+
+
+# ------------------------------------------------------------------------------------ dispatch (no grad)
+def _alloc(t: Tensor, mode: int, transpose_output: bool) -> Tensor:
+    if mode in (SBHD, CACHED) and transpose_output:
+        s, b, h, d = t.shape
+        return t.new_empty((b, s, h, d)).transpose(0, 1)
+    return t.new_empty(t.shape)
+
+
+def rope_apply(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None,
+               cu_seqlens: Tensor | None, mode: int, img_w: int, backward: bool,
+               transpose_output: bool) -> Tensor:
+    """The rotation (or its transpose when ``backward``) without autograd; arguments already checked."""
+    if mode == THD:
+        _check_cu_values(cu_seqlens, t.size(0), ta.size(0))
+    y = _alloc(t, mode, transpose_output)
+    # fp64 stays on the PyTorch path: the kernel computes in fp32.
+    if t.dtype != torch.float64 and select(t) == "triton":
+        from apex._kernels import fused_rope as kernels
+
+        if mode == IMG2D:  # [b, s, h, d] seen as [s, b, h, d]; tables [1, rows, 1, R] as [rows, R]
+            x4, y4, r = t.transpose(0, 1), y.transpose(0, 1), t.size(3) // 2
+            tabs = [tab[0, :, 0, :] for tab in (ta, tb, tc, td)]
+        else:
+            x4 = t.unsqueeze(1) if mode == THD else t
+            y4 = y.unsqueeze(1) if mode == THD else y
+            r = ta.size(3)
+            tabs = [tab[:, 0, 0, :] if tab is not None else None for tab in (ta, tb, tc, td)]
+        kernels.rope(x4, y4, mode, backward, r, *tabs, cu=cu_seqlens, img_w=img_w)
+        return y
+    return _torch_path(t, y, ta, tb, tc, td, cu_seqlens, mode, img_w, backward)
+
+
+# ------------------------------------------------------------------------------------------- custom op
+@torch.library.custom_op("apex::fused_rope", mutates_args=())
+def _rope_op(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None,
+             cu_seqlens: Tensor | None, mode: int, img_w: int, backward: bool, transpose_output: bool
+             ) -> Tensor:
+    return rope_apply(t, ta, tb, tc, td, cu_seqlens, mode, img_w, backward, transpose_output)
+
+
+@_rope_op.register_fake
+def _(t, ta, tb, tc, td, cu_seqlens, mode, img_w, backward, transpose_output):
+    return _alloc(t, mode, transpose_output)
+
+
+def _setup(ctx, inputs, output):
+    t, ta, tb, tc, td, cu, mode, img_w, backward, transpose_output = inputs
+    ctx.args = (mode, img_w, not backward, transpose_output)
+    ctx.save_for_backward(ta, tb, tc, td, cu)
+
+
+def _backward(ctx, grad):
+    ta, tb, tc, td, cu = ctx.saved_tensors
+    dt = torch.ops.apex.fused_rope(grad, ta, tb, tc, td, cu, *ctx.args)
+    return dt, None, None, None, None, None, None, None, None, None
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------------- autograd entry
+def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
+    """RoPE on ``t`` ``[s, b, h, d]`` with angles ``freqs`` ``[≥s, 1, 1, R]``, ``R ≤ d`` even."""
+    check_sbhd(t, freqs)
+    return torch.ops.apex.fused_rope(t, freqs, None, None, None, None, SBHD, 1, False,
+                                     bool(transpose_output_memory))
+
+
+def fused_rope_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:
+    """RoPE on ``t`` ``[s, b, h, d]`` with precomputed ``cos_``/``sin_`` ``[≥s, 1, 1, R]`` (any float dtype)."""
+    check_cached(t, cos_, sin_)
+    return torch.ops.apex.fused_rope(t, cos_, sin_, None, None, None, CACHED, 1, False,
+                                     bool(transpose_output_memory))
+
+
+def fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+    """RoPE on packed sequences ``t`` ``[t, h, d]``; ``cu_seqlens`` ``[n + 1]`` non-decreasing."""
+    check_thd(t, cu_seqlens, freqs)
+    return torch.ops.apex.fused_rope(t, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
+
+
+def fused_rope_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
+                  sin_w: Tensor) -> Tensor:
+    """2-D RoPE on ``t`` ``[b, img_h·img_w, h, d]`` with tables ``[1, ≥img_h (≥img_w), 1, d/2]``."""
+    check_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)
+    return torch.ops.apex.fused_rope(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, int(img_w), False, False)
+
+
+# ------------------------------------------- Apex's ``fused_rotary_positional_embedding`` entry points
+def forward(input: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
+    check_sbhd(input, freqs)
+    return rope_apply(input, freqs, None, None, None, None, SBHD, 1, False, transpose_output)
+
+
+def backward(output_grads: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
+    check_sbhd(output_grads, freqs)
+    return rope_apply(output_grads, freqs, None, None, None, None, SBHD, 1, True, transpose_output)
+
+
+def forward_cached(input: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
+    check_cached(input, cos, sin)
+    return rope_apply(input, cos, sin, None, None, None, CACHED, 1, False, transpose_output)
+
+
+def backward_cached(output_grads: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
+    check_cached(output_grads, cos, sin)
+    return rope_apply(output_grads, cos, sin, None, None, None, CACHED, 1, True, transpose_output)
+
+
+def forward_thd(input: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+    check_thd(input, cu_seqlens, freqs)
+    return rope_apply(input, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
+
+
+def backward_thd(output_grads: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+    check_thd(output_grads, cu_seqlens, freqs)
+    return rope_apply(output_grads, freqs, None, None, None, cu_seqlens, THD, 1, True, False)
+
+
+def _img(x: Tensor, name: str) -> tuple[Tensor, int, int]:
+    _check_tensor(x, name, 5)
+    b, ih, iw, h, d = x.shape
+    return x.reshape(b, ih * iw, h, d), ih, iw
+
+
+def forward_2d(input: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w: Tensor) -> Tensor:
+    """``input`` ``[b, img_h, img_w, h, d]`` → ``[b, img_h·img_w, h, d]``."""
+    t, ih, iw = _img(input, "input")
+    check_2d(t, ih, iw, cos_h, sin_h, cos_w, sin_w)
+    return rope_apply(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, iw, False, False)
+
+
+def backward_2d(output_grads: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w: Tensor) -> Tensor:
+    g, ih, iw = _img(output_grads, "output_grads")
+    check_2d(g, ih, iw, cos_h, sin_h, cos_w, sin_w)
+    return rope_apply(g, cos_h, sin_h, cos_w, sin_w, None, IMG2D, iw, True, False)

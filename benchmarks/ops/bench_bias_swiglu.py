@@ -1,0 +1,62 @@
+"""Bias + SwiGLU forward and backward: CPU time against Megatron-LM's unfused PyTorch functions
+(``bias_swiglu`` / ``bias_swiglu_back``); Triton bytes and launches.
+
+Counted under the interpreter at 64 × 2·256 fp32. Minimum bytes: forward reads x and bias and writes y;
+backward reads dy, x and bias and writes dx (the bias gradient is a separate PyTorch sum of dx, not counted
+here: it is called outside the timed/counted ``fused_bias_swiglu.backward``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import Case, Counted
+
+TIMED = (2048, 2 * 2048)
+COUNTED = (64, 2 * 256)
+
+
+def _megatron_fwd(y, bias):
+    y = y + bias
+    y1, y2 = torch.chunk(y, 2, -1)
+    return F.silu(y1) * y2
+
+
+def _megatron_bwd(g, y, bias):
+    y = y + bias
+    y1, y2 = torch.chunk(y, 2, -1)
+    return torch.cat((g * torch.sigmoid(y1) * (1 + y1 * (1 - torch.sigmoid(y1))) * y2, g * F.silu(y1)), -1)
+
+
+def _inputs(m, n2):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(m, n2, generator=g), torch.randn(n2, generator=g), torch.randn(m, n2 // 2, generator=g)
+
+
+def _timed(shape, backward):
+    from apex.ops.bias_swiglu import bias_swiglu_backward, bias_swiglu_forward
+
+    x, b, dy = _inputs(*shape)
+    if backward:
+        return (lambda: bias_swiglu_backward(dy, x, b)), (lambda: _megatron_bwd(dy, x, b))
+    return (lambda: bias_swiglu_forward(x, b)), (lambda: _megatron_fwd(x, b))
+
+
+def _counted(shape, backward):
+    from apex.ops.bias_swiglu import bias_swiglu_backward, bias_swiglu_forward
+
+    x, b, dy = _inputs(*shape)
+    if backward:
+        return Counted(triton=lambda: bias_swiglu_backward(dy, x, b), eager=lambda: _megatron_bwd(dy, x, b),
+                       bytes_min=2 * x.nbytes + b.nbytes + dy.nbytes, note="eager = Megatron's bias_swiglu_back")
+    return Counted(triton=lambda: bias_swiglu_forward(x, b), eager=lambda: _megatron_fwd(x, b),
+                   bytes_min=x.nbytes + b.nbytes + dy.nbytes, note="eager = Megatron's bias_swiglu")
+
+
+def cases() -> list[Case]:
+    name = "x".join(map(str, TIMED))
+    return [Case(f"bias_swiglu_{'bwd' if bwd else 'fwd'}_{name}", timed=lambda bwd=bwd: _timed(TIMED, bwd),
+                 counted=lambda bwd=bwd: _counted(COUNTED, bwd),
+                 torch_label="Megatron bias_swiglu" + ("_back" if bwd else ""))
+            for bwd in (False, True)]

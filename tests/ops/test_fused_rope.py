@@ -1,0 +1,286 @@
+"""apex.ops.fused_rope: outputs and gradients against a float64 reference on both backends."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import fused_rope as R
+from apex.testing import TritonTrace, assert_rel_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------ references
+def _rotate_half(x):
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_ref(t, cos, sin):
+    """Upstream's unfused formula in ``t``'s dtype (the tables cast to it)."""
+    r = cos.shape[-1]
+    x, rest = t[..., :r], t[..., r:]
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+    return torch.cat((x * cos + _rotate_half(x) * sin, rest), dim=-1)
+
+
+def _thd_ref(t, cu, cos, sin):
+    cu = cu.tolist()
+    parts = [t[: cu[0]]]
+    for a, b in zip(cu[:-1], cu[1:]):
+        parts.append(_rope_ref(t[a:b].unsqueeze(1), cos[: b - a], sin[: b - a]).squeeze(1))
+    parts.append(t[cu[-1]:])
+    return torch.cat(parts)
+
+
+def _img_ref(t, ih, iw, ch, sh, cw, sw):
+    b, _, h, d = t.shape
+    q1, q2 = t.reshape(b, ih, iw, h, d).chunk(2, dim=-1)
+    q1 = q1 * ch[:, :ih].unsqueeze(2).to(t.dtype) + _rotate_half(q1) * sh[:, :ih].unsqueeze(2).to(t.dtype)
+    q2 = q2 * cw[:, :iw].unsqueeze(1).to(t.dtype) + _rotate_half(q2) * sw[:, :iw].unsqueeze(1).to(t.dtype)
+    return torch.cat([q1, q2], dim=-1).reshape(b, ih * iw, h, d)
+
+
+def _grads(fn, t, dy):
+    """``fn(t)`` and its gradient with respect to ``t`` (float64 copy when ``t`` is detached float64)."""
+    leaf = t.detach().clone().requires_grad_() if t.dtype == torch.float64 else t
+    y = fn(leaf)
+    return y, torch.autograd.grad(y, leaf, dy.to(y.dtype))[0]
+
+
+def _check(fn, ref_fn, t, dy, dtype, backend_name, launches=True):
+    """Output and gradient of ``fn`` against the float64 ``ref_fn``, with PyTorch's own error in ``dtype``
+    as the fp16/bf16 baseline; on the Triton path one launch each way and every access in bounds."""
+    t64 = t.detach().double()
+    ctx = TritonTrace(bounds=True).watch(t, dy) if backend_name == "triton" else contextlib.nullcontext()
+    with ctx as tr:
+        y, dx = _grads(fn, t, dy)
+    if tr is not None and launches:
+        assert tr.launches == 2 and len(tr.kernels) == 1
+    ry, rdx = _grads(ref_fn, t64, dy.double())
+    by, bdx = _grads(ref_fn, t.detach().clone().requires_grad_(), dy)
+    assert y.dtype == dtype and dx.dtype == dtype and y.shape == ry.shape
+    tol = 1e-6 if dtype == torch.float32 else None
+    assert_rel_close(y, ry, dtype, tol=tol, baseline=by if tol is None else None, name="y")
+    assert_rel_close(dx, rdx, dtype, tol=tol, baseline=bdx if tol is None else None, name="dx")
+    return y, dx
+
+
+def _layout(x, how):
+    """The same values in another memory layout."""
+    if how == "contiguous":
+        return x
+    if how == "sb_swapped":
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if how == "hd_swapped":
+        return x.transpose(2, 3).contiguous().transpose(2, 3)
+    big = torch.empty(*x.shape[:-1], x.shape[-1] + 5, dtype=x.dtype)  # row padding: a strided slice
+    big[..., 2:2 + x.shape[-1]] = x
+    return big[..., 2:2 + x.shape[-1]]
+
+
+# -------------------------------------------------------------------------------------------- sbhd
+@pytest.mark.parametrize("layout,transpose_out", [("contiguous", False), ("contiguous", True), ("sb_swapped", True),
+                                                  ("hd_swapped", False), ("sliced", True)])
+@pytest.mark.parametrize("rot", [24, 10])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_sbhd_matches_float64(backend_name, dtype, rot, layout, transpose_out):
+    s, b, h, d = 7, 3, 5, 24
+    t = _layout(torch.randn(s, b, h, d).to(dtype), layout).requires_grad_()
+    freqs = torch.rand(s, 1, 1, rot) * 6
+    dy = torch.randn(s, b, h, d).to(dtype)
+    y, dx = _check(lambda x: R.fused_rope(x, freqs, transpose_out),
+                   lambda x: _rope_ref(x, freqs.double().cos(), freqs.double().sin()), t, dy, dtype, backend_name)
+    assert y.transpose(0, 1).is_contiguous() is transpose_out
+    assert dx.transpose(0, 1).is_contiguous() is transpose_out
+
+
+@pytest.mark.parametrize("table_dtype", ["float32", "same"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_cached_matches_float64(backend_name, dtype, table_dtype):
+    s, b, h, d, rot = 9, 2, 3, 20, 12
+    t = torch.randn(s, b, h, d).to(dtype).requires_grad_()
+    freqs = torch.rand(s, 1, 1, rot) * 6
+    tab = torch.float32 if table_dtype == "float32" else dtype
+    cos, sin = freqs.cos().to(tab), freqs.sin().to(tab)
+    dy = torch.randn(s, b, h, d).to(dtype)
+    _check(lambda x: R.fused_rope_cached(x, cos, sin), lambda x: _rope_ref(x, cos.double(), sin.double()),
+           t, dy, dtype, backend_name)
+
+
+def test_rope_freqs_longer_than_sequence_and_float64(backend_name):
+    """float64 keeps float64 arithmetic (the Triton backend hands it to the PyTorch path)."""
+    t = torch.randn(4, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    freqs = torch.rand(9, 1, 1, 8, dtype=torch.float64)
+    dy = torch.randn(4, 2, 3, 8, dtype=torch.float64)
+    y, dx = _grads(lambda x: R.fused_rope(x, freqs), t, dy)
+    ry, rdx = _grads(lambda x: _rope_ref(x, freqs[:4].cos(), freqs[:4].sin()), t, dy)
+    assert_rel_close(y, ry, tol=1e-14)
+    assert_rel_close(dx, rdx, tol=1e-14)
+
+
+@settings(max_examples=6, deadline=None)
+@given(s=st.integers(1, 9), b=st.integers(1, 3), h=st.integers(1, 6), half_d=st.integers(1, 20),
+       frac=st.floats(0.0, 1.0))
+def test_rope_random_shapes(s, b, h, half_d, frac):
+    d = 2 * half_d
+    rot = 2 * round(frac * half_d)
+    t = torch.randn(s, b, h, d, requires_grad=True)
+    freqs = torch.rand(s, 1, 1, rot) * 6
+    dy = torch.randn(s, b, h, d)
+    ref = lambda x: _rope_ref(x, freqs.double().cos(), freqs.double().sin())  # noqa: E731
+    for name in ("torch", "triton"):
+        with apex.backend(name):
+            _check(lambda x: R.fused_rope(x, freqs), ref, t, dy, torch.float32, name, launches=rot > 0)
+
+
+# --------------------------------------------------------------------------------------------- thd
+@pytest.mark.parametrize("tail", [0, 2])
+@pytest.mark.parametrize("rot", [16, 6])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_thd_three_sequences(backend_name, dtype, rot, tail):
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    tokens, h, d = 13 + tail, 3, 16
+    t = _layout(torch.randn(tokens, d, h).to(dtype).transpose(1, 2), "contiguous").requires_grad_()
+    assert not t.is_contiguous()
+    freqs = torch.rand(8, 1, 1, rot) * 6
+    dy = torch.randn(tokens, h, d).to(dtype)
+    _check(lambda x: R.fused_rope_thd(x, cu, freqs),
+           lambda x: _thd_ref(x, cu, freqs.double().cos(), freqs.double().sin()), t, dy, dtype, backend_name)
+
+
+def test_rope_thd_empty_sequence_and_int64_offsets(backend_name):
+    cu = torch.tensor([2, 2, 9, 9, 11], dtype=torch.int64)
+    t = torch.randn(12, 2, 10, requires_grad=True)
+    freqs = torch.rand(7, 1, 1, 10) * 6
+    dy = torch.randn(12, 2, 10)
+    _check(lambda x: R.fused_rope_thd(x, cu, freqs),
+           lambda x: _thd_ref(x, cu, freqs.double().cos(), freqs.double().sin()), t, dy, torch.float32,
+           backend_name)
+
+
+# ---------------------------------------------------------------------------------------------- 2-D
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "sb_swapped"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_2d_matches_float64(backend_name, dtype, layout, margin):
+    b, ih, iw, h, d = 2, 3, 5, 2, 12
+    t = _layout(torch.randn(b, ih * iw, h, d).to(dtype), layout).requires_grad_()
+    eh, ew = torch.rand(1, ih + margin, 1, d // 2) * 6, torch.rand(1, iw + margin, 1, d // 2) * 6
+    ch, sh, cw, sw = eh.cos().to(dtype), eh.sin().to(dtype), ew.cos().to(dtype), ew.sin().to(dtype)
+    dy = torch.randn(b, ih * iw, h, d).to(dtype)
+    y, _ = _check(lambda x: R.fused_rope_2d(x, ih, iw, ch, sh, cw, sw),
+                  lambda x: _img_ref(x, ih, iw, *(v.double() for v in (ch, sh, cw, sw))), t, dy, dtype, backend_name)
+    assert y.is_contiguous()
+
+
+# --------------------------------------------------------------------------------------- entry points
+def test_compat_module_forward_backward_are_transposes(backend_name):
+    import fused_rotary_positional_embedding as ext
+
+    t, g = torch.randn(5, 2, 3, 12), torch.randn(5, 2, 3, 12)
+    freqs = torch.rand(5, 1, 1, 8) * 6
+    # <R(t), g> == <t, Rᵀ(g)> for every pair: backward is the transpose of forward.
+    for fwd, bwd, args in ((ext.forward, ext.backward, (freqs, True)),
+                           (ext.forward_cached, ext.backward_cached, (freqs.cos(), freqs.sin(), False))):
+        lhs = (fwd(t, *args).double() * g.double()).sum()
+        rhs = (t.double() * bwd(g, *args).double()).sum()
+        assert abs(lhs - rhs) <= 1e-5 * abs(lhs)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    lhs = (ext.forward_thd(t[:, 0], cu, freqs).double() * g[:, 0].double()).sum()
+    rhs = (t[:, 0].double() * ext.backward_thd(g[:, 0], cu, freqs).double()).sum()
+    assert abs(lhs - rhs) <= 1e-5 * abs(lhs)
+    x5, g4 = torch.randn(2, 2, 3, 1, 12), torch.randn(2, 6, 1, 12)
+    ch, sh, cw, sw = (torch.rand(1, 4, 1, 6) for _ in range(4))
+    y = ext.forward_2d(x5, ch, sh, cw, sw)
+    assert y.shape == (2, 6, 1, 12)
+    lhs = (y.double() * g4.double()).sum()
+    rhs = (x5.double() * ext.backward_2d(g4.view(2, 2, 3, 1, 12), ch, sh, cw, sw).double().view(2, 2, 3, 1, 12)).sum()
+    assert abs(lhs - rhs) <= 1e-5 * abs(lhs)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _bad_calls():
+    t4, f = torch.randn(4, 2, 3, 8), torch.rand(4, 1, 1, 8)
+    t3 = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    tab = torch.rand(1, 3, 1, 4)
+    return [
+        ("t must be a 4-D", lambda: R.fused_rope(t4[0], f)),
+        ("freqs's last dim", lambda: R.fused_rope(t4, torch.rand(4, 1, 1, 5))),
+        ("freqs's last dim", lambda: R.fused_rope(t4, torch.rand(4, 1, 1, 10))),
+        ("fewer than", lambda: R.fused_rope(t4, torch.rand(3, 1, 1, 8))),
+        ("shape", lambda: R.fused_rope(t4, torch.rand(4, 2, 1, 8))),
+        ("same shape and dtype", lambda: R.fused_rope_cached(t4, f.cos(), f.sin().half())),
+        ("non-decreasing", lambda: R.fused_rope_thd(t3, torch.tensor([0, 6, 4, 10], dtype=torch.int32), f)),
+        ("lie in", lambda: R.fused_rope_thd(t3, torch.tensor([0, 4, 11], dtype=torch.int32), f)),
+        ("only 4 positions", lambda: R.fused_rope_thd(t3, torch.tensor([0, 5, 10]), f)),
+        ("int32/int64", lambda: R.fused_rope_thd(t3, cu.float(), f)),
+        ("img_h \\* img_w", lambda: R.fused_rope_2d(torch.randn(2, 8, 1, 8), 3, 3, tab, tab, tab, tab)),
+        ("head dim / 2", lambda: R.fused_rope_2d(torch.randn(2, 9, 1, 10), 3, 3, tab, tab, tab, tab)),
+        ("even", lambda: R.fused_rope_2d(torch.randn(2, 9, 1, 7), 3, 3, tab, tab, tab, tab)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_rope_bad_input_raises_clear_errors(backend_name, case):
+    match, call = _bad_calls()[case]
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_rope_wrong_types():
+    with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+        R.fused_rope([1.0], torch.rand(1, 1, 1, 2))
+    with pytest.raises(TypeError, match="float32, float16"):
+        R.fused_rope(torch.ones(2, 1, 1, 4, dtype=torch.int32), torch.rand(2, 1, 1, 4))
+
+
+def test_rope_triton_moves_the_minimum_bytes():
+    s, b, h, d, rot = 6, 2, 4, 32, 16
+    t = torch.randn(s, b, h, d, requires_grad=True)
+    freqs = torch.rand(s, 1, 1, rot)
+    dy = torch.randn(s, b, h, d)
+    with apex.backend("triton"), TritonTrace(bounds=True) as tr:
+        y = R.fused_rope(t, freqs)
+    assert tr.launches == 1
+    minimum = 2 * t.nbytes + freqs.nbytes
+    assert tr.bytes_unique <= 1.05 * minimum, (tr.bytes_unique, minimum)
+    with apex.backend("triton"), TritonTrace(bounds=True) as tr:
+        torch.autograd.grad(y, t, dy)
+    assert tr.launches == 1 and tr.bytes_unique <= 1.05 * minimum
+
+
+@pytest.mark.parametrize("variant", ["freqs", "cached", "thd", "2d"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rope_half_matches_upstream_arithmetic(backend_name, dtype, variant):
+    """fp16/bf16 round like upstream's kernel (tables, products, sum in the dtype), so upstream's own test
+    criterion, ``assertEqual`` against its unfused formula in that dtype, holds: torch's default
+    tolerances for the dtype (rtol 1e-3 / 1.6e-2, atol 1e-5) on values and gradients."""
+    t = torch.rand(12, 2, 3, 32).to(dtype)
+    emb = torch.rand(12, 1, 1, 16)
+    c, s = emb.cos(), emb.sin()
+    if variant == "freqs":
+        ours, ref = (lambda x: R.fused_rope(x, emb)), (lambda x: _rope_ref(x, c, s))
+    elif variant == "cached":
+        ours, ref = (lambda x: R.fused_rope_cached(x, c, s)), (lambda x: _rope_ref(x, c, s))
+    elif variant == "thd":
+        t = t[:, 0]
+        cu = torch.tensor([0, 4, 5, 12], dtype=torch.int32)
+        ours, ref = (lambda x: R.fused_rope_thd(x, cu, emb)), (lambda x: _thd_ref(x, cu, c, s))
+    else:
+        t = t.reshape(2, 12, 3, 32)
+        ch, sh, cw, sw = (v.reshape(1, 12, 1, 16)[:, :6].to(dtype) for v in (c, s, c.flip(0), s.flip(0)))
+        ours = lambda x: R.fused_rope_2d(x, 3, 4, ch, sh, cw, sw)  # noqa: E731
+        ref = lambda x: _img_ref(x, 3, 4, ch, sh, cw, sw)  # noqa: E731
+    dy = torch.full(t.shape, 2.0, dtype=dtype)  # upstream's loss: output.sum() * 2
+    y, dx = _grads(ours, t.clone().requires_grad_(), dy)
+    ry, rdx = _grads(ref, t.clone().requires_grad_(), dy)
+    torch.testing.assert_close(y, ry)
+    torch.testing.assert_close(dx, rdx)
