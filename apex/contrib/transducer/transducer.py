@@ -1,0 +1,72 @@
+"""``TransducerJoint`` and ``TransducerLoss`` with Apex's constructor and forward signatures."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.ops.transducer_joint import TransducerJointFunc
+from apex.ops.transducer_loss import TransducerLossFunc
+
+
+class TransducerJoint(torch.nn.Module):
+    """RNN-T joint ``h = f[:, :, None] + g[:, None]`` with optional packing, ReLU and dropout.
+
+    ``opt`` and ``fwd_tile_size`` select Apex's CUDA algorithm; here ``fwd_tile_size`` (1, 2 or 4) is the
+    number of u values each Triton program handles and ``opt`` is accepted for compatibility. With
+    ``probe_mask=True`` the ReLU/dropout masks are appended to ``self.mask_probe``.
+    """
+
+    def __init__(self, pack_output=False, relu=False, dropout=False, opt=1, fwd_tile_size=4, dropout_prob=0,
+                 probe_mask=False):
+        super().__init__()
+        if opt not in (0, 1):
+            raise ValueError(f"opt must be 0 or 1, got {opt}")
+        if fwd_tile_size not in (1, 2, 4):
+            raise ValueError(f"fwd_tile_size must be 1, 2 or 4, got {fwd_tile_size}")
+        masked = relu or dropout
+        if masked and opt != 1:
+            raise NotImplementedError("ReLU and dropout fusion is only supported with opt=1")
+        self.pack_output = pack_output
+        self.relu = relu
+        self.dropout = dropout
+        self.dropout_prob = dropout_prob
+        self.opt = opt
+        self.fwd_tile_size = fwd_tile_size
+        self.dummy_batch_offset = torch.empty(0)
+        self.mask_probe = [] if masked and probe_mask else None
+
+    def forward(self, f, g, f_len, g_len, batch_offset=None, packed_batch=0):
+        """``f`` (B, T, H), ``g`` (B, U, H), ``f_len``/``g_len`` (B,): the (B, T, U, H) or packed (rows, H) sum."""
+        if self.pack_output and (batch_offset is None or int(packed_batch) == 0):
+            raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
+        dropout = self.dropout and self.training
+        tile = self.fwd_tile_size if self.opt == 1 else 1
+        return TransducerJointFunc.apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
+                                         batch_offset if self.pack_output else None, packed_batch, tile,
+                                         self.dropout_prob, self.mask_probe)
+
+
+class TransducerLoss(torch.nn.Module):
+    """RNN-T loss per sequence, (B,) in ``x``'s dtype, from logits ``x`` (the log-softmax is inside).
+
+    ``fuse_softmax_backward=True`` computes the logits' gradient in one pass; ``False`` goes through the
+    log-probabilities' gradient and PyTorch's log-softmax backward. ``opt`` is accepted for compatibility.
+    """
+
+    def __init__(self, fuse_softmax_backward=True, opt=1, packed_input=False):
+        super().__init__()
+        self.fuse_softmax_backward = fuse_softmax_backward
+        self.opt = opt
+        self.packed_input = packed_input
+        self.dummy_batch_offset = torch.empty(0)
+
+    def forward(self, x, label, f_len, y_len, blank_idx, batch_offset=None, max_f_len=None, debug_list=None):
+        """``x`` (B, T, U, V) or packed (rows, V); ``debug_list=[]`` receives alpha and beta."""
+        if self.packed_input:
+            if batch_offset is None or max_f_len is None:
+                raise ValueError("Please specify batch_offset and max_f_len when packing is enabled")
+            offset, t_max = batch_offset, int(max_f_len)
+        else:
+            offset, t_max = None, x.size(1)
+        return TransducerLossFunc.apply(x, label, f_len, y_len, offset, t_max, blank_idx,
+                                        self.fuse_softmax_backward, debug_list, self.opt, self.packed_input)

@@ -1,0 +1,174 @@
+"""RNN-T joint: ``h[b, t, u, :] = f[b, t, :] + g[b, u, :]`` for ``t < f_len[b]``, ``u < g_len[b]``.
+
+Optional ReLU and dropout are fused in (``mask`` records which elements survived, ``h = (f + g)·mask·s``
+with ``s = 1/(1 − dropout_prob)`` under dropout). Dense output is (B, T, U, H) with the don't-care region
+(``t ≥ f_len`` or ``u ≥ g_len``) set to −1 as Apex does; packed output is (Σ f_len·g_len, H), batch element
+``b`` starting at row ``batch_offset[b − 1]`` (``batch_offset = cumsum(f_len·g_len)``).
+
+Dtype policy: the sum is rounded once to the input dtype (the PyTorch path adds in the input dtype, the
+Triton kernel in fp32); the backward sums gradients in fp32 and rounds once to the input dtype. Gradients
+outside the lengths are zero.
+
+Paths: CUDA/ROCm tensors run the Triton kernels of ``apex._kernels.transducer_joint``; CPU tensors run a
+broadcast add and boolean-mask packing in PyTorch. Dropout draws different random numbers on the two paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+
+Tensor = torch.Tensor
+
+
+def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob):
+    for name, t in (("f", f), ("g", g)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (B, {'T' if name == 'f' else 'U'}, H), got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    B, T, H = f.shape
+    if g.shape[0] != B or g.shape[2] != H or g.dtype != f.dtype:
+        raise ValueError(f"g has shape {tuple(g.shape)} and dtype {g.dtype}; expected ({B}, U, {H}) and {f.dtype}")
+    for name, t, cap in (("f_len", f_len, T), ("g_len", g_len, g.shape[1])):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
+            raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
+        if B and (int(t.min()) < 0 or int(t.max()) > cap):
+            raise ValueError(f"{name} values must lie in [0, {cap}], got [{int(t.min())}, {int(t.max())}]")
+    if not 0.0 <= dropout_prob < 1.0:
+        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
+    if pack_output:
+        if batch_offset is None or not isinstance(batch_offset, Tensor) or batch_offset.shape != (B,):
+            raise ValueError(f"batch_offset must be a tensor of {B} cumulative row counts when packing")
+        expect = torch.cumsum(f_len.long() * g_len.long(), 0)
+        if not torch.equal(batch_offset.long().cpu(), expect.cpu()):
+            raise ValueError("batch_offset must equal cumsum(f_len * g_len)")
+        total = int(expect[-1]) if B else 0
+        if int(packed_batch) != total:
+            raise ValueError(f"packed_batch must be the packed row count {total}, got {int(packed_batch)}")
+
+
+def _valid(f_len, g_len, T, U):
+    t = torch.arange(T, device=f_len.device)
+    u = torch.arange(U, device=f_len.device)
+    return (t.view(1, T, 1) < f_len.view(-1, 1, 1)) & (u.view(1, 1, U) < g_len.view(-1, 1, 1))
+
+
+def _forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob):
+    B, T, H = f.shape
+    U = g.shape[1]
+    h = f.unsqueeze(2) + g.unsqueeze(1)
+    valid = _valid(f_len, g_len, T, U)
+    mask = None
+    if relu or dropout:
+        keep = h > 0 if relu else torch.ones_like(h, dtype=torch.bool)
+        if dropout:
+            keep &= torch.rand(h.shape, device=h.device) < 1.0 - dropout_prob
+            h = torch.where(keep, h.float() / (1.0 - dropout_prob), 0.0).to(f.dtype)
+        else:
+            h = torch.where(keep, h, 0.0)
+        mask = keep.to(torch.uint8)
+    if pack_output:
+        return h[valid], (mask[valid] if mask is not None else None)
+    h = h.masked_fill_(~valid.unsqueeze(-1), -1.0)
+    if mask is not None:
+        mask.masked_fill_(~valid.unsqueeze(-1), 0)
+    return h, mask
+
+
+def _backward_torch(dh, mask, f_len, g_len, T, U, pack_output, scale):
+    B = f_len.shape[0]
+    H = dh.shape[-1]
+    valid = _valid(f_len, g_len, T, U)
+    if pack_output:
+        grid = dh.new_zeros((B, T, U, H))
+        grid[valid] = dh if mask is None else dh * mask.to(dh.dtype)
+    else:
+        grid = dh * valid.unsqueeze(-1) if mask is None else dh * (mask * valid.unsqueeze(-1))
+    if scale != 1.0:
+        grid = grid * scale
+    df = grid.sum(2, dtype=torch.float32).to(dh.dtype)
+    dg = grid.sum(1, dtype=torch.float32).to(dh.dtype)
+    return df, dg
+
+
+def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None = None,
+                  packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
+                  dropout_prob: float = 0.0, tile_size: int = 4) -> tuple[Tensor, Tensor | None]:
+    """``(h, mask)`` without autograd (``mask`` is None unless ReLU or dropout is on)."""
+    _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0)
+    if tile_size not in (1, 2, 4):
+        raise ValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
+    if _backend.select(f, g) == "triton":
+        from apex._kernels import transducer_joint as kernels
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
+        boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
+        return kernels.forward(f.contiguous(), g.contiguous(), f_len.to(torch.int32).contiguous(),
+                               g_len.to(torch.int32).contiguous(), boff, int(packed_batch), pack_output, relu,
+                               dropout, dropout_prob, tile_size, seed)
+    return _forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob)
+
+
+def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None,
+                   max_f_len: int, max_g_len: int, pack_output: bool, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``(grad_f, grad_g)`` from the gradient of the (dense or packed) joint output."""
+    if _backend.select(dh) == "triton":
+        from apex._kernels import transducer_joint as kernels
+
+        boff = batch_offset.to(dh.device, torch.int64).contiguous() if pack_output else None
+        return kernels.backward(dh.contiguous(), mask.contiguous() if mask is not None else None,
+                                f_len.to(torch.int32).contiguous(), g_len.to(torch.int32).contiguous(), boff,
+                                int(max_f_len), int(max_g_len), pack_output, float(scale))
+    return _backward_torch(dh, mask, f_len, g_len, int(max_f_len), int(max_g_len), pack_output, float(scale))
+
+
+class TransducerJointFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch, tile_size,
+                dropout_prob, mask_probe):
+        h, mask = joint_forward(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu, dropout,
+                                dropout_prob, tile_size)
+        if mask is not None and mask_probe is not None:
+            mask_probe.append(mask)
+        ctx.save_for_backward(mask, f_len, g_len, batch_offset)
+        ctx.shape = (f.shape[1], g.shape[1])
+        ctx.pack_output = pack_output
+        ctx.scale = 1.0 / (1.0 - dropout_prob) if dropout else 1.0
+        ctx.mark_non_differentiable(*(t for t in (mask,) if t is not None))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        mask, f_len, g_len, batch_offset = ctx.saved_tensors
+        df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *ctx.shape, ctx.pack_output, ctx.scale)
+        return df, dg, *([None] * 10)
+
+
+def transducer_joint(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None = None,
+                     packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
+                     dropout_prob: float = 0.0, tile_size: int = 4, mask_probe: list | None = None) -> Tensor:
+    """The joint with autograd; see the module docstring."""
+    return TransducerJointFunc.apply(f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch,
+                                     tile_size, dropout_prob, mask_probe)
+
+
+# ------------------------------------------------------------------ compat: transducer_joint_cuda.*
+def forward(f, g, fLen, gLen, batchOffset, packedBatch, opt, packOutput, relu, dropout, dropoutProb,
+            tileSize):  # noqa: N803 - Apex's argument names
+    """``transducer_joint_cuda.forward``: ``[h]``, or ``[h, mask]`` when ReLU or dropout is on."""
+    if opt not in (0, 1):
+        raise ValueError(f"opt must be 0 or 1, got {opt}")
+    h, mask = joint_forward(f, g, fLen, gLen, batchOffset, int(packedBatch), bool(packOutput), bool(relu),
+                            bool(dropout), float(dropoutProb), int(tileSize) if opt == 1 else 1)
+    return [h] if mask is None else [h, mask]
+
+
+def backward(inputs, fLen, gLen, batchOffset, maxFLen, maxGLen, packOutput, scale):  # noqa: N803
+    """``transducer_joint_cuda.backward``: ``inputs`` is ``[grad]`` or ``[grad, mask]``."""
+    mask = inputs[1] if len(inputs) == 2 else None
+    df, dg = joint_backward(inputs[0], mask, fLen, gLen, batchOffset, maxFLen, maxGLen, bool(packOutput),
+                            float(scale))
+    return [df, dg]

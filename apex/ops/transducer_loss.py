@@ -1,0 +1,309 @@
+"""RNN-T (transducer) loss: ``loss[b] = −log Σ_paths Π p`` over the (f_len[b] × (y_len[b]+1)) lattice.
+
+With ``lp = log_softmax(x)``, ``α(0,0) = 0``, ``α(t,u) = lae(α(t−1,u) + lp_blank(t−1,u), α(t,u−1) +
+lp_{y_u}(t,u−1))`` and ``β(T−1,U) = lp_blank(T−1,U)``, ``β(t,u) = lae(β(t+1,u) + lp_blank(t,u), β(t,u+1) +
+lp_{y_{u+1}}(t,u))`` (``lae`` = log-add-exp; T = f_len[b], U = y_len[b]); ``loss = −β(0,0)``. The gradient of
+``lp`` at (t, u) has two terms, ``−exp(α + lp + β(next) − log Z)`` for the blank and for the label; with
+``fuse_softmax_backward`` the softmax backward is folded in:
+``∂x_v = exp(lp_v + α + β − log Z) − (the two terms)``.
+
+Input ``x`` is dense (B, T, U, V) or packed (Σ f_len·(y_len+1), V) with ``batch_offset = cumsum(f_len·(y_len+1))``.
+
+Dtype policy: the log-softmax, α, β and the gradient are computed in fp32 (fp64 for fp64 ``x``), rounded
+once to ``x``'s dtype (loss and gradient). Unlike Apex, which saves the (B, T, U, V) log-softmax in ``x``'s
+dtype, only the fp32 log-sum-exp of each row is saved and the softmax is rebuilt from ``x`` in the
+backward: less memory, and fp16 logits lose no accuracy to a rounded log-softmax.
+
+Paths: CUDA/ROCm tensors run the wavefront kernels of ``apex._kernels.transducer_loss`` (one program per
+batch element walks the anti-diagonals); CPU tensors run the same anti-diagonal recursion in PyTorch,
+vectorised over the batch and over each diagonal (strided views of a padded lattice, one update per
+diagonal), and a vectorised gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex import _backend
+
+Tensor = torch.Tensor
+_NEG = float("-inf")
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input):
+    """Validate the arguments; returns the lattice size ``(T, U)``."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError("x must be a floating-point tensor")
+    if x.dim() != (2 if packed_input else 4):
+        raise ValueError(f"x must be {'(rows, V)' if packed_input else '(B, T, U, V)'}, got shape {tuple(x.shape)}")
+    for name, t in (("label", label), ("f_len", f_len), ("y_len", y_len)):
+        if not isinstance(t, Tensor) or t.is_floating_point() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor")
+    B = f_len.shape[0] if f_len.dim() == 1 else -1
+    if f_len.dim() != 1 or y_len.shape != (B,) or label.dim() != 2 or label.shape[0] != B:
+        raise ValueError(f"f_len and y_len must be 1-D of the batch size and label 2-D (B, max label length); "
+                         f"got f_len {tuple(f_len.shape)}, y_len {tuple(y_len.shape)}, label {tuple(label.shape)}")
+    V = x.shape[-1]
+    if not isinstance(blank_idx, int) or not 0 <= blank_idx < V:
+        raise ValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
+    if B == 0:
+        return 0, 1
+    if int(f_len.min()) < 1:
+        raise ValueError(f"f_len values must be at least 1, got {int(f_len.min())}")
+    if int(y_len.min()) < 0 or int(y_len.max()) > label.shape[1]:
+        raise ValueError(f"y_len values must lie in [0, {label.shape[1]}] (the label length), got "
+                         f"[{int(y_len.min())}, {int(y_len.max())}]")
+    if packed_input:
+        if batch_offset is None or max_f_len is None:
+            raise ValueError("batch_offset and max_f_len are required when packed_input=True")
+        T, U = int(max_f_len), int(y_len.max()) + 1
+        expect = torch.cumsum(f_len.long() * (y_len.long() + 1), 0)
+        if not isinstance(batch_offset, Tensor) or not torch.equal(batch_offset.long().cpu(), expect.cpu()):
+            raise ValueError("batch_offset must equal cumsum(f_len * (y_len + 1))")
+        if int(expect[-1]) != x.shape[0]:
+            raise ValueError(f"packed x has {x.shape[0]} rows but the lengths need {int(expect[-1])}")
+    else:
+        if x.shape[0] != B:
+            raise ValueError(f"x has batch size {x.shape[0]} but f_len has {B}")
+        T, U = x.shape[1], x.shape[2]
+        if int(y_len.max()) + 1 > U:
+            raise ValueError(f"y_len + 1 must be at most x.size(2) = {U}, got {int(y_len.max()) + 1}")
+    if int(f_len.max()) > T:
+        raise ValueError(f"f_len values must be at most {'max_f_len' if packed_input else 'x.size(1)'} = {T}, "
+                         f"got {int(f_len.max())}")
+    pos = torch.arange(label.shape[1], device=label.device)
+    used = label[pos.unsqueeze(0) < y_len.to(label.device).unsqueeze(1)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= V):
+        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
+    return T, U
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def _lattice(f_len, y_len, T, U):
+    t = torch.arange(T, device=f_len.device).view(1, T, 1)
+    u = torch.arange(U, device=f_len.device).view(1, 1, U)
+    return t < f_len.view(-1, 1, 1), u <= y_len.view(-1, 1, 1), u < y_len.view(-1, 1, 1)
+
+
+def _labels(label, B, U):
+    lab = torch.zeros((B, U), dtype=torch.long, device=label.device)
+    n = min(U, label.shape[1])
+    lab[:, :n] = label[:, :n]
+    return lab
+
+
+def _gather(logp, lse, label, f_len, y_len, T, U, blank_idx, packed, acc):
+    """Blank and label log-probabilities (``logp − lse``) on the (B, T, U) lattice, −inf outside the lengths."""
+    B, V = f_len.shape[0], logp.shape[-1]
+    t_ok, u_ok, l_ok = _lattice(f_len, y_len, T, U)
+    valid = t_ok & u_ok
+    lab = _labels(label, B, U).clamp_(0, V - 1)
+    if packed:
+        rows = torch.zeros((B, T, U), dtype=torch.long, device=logp.device)
+        rows[valid] = torch.arange(logp.shape[0], device=logp.device)
+        lpb = logp[rows, blank_idx].to(acc)
+        lpl = logp[rows, lab.unsqueeze(1).expand(B, T, U)].to(acc)
+        if lse is not None:
+            lse = lse[rows]
+    else:
+        lpb = logp[..., blank_idx].to(acc)
+        lpl = logp.gather(3, lab.view(B, 1, U, 1).expand(B, T, U, 1)).squeeze(3).to(acc)
+    if lse is not None:
+        lpb, lpl = lpb - lse, lpl - lse
+    lpb = lpb.masked_fill_(~valid, _NEG)
+    lpl = lpl.masked_fill_(~(valid & l_ok), _NEG)
+    return lpb, lpl, valid, lab
+
+
+def _padded(v, B, T, U):
+    p = v.new_full((B, T + 2, U + 2), _NEG)
+    p[:, 1:T + 1, 1:U + 1] = v
+    return p.view(B, -1)
+
+
+def _diagonals(T, U):
+    """Per anti-diagonal n, the slice of the flattened (T+2)×(U+2) lattice holding its cells (t, n − t)."""
+    W = U + 2
+    for n in range(T + U - 1):
+        t0, t1 = max(0, n - U + 1), min(n, T - 1)
+        start = W + n + 1 + t0 * (W - 1)
+        yield start, start + (t1 - t0) * (W - 1) + 1, W - 1
+
+
+def _alpha_beta_torch(lpb, lpl, f_len, y_len):
+    B, T, U = lpb.shape
+    W = U + 2
+    pb, pl = _padded(lpb, B, T, U), _padded(lpl, B, T, U)
+    alpha = torch.full_like(pb, _NEG)
+    alpha[:, W + 1] = 0.0
+    beta = torch.full_like(pb, _NEG)
+    # A path ends with the blank at (f_len − 1, y_len) into the virtual cell (f_len, y_len), where β = 0.
+    term = ((f_len.long() + 1) * W + y_len.long() + 1).view(-1, 1)
+    term_mask = torch.zeros(pb.shape, dtype=torch.bool, device=pb.device).scatter_(1, term, True)
+    beta.scatter_(1, term, 0.0)
+    diags = list(_diagonals(T, U))
+    for lo, hi, st in diags[1:]:
+        alpha[:, lo:hi:st] = torch.logaddexp(alpha[:, lo - W:hi - W:st] + pb[:, lo - W:hi - W:st],
+                                             alpha[:, lo - 1:hi - 1:st] + pl[:, lo - 1:hi - 1:st])
+    for lo, hi, st in reversed(diags):
+        val = torch.logaddexp(beta[:, lo + W:hi + W:st] + pb[:, lo:hi:st],
+                              beta[:, lo + 1:hi + 1:st] + pl[:, lo:hi:st])
+        beta[:, lo:hi:st] = torch.where(term_mask[:, lo:hi:st], beta[:, lo:hi:st], val)
+    return alpha.view(B, T + 2, U + 2), beta.view(B, T + 2, U + 2), pb.view(B, T + 2, U + 2), pl.view(B, T + 2, U + 2)
+
+
+def _coefficients(alpha, beta, pb, pl, loss_grad):
+    """Per lattice cell: lg·occupancy, lg·(blank-edge posterior), lg·(label-edge posterior), each (B, T, U)."""
+    a, bt = alpha[:, 1:-1, 1:-1], beta[:, 1:-1, 1:-1]
+    log_z = beta[:, 1, 1].view(-1, 1, 1)
+    lg = loss_grad.to(alpha.dtype).view(-1, 1, 1)
+    c_all = torch.exp(a + bt - log_z) * lg
+    c_blank = torch.exp(a + pb[:, 1:-1, 1:-1] + beta[:, 2:, 1:-1] - log_z) * lg
+    c_label = torch.exp(a + pl[:, 1:-1, 1:-1] + beta[:, 1:-1, 2:] - log_z) * lg
+    return c_all, c_blank, c_label
+
+
+# --------------------------------------------------------------------------------- dispatch (no autograd)
+def row_lse(x: Tensor) -> Tensor:
+    """Per-row log-sum-exp of the logits in fp32 (fp64 for fp64 ``x``): what the loss saves for its backward."""
+    if _backend.select(x) == "triton":
+        from apex._kernels import transducer_loss as kernels
+
+        return kernels.row_lse(x.contiguous(), _acc(x.dtype))
+    return torch.logsumexp(x.to(_acc(x.dtype)), dim=-1)
+
+
+def loss_forward(logp: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, batch_offset: Tensor | None,
+                 max_f_len: int | None, blank_idx: int, packed_input: bool = False, lse: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(alpha, beta, loss)`` from log-probabilities ``logp``, or from logits ``logp`` and their row
+    log-sum-exps ``lse``; alpha and beta are (B, T, U), −inf outside the lengths."""
+    T, U = check_args(logp, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
+    acc = _acc(logp.dtype)
+    if _backend.select(logp) == "triton":
+        from apex._kernels import transducer_loss as kernels
+
+        dev = logp.device
+        boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
+        lse = lse.contiguous() if lse is not None else logp.new_zeros(logp.shape[:-1], dtype=acc)
+        alpha, beta, loss = kernels.alpha_beta(logp.contiguous(), lse, label.to(dev).contiguous(),
+                                               f_len.to(dev, torch.int32), y_len.to(dev, torch.int32), boff,
+                                               T, U, blank_idx, packed_input, acc)
+        return alpha, beta, loss.to(logp.dtype)
+    lpb, lpl, valid, _ = _gather(logp, lse, label, f_len, y_len, T, U, blank_idx, packed_input, acc)
+    alpha, beta, _, _ = _alpha_beta_torch(lpb, lpl, f_len, y_len)
+    loss = -beta[:, 1, 1]
+    alpha = alpha[:, 1:-1, 1:-1].masked_fill(~valid, _NEG)
+    return alpha, beta[:, 1:-1, 1:-1].contiguous(), loss.to(logp.dtype)
+
+
+def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, f_len: Tensor, y_len: Tensor,
+                  label: Tensor, batch_offset: Tensor | None, blank_idx: int, fused: bool, packed_input: bool,
+                  out_dtype: torch.dtype | None = None, lse: Tensor | None = None) -> Tensor:
+    """Gradient with respect to the logits (``fused``) or to the log-probabilities (otherwise).
+
+    ``logp`` holds log-probabilities, or logits when their row log-sum-exps ``lse`` are given."""
+    B, T, U = alpha.shape
+    acc = alpha.dtype
+    out_dtype = out_dtype or logp.dtype
+    if _backend.select(logp) == "triton":
+        from apex._kernels import transducer_loss as kernels
+
+        dev = logp.device
+        boff = row_b = None
+        if packed_input:
+            boff = batch_offset.to(dev, torch.int64).contiguous()
+            counts = f_len.to(dev).long() * (y_len.to(dev).long() + 1)
+            row_b = torch.repeat_interleave(torch.arange(B, device=dev, dtype=torch.int32), counts)
+        lse = lse.contiguous() if lse is not None else logp.new_zeros(logp.shape[:-1], dtype=acc)
+        return kernels.grad(logp.contiguous(), lse, loss_grad.contiguous(), alpha.contiguous(), beta.contiguous(),
+                            label.to(dev).contiguous(), f_len.to(dev, torch.int32), y_len.to(dev, torch.int32),
+                            boff, row_b, blank_idx, packed_input, fused, out_dtype)
+    lpb, lpl, valid, lab = _gather(logp, lse, label, f_len, y_len, T, U, blank_idx, packed_input, acc)
+    pa, pbeta = _padded(alpha, B, T, U).view(B, T + 2, U + 2), _padded(beta, B, T, U).view(B, T + 2, U + 2)
+    pbeta.view(B, -1).scatter_(1, ((f_len.long() + 1) * (U + 2) + y_len.long() + 1).view(-1, 1), 0.0)
+    c_all, c_blank, c_label = _coefficients(pa, pbeta, _padded(lpb, B, T, U).view(B, T + 2, U + 2),
+                                            _padded(lpl, B, T, U).view(B, T + 2, U + 2), loss_grad)
+    lab = lab.unsqueeze(1).expand(B, T, U)
+    if packed_input:  # boolean indexing of the lattice walks cells in packed-row order
+        c_all, c_blank, c_label, lab, valid = c_all[valid], c_blank[valid], c_label[valid], lab[valid], None
+    if fused:
+        # softmax(logits) = exp(logits − lse): PyTorch's fused softmax is one pass
+        g = torch.exp(logp.to(acc)) if lse is None else torch.softmax(logp.to(acc), dim=-1)
+        g = g.mul_(c_all.unsqueeze(-1))
+        if valid is not None:
+            g.masked_fill_(~valid.unsqueeze(-1), 0.0)
+    else:
+        g = torch.zeros(logp.shape, dtype=acc, device=logp.device)
+    g[..., blank_idx] -= c_blank
+    g.scatter_add_(-1, lab.unsqueeze(-1), -c_label.unsqueeze(-1))
+    return g.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------- autograd
+class TransducerLossFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
+                debug_list, opt, packed_input):
+        # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
+        if _backend.select(x) == "triton":
+            lse = row_lse(x)
+            alpha, beta, loss = loss_forward(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
+                                             packed_input, lse=lse)
+        else:  # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
+            logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
+            lse = x[..., 0].to(logp.dtype) - logp[..., 0]
+            alpha, beta, loss = loss_forward(logp, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
+                                             packed_input)
+            loss = loss.to(x.dtype)
+            del logp
+        if debug_list == []:
+            debug_list += [alpha, beta]
+        ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
+        ctx.blank_idx = blank_idx
+        ctx.fused = fuse_softmax_backward
+        ctx.packed_input = packed_input
+        return loss
+
+    @staticmethod
+    def backward(ctx, loss_grad):
+        x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
+        if ctx.fused:
+            dx = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, ctx.blank_idx,
+                               True, ctx.packed_input, lse=lse)
+        else:  # the sparse gradient of the log-probabilities, then the log-softmax backward (in fp32)
+            acc = alpha.dtype
+            dlp = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, ctx.blank_idx,
+                                False, ctx.packed_input, out_dtype=acc, lse=lse)
+            prob = torch.softmax(x.to(acc), dim=-1)
+            dx = dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
+        return dx, *([None] * 10)
+
+
+def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blank_idx: int,
+                    batch_offset: Tensor | None = None, max_f_len: int | None = None, packed_input: bool = False,
+                    fuse_softmax_backward: bool = True, debug_list: list | None = None) -> Tensor:
+    """Per-sequence RNN-T loss (B,) of logits ``x`` with autograd; see the module docstring."""
+    if not packed_input:
+        max_f_len = x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
+    return TransducerLossFunc.apply(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
+                                    fuse_softmax_backward, debug_list, 1, packed_input)
+
+
+# ------------------------------------------------------------------- compat: transducer_loss_cuda.*
+def forward(x, label, fLen, yLen, batchOffset, maxFLen, blankIdx, opt, packedInput):  # noqa: N803
+    """``transducer_loss_cuda.forward`` on log-probabilities ``x``: ``[alpha, beta, loss]``."""
+    alpha, beta, loss = loss_forward(x, label, fLen, yLen, batchOffset if packedInput else None,
+                                     maxFLen, int(blankIdx), bool(packedInput))
+    return [alpha, beta, loss]
+
+
+def backward(x, lossGrad, alpha, beta, fLen, yLen, label, batchOffset, maxFLen, blankIdx, opt,
+             fuseSoftmaxBackward, packedInput):  # noqa: N803
+    """``transducer_loss_cuda.backward``: the gradient of the logits (fused) or of the log-probabilities."""
+    return loss_backward(x, lossGrad, alpha, beta, fLen, yLen, label, batchOffset, int(blankIdx),
+                         bool(fuseSoftmaxBackward), bool(packedInput))

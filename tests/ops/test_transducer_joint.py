@@ -1,0 +1,150 @@
+"""apex.ops.transducer_joint (RNN-T joint): dense and packed outputs, ReLU and dropout masks, gradients of
+f and g against float64 on both backends, and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apex.ops import transducer_joint as TJ
+from apex.testing import TOLERANCES, assert_rel_close
+
+
+def _inputs(B, T, U, H, f_len, g_len, dtype):
+    f = torch.randn(B, T, H).to(dtype).requires_grad_()
+    g = torch.randn(B, U, H).to(dtype).requires_grad_()
+    return f, g, torch.tensor(f_len, dtype=torch.int32), torch.tensor(g_len, dtype=torch.int32)
+
+
+def _valid(f_len, g_len, T, U):
+    t_ok = torch.arange(T).view(1, T, 1) < f_len.view(-1, 1, 1)
+    return t_ok & (torch.arange(U).view(1, 1, U) < g_len.view(-1, 1, 1))
+
+
+def _ref(f, g, f_len, g_len, dh_grid, relu, pack):
+    """Float64 output (dense with −1 padding, or packed) and gradients of f and g."""
+    f64, g64 = f.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+    h = f64.unsqueeze(2) + g64.unsqueeze(1)
+    if relu:
+        h = torch.relu(h)
+    valid = _valid(f_len, g_len, f.shape[1], g.shape[1])
+    df, dg = torch.autograd.grad(h, (f64, g64), dh_grid.double() * valid.unsqueeze(-1))
+    h = h.detach()
+    return (h[valid] if pack else h.masked_fill(~valid.unsqueeze(-1), -1)), df, dg
+
+
+@pytest.mark.parametrize("tile", [1, 4])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_joint_matches_float64(backend_name, dtype, pack, relu, tile):
+    B, T, U, H = 3, 5, 4, 37
+    f, g, f_len, g_len = _inputs(B, T, U, H, [5, 2, 4], [3, 4, 1], dtype)
+    valid = _valid(f_len, g_len, T, U)
+    dh_grid = torch.randn(B, T, U, H).to(dtype)
+    kw = {}
+    if pack:
+        boff = torch.cumsum(f_len.long() * g_len.long(), 0)
+        kw = dict(batch_offset=boff, packed_batch=int(boff[-1]))
+    probe = []
+    h = TJ.transducer_joint(f, g, f_len, g_len, pack_output=pack, relu=relu, tile_size=tile, mask_probe=probe, **kw)
+    dh = dh_grid[valid] if pack else dh_grid
+    df, dg = torch.autograd.grad(h, (f, g), dh)
+    ref_h, ref_df, ref_dg = _ref(f, g, f_len, g_len, dh_grid, relu, pack)
+    assert h.dtype == dtype and h.shape == ref_h.shape
+    tol = 1e-6 if dtype == torch.float32 else TOLERANCES[dtype]
+    assert_rel_close(h, ref_h, dtype, tol=tol, name="h")
+    # gradients: sums of up to max(T, U) terms in fp32, one rounding
+    assert_rel_close([df, dg], [ref_df, ref_dg], dtype, tol=tol, name="grads")
+    assert (df[1, 2:] == 0).all() and (dg[2, 1:] == 0).all()  # nothing outside the lengths
+    if relu:
+        (mask,) = probe
+        assert mask.dtype == torch.uint8 and mask.shape == h.shape
+        assert torch.equal(mask.bool(), (ref_h > 0) if pack else (ref_h > 0) & valid.unsqueeze(-1))
+    else:
+        assert probe == []
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_dropout_mask_scale_and_gradients(backend_name, pack):
+    B, T, U, H, p = 2, 3, 4, 160, 0.3
+    f, g, f_len, g_len = _inputs(B, T, U, H, [3, 2], [4, 3], torch.float32)
+    valid = _valid(f_len, g_len, T, U)
+    kw = {}
+    if pack:
+        boff = torch.cumsum(f_len.long() * g_len.long(), 0)
+        kw = dict(batch_offset=boff, packed_batch=int(boff[-1]))
+    probe = []
+    h = TJ.transducer_joint(f, g, f_len, g_len, pack_output=pack, dropout=True, dropout_prob=p, mask_probe=probe,
+                            **kw)
+    (mask,) = probe
+    full = (f.detach().unsqueeze(2) + g.detach().unsqueeze(1))
+    full = full[valid] if pack else full
+    keep = mask.bool() if pack else mask.bool()[valid]
+    kept = keep.float().mean().item()
+    assert abs(kept - (1 - p)) < 0.05, kept
+    expect = torch.where(mask.bool(), full / (1 - p), 0.0)
+    got = h if pack else torch.where(valid.unsqueeze(-1), h, 0.0)
+    if not pack:
+        expect = torch.where(valid.unsqueeze(-1), expect, 0.0)
+    assert_rel_close(got, expect, tol=1e-6)
+    dh = torch.randn_like(h)
+    df, dg = torch.autograd.grad(h, (f, g), dh)
+    m = torch.zeros(B, T, U, H)
+    dgrid = torch.zeros(B, T, U, H)
+    if pack:
+        m[valid], dgrid[valid] = mask.float(), dh
+    else:
+        m, dgrid = mask.float() * valid.unsqueeze(-1), dh
+    eff = dgrid * m / (1 - p)
+    assert_rel_close([df, dg], [eff.sum(2), eff.sum(1)], tol=1e-6)
+
+
+def test_compat_module(backend_name):
+    import transducer_joint_cuda
+
+    f, g, f_len, g_len = _inputs(2, 3, 4, 8, [3, 2], [4, 2], torch.float32)
+    out = transducer_joint_cuda.forward(f.detach(), g.detach(), f_len, g_len, torch.empty(0), 0, 1, False, True,
+                                        False, 0.0, 4)
+    assert len(out) == 2 and out[1].dtype == torch.uint8
+    ref = torch.relu(f.detach().unsqueeze(2) + g.detach().unsqueeze(1))
+    valid = _valid(f_len, g_len, 3, 4).unsqueeze(-1)
+    assert torch.equal(out[0], torch.where(valid, ref, -1.0))
+    dh = torch.randn(2, 3, 4, 8)
+    df, dg = transducer_joint_cuda.backward([dh, out[1]], f_len, g_len, torch.empty(0), 3, 4, False, 1.0)
+    eff = dh * out[1] * valid
+    assert_rel_close([df, dg], [eff.sum(2), eff.sum(1)], tol=1e-6)
+    assert len(transducer_joint_cuda.forward(f.detach(), g.detach(), f_len, g_len, torch.empty(0), 0, 0, False,
+                                             False, False, 0.0, 4)) == 1
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("f_len", ValueError, "f_len"), ("g_len", ValueError, "g_len"), ("dtype", ValueError, "g has"),
+    ("no_offset", ValueError, "batch_offset"), ("packed_batch", ValueError, "packed_batch"),
+    ("offset", ValueError, "batch_offset"), ("prob", ValueError, "dropout_prob"), ("tile", ValueError, "tile"),
+    ("float_len", ValueError, "f_len"),
+])
+def test_bad_input(case, exc, match):
+    f, g, f_len, g_len = _inputs(2, 3, 4, 8, [3, 2], [4, 2], torch.float32)
+    kw = {}
+    boff = torch.cumsum(f_len.long() * g_len.long(), 0)
+    if case == "f_len":
+        f_len = torch.tensor([4, 2])
+    elif case == "g_len":
+        g_len = torch.tensor([5, 2])
+    elif case == "dtype":
+        g = g.double()
+    elif case == "no_offset":
+        kw = dict(pack_output=True, packed_batch=16)
+    elif case == "packed_batch":
+        kw = dict(pack_output=True, batch_offset=boff, packed_batch=15)
+    elif case == "offset":
+        kw = dict(pack_output=True, batch_offset=boff + 1, packed_batch=16)
+    elif case == "prob":
+        kw = dict(dropout=True, dropout_prob=1.0)
+    elif case == "tile":
+        kw = dict(tile_size=3)
+    elif case == "float_len":
+        f_len = f_len.float()
+    with pytest.raises(exc, match=match):
+        TJ.transducer_joint(f, g, f_len, g_len, **kw)

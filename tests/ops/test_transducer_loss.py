@@ -1,0 +1,181 @@
+"""apex.ops.transducer_loss (RNN-T loss): losses and logit gradients against a float64 dynamic programme
+on both backends, dense and packed inputs, ragged lengths, and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.ops import transducer_loss as TL
+from apex.testing import TOLERANCES, assert_rel_close
+
+
+def _ref_loss(x, label, f_len, y_len, blank):
+    """Float64 losses (B,) by the textbook recursion over each sequence's lattice, differentiable."""
+    lp = torch.log_softmax(x.double(), dim=-1)
+    out = []
+    for b in range(x.shape[0]):
+        T, U = int(f_len[b]), int(y_len[b])
+        alpha = {(0, 0): lp.new_zeros(())}
+        for t in range(T):
+            for u in range(U + 1):
+                if t == 0 and u == 0:
+                    continue
+                terms = []
+                if t > 0:
+                    terms.append(alpha[t - 1, u] + lp[b, t - 1, u, blank])
+                if u > 0:
+                    terms.append(alpha[t, u - 1] + lp[b, t, u - 1, int(label[b, u - 1])])
+                alpha[t, u] = torch.logsumexp(torch.stack(terms), 0)
+        out.append(-(alpha[T - 1, U] + lp[b, T - 1, U, blank]))
+    return torch.stack(out)
+
+
+def _case(B, T, U, V, f_len, y_len, dtype=torch.float32):
+    x = torch.randn(B, T, U, V).to(dtype)
+    label = torch.randint(0, V - 1, (B, U - 1), dtype=torch.int32)
+    return x, label, torch.tensor(f_len, dtype=torch.int32), torch.tensor(y_len, dtype=torch.int32)
+
+
+def _pack(x, f_len, y_len):
+    rows = [x[b, :int(f_len[b]), :int(y_len[b]) + 1].reshape(-1, x.shape[-1]) for b in range(x.shape[0])]
+    return torch.cat(rows), torch.cumsum(f_len.long() * (y_len.long() + 1), 0)
+
+
+def _unpack_grad(gp, x, f_len, y_len):
+    out = torch.zeros_like(x, dtype=gp.dtype)
+    r = 0
+    for b in range(x.shape[0]):
+        T, U = int(f_len[b]), int(y_len[b]) + 1
+        out[b, :T, :U] = gp[r:r + T * U].view(T, U, -1)
+        r += T * U
+    return out
+
+
+_REF_CACHE: dict = {}
+
+
+def _ref_with_grad(x, label, f_len, y_len, blank, lg):
+    # The Python-loop reference is the slow part; the parametrised cases share inputs (fixed seed).
+    key = tuple(hash(t.detach().double().numpy().tobytes()) for t in (x, label, f_len, y_len, lg)) + (blank,)
+    if key not in _REF_CACHE:
+        x64 = x.detach().double().requires_grad_()
+        ref = _ref_loss(x64, label, f_len, y_len, blank)
+        _REF_CACHE[key] = (ref.detach(), torch.autograd.grad(ref, x64, lg.double())[0])
+    return _REF_CACHE[key]
+
+
+def _check(x, label, f_len, y_len, blank, dtype, packed, fused):
+    lg = torch.rand(x.shape[0]) + 0.5
+    ref, ref_g = _ref_with_grad(x, label, f_len, y_len, blank, lg)
+    if packed:
+        xp, boff = _pack(x, f_len, y_len)
+        xp.requires_grad_()
+        loss = TL.transducer_loss(xp, label, f_len, y_len, blank, boff, x.shape[1], packed_input=True,
+                                  fuse_softmax_backward=fused)
+        (gp,) = torch.autograd.grad(loss, xp, lg.to(loss.dtype))
+        grad = _unpack_grad(gp, x, f_len, y_len)
+    else:
+        xx = x.detach().requires_grad_()
+        loss = TL.transducer_loss(xx, label, f_len, y_len, blank, fuse_softmax_backward=fused)
+        (grad,) = torch.autograd.grad(loss, xx, lg.to(loss.dtype))
+    assert loss.dtype == dtype and grad.dtype == dtype
+    # One rounding of an fp32 result: within the dtype's single-rounding bound.
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCES[dtype]
+    assert_rel_close(loss, ref, dtype, tol=tol, name="loss")
+    assert_rel_close(grad, ref_g, dtype, tol=tol, name="grad")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_loss_matches_float64(backend_name, dtype, packed, fused):
+    x, label, f_len, y_len = _case(3, 6, 5, 7, [6, 3, 5], [4, 2, 0], dtype)
+    _check(x, label, f_len, y_len, 6, dtype, packed, fused)
+
+
+def test_blank_in_the_middle_and_single_frame(backend_name):
+    x, label, f_len, y_len = _case(2, 4, 4, 5, [1, 4], [3, 1])
+    label[label == 2] = 4  # blank_idx=2: labels avoid it
+    _check(x, label, f_len, y_len, 2, torch.float32, False, True)
+
+
+def test_non_contiguous_logits(backend_name):
+    x, label, f_len, y_len = _case(2, 5, 3, 6, [5, 4], [2, 1])
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
+    assert not xt.is_contiguous()
+    _check(xt, label, f_len, y_len, 5, torch.float32, False, True)
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 7), U=st.integers(1, 5), V=st.integers(2, 9), data=st.data())
+def test_ragged_lengths_torch(B, T, U, V, data):
+    f_len = data.draw(st.lists(st.integers(1, T), min_size=B, max_size=B))
+    y_len = data.draw(st.lists(st.integers(0, U - 1), min_size=B, max_size=B))
+    x, label, fl, yl = _case(B, T, U, V, f_len, y_len)
+    with apex.backend("torch"):
+        _check(x, label, fl, yl, V - 1, torch.float32, data.draw(st.booleans()), data.draw(st.booleans()))
+
+
+def test_triton_and_torch_agree_on_alpha_beta():
+    x, label, f_len, y_len = _case(3, 6, 4, 5, [6, 2, 4], [3, 3, 1])
+    out = {}
+    for be in ("torch", "triton"):
+        dbg = []
+        with apex.backend(be):
+            loss = TL.transducer_loss(x, label, f_len, y_len, 4, debug_list=dbg)
+        out[be] = (loss, *dbg)
+    for b in range(3):
+        T, U = int(f_len[b]), int(y_len[b]) + 1
+        for i in (1, 2):
+            assert_rel_close(out["triton"][i][b, :T, :U], out["torch"][i][b, :T, :U], tol=1e-6)
+        assert out["torch"][1][b, 0, 0] == 0
+        assert torch.allclose(out["torch"][2][b, 0, 0], -out["torch"][0][b])
+    assert_rel_close(out["triton"][0], out["torch"][0], tol=1e-6)
+
+
+def test_compat_module_matches(backend_name):
+    import transducer_loss_cuda
+
+    x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
+    lp = torch.log_softmax(x, -1)
+    alpha, beta, loss = transducer_loss_cuda.forward(lp, label, f_len, y_len, torch.empty(0), 4, 4, 1, False)
+    assert_rel_close(loss, _ref_loss(x, label, f_len, y_len, 4), tol=1e-5)
+    lg = torch.ones(2)
+    g = transducer_loss_cuda.backward(lp, lg, alpha, beta, f_len, y_len, label, torch.empty(0), 4, 4, 1, True, False)
+    x64 = x.double().requires_grad_()
+    (ref_g,) = torch.autograd.grad(_ref_loss(x64, label, f_len, y_len, 4).sum(), x64)
+    assert_rel_close(g, ref_g, tol=1e-5)
+    # Not fused: the gradient of the log-probabilities is zero away from the blank and label entries.
+    gs = transducer_loss_cuda.backward(lp, lg, alpha, beta, f_len, y_len, label, torch.empty(0), 4, 4, 1, False,
+                                       False)
+    assert (gs <= 0).all() and (gs != 0).sum() <= 2 * 4 * 3 * 2
+
+
+@pytest.mark.parametrize("case,match", [
+    ("f_len_too_long", "f_len"), ("y_len_too_long", "y_len"), ("label_range", "label"), ("blank", "blank_idx"),
+    ("batch", "batch"), ("offset", "batch_offset"), ("f_len_zero", "f_len"), ("no_offset", "batch_offset"),
+])
+def test_bad_input(case, match):
+    x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
+    kw = {}
+    if case == "f_len_too_long":
+        f_len = torch.tensor([5, 3])
+    elif case == "y_len_too_long":
+        y_len = torch.tensor([3, 1])
+    elif case == "label_range":
+        label[0, 0] = 5
+    elif case == "blank":
+        kw["blank_idx"] = 5
+    elif case == "batch":
+        f_len, y_len = f_len[:1], y_len[:1]
+    elif case == "f_len_zero":
+        f_len = torch.tensor([0, 3])
+    elif case in ("offset", "no_offset"):
+        x, boff = _pack(x, f_len, y_len)
+        kw.update(packed_input=True, max_f_len=4, batch_offset=None if case == "no_offset" else boff + 1)
+    with pytest.raises(ValueError, match=match):
+        TL.transducer_loss(x, label, f_len, y_len, kw.pop("blank_idx", 4), **kw)
