@@ -192,6 +192,13 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
         seen.add(id(opt))
 
+    fp32_values = None
+    if properties.cast_model_type and properties.master_weights:
+        # The fp32 values as they were before the cast, for O2's masters: a master rebuilt from the half
+        # copy would lose the low bits of a checkpoint loaded into the fp32 model before initialize.
+        # (References, not copies: the cast gives each parameter new storage.)
+        fp32_values = {id(p): (p, p.detach()) for model in models for p in model.parameters()
+                       if p.dtype == torch.float32}
     if properties.cast_model_type:
         for model in models:
             if properties.keep_batchnorm_fp32:
@@ -214,7 +221,8 @@ def _initialize(models, optimizers, properties, num_losses: int = 1, cast_model_
     casts_disabled = _StepCastsDisabled() if properties.patch_torch_functions else None
     for i, optimizer in enumerate(optimizers):
         kw = {"casts_disabled": casts_disabled} if casts_disabled is not None else {}
-        optimizers[i] = _process_optimizer(optimizer, properties, **kw)
+        optimizers[i] = _process_optimizer(optimizer, properties, fp32_values=fp32_values, **kw)
+    fp32_values = None
 
     if properties.master_weights or properties.cast_model_type:
         # model.state_dict() is fp32 whenever the model was cast (Apex's O2StateDictHook): the masters'

@@ -5,7 +5,9 @@ With master weights, every half parameter in ``param_groups`` is replaced by an 
 (any ``torch.optim.Optimizer`` or ``apex.optimizers`` optimizer) only ever sees fp32 tensors and keeps its
 state in fp32. After each ``step`` the masters are written back to the half model parameters. The masters
 are created when ``amp.initialize`` runs, so an ``optimizer.load_state_dict`` right after ``initialize``
-lands on them without passing through the half type.
+lands on them without passing through the half type; they start from the fp32 values the parameters had
+before ``initialize`` cast the model (a checkpoint loaded into the fp32 model resumes bit for bit). Masters
+made later by ``add_param_group`` start from the half values: the fp32 ones are no longer kept.
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ def _stash_plain_params(stash, half: list, fp32: list) -> None:
     stash.all_fp32_grad_stash += [None] * len(fp32)
 
 
+def _exact_masters(stash) -> None:
+    """Give each master the fp32 value its half parameter had before ``amp.initialize`` cast it, where
+    the parameter still holds that value's rounding (it was not changed since)."""
+    fp32_values = stash.fp32_values or {}
+    with torch.no_grad():
+        for half, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
+            entry = fp32_values.get(id(half))
+            if entry is None or entry[0] is not half or entry[1].shape != half.shape:
+                continue
+            value = entry[1]
+            if torch.equal(value.to(half.dtype), half.detach()):
+                master.copy_(value)
+
+
 def lazy_init_with_master_weights(self) -> None:
     stash = self._amp_stash
     stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
@@ -75,6 +91,7 @@ def lazy_init_with_master_weights(self) -> None:
     stash.model_to_master = {}
     for param_group in self.param_groups:
         _stash_master_group(stash, *_masters_for_group(param_group, self.state, "Optimizer's parameters"))
+    _exact_masters(stash)
     for param in stash.all_fp32_from_fp16_params:
         param.grad = None
     device = next((p.device for p in stash.all_fp16_params), torch.device("cpu"))
@@ -258,8 +275,9 @@ def _add_param_group_after(old_add_param_group):
     return add_param_group
 
 
-def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcontext):
-    """Attach amp's stash and methods to ``optimizer`` (in place) and return it."""
+def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcontext, fp32_values=None):
+    """Attach amp's stash and methods to ``optimizer`` (in place) and return it. ``fp32_values``: ``{id(param):
+    (param, fp32 value before the model was cast)}``, the exact starting values of the masters."""
     if hasattr(optimizer, "_amp_stash"):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
     for name in ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
@@ -283,7 +301,9 @@ def _process_optimizer(optimizer, properties, casts_disabled=contextlib.nullcont
         optimizer._prepare_amp_backward = bind(prepare_backward_no_master_weights)
         optimizer._post_amp_backward = bind(post_backward_no_master_weights)
     optimizer._amp_lazy_init = bind(_amp_lazy_init)
+    stash.fp32_values = fp32_values
     optimizer._amp_lazy_init()
+    stash.fp32_values = None  # only the masters made now start from them; let the old storage go
 
     old_step = optimizer.step
 

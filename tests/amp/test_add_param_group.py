@@ -11,6 +11,11 @@ from tests.amp._models import mlp, mlp_data
 
 def _run(opt_level: str, late: bool, steps: int = 4):
     first, second = mlp(seed=0), mlp(seed=1)
+    with torch.no_grad():
+        # Values that fp16 and bf16 both hold: masters made at initialize start from the fp32 values, those
+        # made by a later add_param_group from the half copy (the fp32 values are gone by then).
+        for p in list(first.parameters()) + list(second.parameters()):
+            p.copy_(p.to(torch.bfloat16).to(torch.float16).float())
     if late:
         opt = torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9)
     else:
