@@ -31,14 +31,16 @@ def _native_ok(x_dtype, weight, bias) -> bool:
 
 # ---------------------------------------------------------------------------------------------- torch
 def _forward_torch(x, shape, weight, bias, eps, out_dtype):
-    if out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
+    sd = stats_dtype(x.dtype)
+    if sd == x.dtype and out_dtype == x.dtype and _native_ok(x.dtype, weight, bias):
         y, mean, rstd = torch.native_layer_norm(x, list(shape), weight, bias, eps)
     else:
-        ct = promote(x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
+        # Half inputs normalise an fp32 copy: PyTorch's kernel computes in fp32 too but hands back its
+        # statistics rounded to the half type, and Apex's are fp32 (its tests check them to 5e-6).
+        ct = promote(sd, x.dtype, out_dtype, *(p.dtype if p is not None else None for p in (weight, bias)))
         cast = (lambda p: p.to(ct) if p is not None else None)
         y, mean, rstd = torch.native_layer_norm(x.to(ct), list(shape), cast(weight), cast(bias), eps)
         y = y.to(out_dtype)
-    sd = stats_dtype(x.dtype)
     return y, mean.reshape(-1).to(sd), rstd.reshape(-1).to(sd)
 
 

@@ -244,3 +244,30 @@ def test_kernels_compile_for_an_nvidia_gpu():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "compiled 7" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("param_dtype", ["same", torch.float32, None], ids=str)
+def test_layer_norm_half_input_statistics_are_fp32(backend_name, dtype, param_dtype):
+    # PyTorch's CPU kernel rounds its saved statistics to the half type; ours are fp32 as Apex's (its tests
+    # check them to 5e-6), computed from the half input in fp32.
+    x = (3.0 + 2.0 * torch.randn(37, 2, 53)).to(dtype)
+    ns = (2, 53)
+    w, b = _params(ns, dtype if param_dtype == "same" else param_dtype or torch.float32,
+                   affine=param_dtype is not None)
+    w, b = (t.detach() if t is not None else None for t in (w, b))
+    out_dtype = w.dtype if w is not None else dtype
+    y, mean, rstd = L.layer_norm_forward(x, ns, w, b, 1e-5, out_dtype)
+    assert y.dtype == out_dtype and mean.dtype == rstd.dtype == torch.float32
+    x64 = x.double().reshape(37, -1)
+    var64, mean64 = torch.var_mean(x64, dim=1, unbiased=False)
+    assert_rel_close(mean, mean64, tol=1e-6, name="mean")
+    assert_rel_close(rstd, (var64 + 1e-5).rsqrt(), tol=1e-6, name="rstd")
+    ref_y, _ = _ref(x, ns, w, b, torch.ones_like(x), 1e-5)
+    assert_rel_close(y, ref_y, out_dtype if out_dtype != torch.float32 else dtype, name="y")
+    # The backward takes these statistics back and agrees with the float64 gradients.
+    dy = torch.randn(x.shape).to(out_dtype)
+    _, ref_g = _ref(x, ns, w, b, dy, 1e-5)
+    grads = L.layer_norm_backward(dy, mean, rstd, x, ns, w, b)
+    assert grads[0].dtype == dtype
+    _close([g for g in grads if g is not None], ref_g, dtype, name="grads")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn import init
 
-from apex.ops._norm import autocast_args, select
+from apex.ops._norm import autocast_args
 from apex.ops.layer_norm import layer_norm_backward, layer_norm_forward
 
 Tensor = torch.Tensor
@@ -33,10 +33,7 @@ def _check(x, gamma, beta):
 
 
 def _forward(x2: Tensor, gamma: Tensor, beta: Tensor, epsilon: float):
-    if x2.dtype in (torch.float16, torch.bfloat16) and select(x2) == "torch":
-        # PyTorch's CPU LayerNorm returns half-precision statistics for half inputs; Apex's (and ours on the
-        # Triton path) are fp32, which Apex's own test checks to 5e-6. Normalise an fp32 copy instead.
-        x2 = x2.float()
+    # fp32 statistics for half inputs on every path (apex.ops.layer_norm's CPU path normalises an fp32 copy).
     return layer_norm_forward(x2, (gamma.numel(),), gamma, beta, epsilon, gamma.dtype)
 
 
