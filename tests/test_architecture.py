@@ -14,7 +14,7 @@ APEX = ROOT / "apex"
 
 # Lower layers may never import higher ones. Index = layer; a module may import only its layer or lower.
 LAYERS = [
-    {"apex._backend", "apex._hardware", "apex._kernels"},
+    {"apex._backend", "apex._hardware", "apex._autocast_utils", "apex._kernels"},
     {"apex.ops"},
     {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils", "apex.mlp",
      "apex.fused_dense", "apex.RNN"},

@@ -1,0 +1,3 @@
+from apex.transformer._data._batchsampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+
+__all__ = ["MegatronPretrainingRandomSampler", "MegatronPretrainingSampler"]
