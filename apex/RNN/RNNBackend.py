@@ -50,7 +50,31 @@ def _check_input(input, input_size: int, batch_first: bool) -> None:
         raise ValueError(f"input has {input.shape[-1]} features, expected input_size={input_size}")
 
 
-class bidirectionalRNN(nn.Module):
+class _EachRNN:
+    """The state methods of a model made of ``self.rnns``: each call goes to every member in turn."""
+
+    def reset_parameters(self) -> None:
+        for rnn in self.rnns:
+            rnn.reset_parameters()
+
+    def init_hidden(self, bsz: int) -> None:
+        for rnn in self.rnns:
+            rnn.init_hidden(bsz)
+
+    def detach_hidden(self) -> None:
+        for rnn in self.rnns:
+            rnn.detach_hidden()
+
+    def reset_hidden(self, bsz: int) -> None:
+        for rnn in self.rnns:
+            rnn.reset_hidden(bsz)
+
+    def init_inference(self, bsz: int) -> None:
+        for rnn in self.rnns:
+            rnn.init_inference(bsz)
+
+
+class bidirectionalRNN(_EachRNN, nn.Module):
     """A forward and a backward :class:`stackedRNN` over the same input; outputs and hidden states are
     concatenated on the feature dimension."""
 
@@ -77,28 +101,8 @@ class bidirectionalRNN(nn.Module):
             output = output.transpose(0, 1)
         return output, hiddens
 
-    def reset_parameters(self) -> None:
-        for rnn in self.rnns:
-            rnn.reset_parameters()
 
-    def init_hidden(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.init_hidden(bsz)
-
-    def detach_hidden(self) -> None:
-        for rnn in self.rnns:
-            rnn.detach_hidden()
-
-    def reset_hidden(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.reset_hidden(bsz)
-
-    def init_inference(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.init_inference(bsz)
-
-
-class stackedRNN(nn.Module):
+class stackedRNN(_EachRNN, nn.Module):
     """``num_layers`` cells on top of each other (layer ``i+1`` reads layer ``i``'s output), run over time.
 
     ``forward(input, collect_hidden=False, reverse=False)`` returns ``(output, hidden_states)``: ``output``
@@ -160,26 +164,6 @@ class stackedRNN(nn.Module):
         if self.batch_first:
             output = output.transpose(0, 1)
         return output, hidden
-
-    def reset_parameters(self) -> None:
-        for rnn in self.rnns:
-            rnn.reset_parameters()
-
-    def init_hidden(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.init_hidden(bsz)
-
-    def detach_hidden(self) -> None:
-        for rnn in self.rnns:
-            rnn.detach_hidden()
-
-    def reset_hidden(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.reset_hidden(bsz)
-
-    def init_inference(self, bsz: int) -> None:
-        for rnn in self.rnns:
-            rnn.init_inference(bsz)
 
 
 class RNNCell(nn.Module):
