@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
-from apex.ops.bias_swiglu import _contig, check_args
+from apex.ops.bias_swiglu import _contig, bias_grad, check_args
 
 Tensor = torch.Tensor
 
@@ -80,10 +80,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     input, bias = ctx.saved_tensors
     dx = torch.ops.apex.bias_gelu_bwd(grad, input, bias)
-    db = None
-    if bias is not None and ctx.needs_input_grad[1]:
-        db = torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
-    return dx, db
+    return dx, bias_grad(dx, bias) if bias is not None and ctx.needs_input_grad[1] else None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)

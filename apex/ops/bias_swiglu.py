@@ -131,6 +131,11 @@ def _(grad_output, input, bias):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
+def bias_grad(dx: Tensor, bias: Tensor) -> Tensor:
+    """The gradient of a bias added along the last dim: ``dx`` summed over the leading dims in fp32."""
+    return torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
+
+
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
@@ -138,10 +143,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     input, bias = ctx.saved_tensors
     dx = torch.ops.apex.bias_swiglu_bwd(grad, input, bias)
-    db = None
-    if bias is not None and ctx.needs_input_grad[1]:
-        db = torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
-    return dx, db
+    return dx, bias_grad(dx, bias) if bias is not None and ctx.needs_input_grad[1] else None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)
