@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_PORT_ATTEMPTS = 3
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -42,4 +44,12 @@ def run_distributed(fn: Callable, world_size: int = 2, *args, timeout_s: float =
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    mp.spawn(_worker, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size, join=True)
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            # The free port can be taken by a parallel test between _free_port() and rank 0's store binding
+            # it. That fails in init_process_group, before fn runs, so the whole spawn can be retried.
+            if "EADDRINUSE" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
+                raise
