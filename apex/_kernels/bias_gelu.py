@@ -4,6 +4,9 @@
 ``dx = dy · (½(1 + t) + ½h(1 − t²)·√(2/π)(1 + 3·0.044715 h²))`` with ``t`` the tanh above. Both are
 written with ``σ(2z) = (1 + tanh z)/2`` (libdevice's tanh is unavailable under the interpreter, and
 ``1 − t² = 4σ(2z)σ(−2z)`` avoids a cancellation). One rounding to the output dtype.
+
+With the bias gradient (``backward_with_bias_grad``) the backward stays one launch: each program owns a
+block of columns and walks every row, summing ``dbias`` in fp32 registers in a fixed order (deterministic).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from apex._kernels.bias_swiglu import column_tiles
 
 
 @triton.jit
@@ -34,10 +39,8 @@ def _fwd_kernel(X, Bias, Y, M, N, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
-def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr):
+    """Write one ``[rows, cols]`` tile of ``dx``; return it in fp32 (zero outside the mask)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     h = tl.load(X + rows.to(tl.int64)[:, None] * sxr + cols[None, :] * sxc, mask=mask, other=0.0)
     h = h.to(tl.float32)
@@ -50,6 +53,25 @@ def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexp
     dgelu = sg + 2.0 * h * sg * tl.sigmoid(-a) * (0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h))
     dx = g.to(tl.float32) * dgelu
     tl.store(DX + rows.to(tl.int64)[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    return dx
+
+
+@triton.jit
+def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, HAS_BIAS)
+
+
+@triton.jit
+def _bwd_db_kernel(DY, X, Bias, DX, DB, M, N, sdr, sdc, sxr, sxc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, M, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        acc += tl.sum(_bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, True), axis=0)
+    tl.store(DB + cols, acc.to(DB.dtype.element_ty), mask=cols < N)
 
 
 def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
@@ -77,3 +99,16 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
                           x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
     return dx
+
+
+def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
+                            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sum, bias dtype), in one launch."""
+    M, N = x.shape
+    dx = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    db = torch.empty((N,), dtype=bias.dtype, device=x.device)
+    if N:
+        bm, bn, grid = column_tiles(M, N)
+        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                             BLOCK_M=bm, BLOCK_N=bn)
+    return dx, db

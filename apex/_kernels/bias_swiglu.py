@@ -37,10 +37,8 @@ def _fwd_kernel(X, Bias, Y, M, N, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
-def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr):
+    """Write one ``[rows, cols]`` tile of both halves of ``dx``; return them in fp32 (zero outside the mask)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     h1, h2 = _load_h(X, Bias, rows, cols, mask, sxr, sxc, N, HAS_BIAS)
     g = tl.load(DY + rows.to(tl.int64)[:, None] * sdr + cols[None, :] * sdc, mask=mask, other=0.0)
@@ -51,6 +49,30 @@ def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexp
     out = DX + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
     tl.store(out, d1.to(DX.dtype.element_ty), mask=mask)
     tl.store(out + N, d2.to(DX.dtype.element_ty), mask=mask)
+    return d1, d2
+
+
+@triton.jit
+def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, HAS_BIAS)
+
+
+@triton.jit
+def _bwd_db_kernel(DY, X, Bias, DX, DB, M, N, sdr, sdc, sxr, sxc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, M, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        d1, d2 = _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, True)
+        acc1 += tl.sum(d1, axis=0)
+        acc2 += tl.sum(d2, axis=0)
+    cm = cols < N
+    tl.store(DB + cols, acc1.to(DB.dtype.element_ty), mask=cm)
+    tl.store(DB + cols + N, acc2.to(DB.dtype.element_ty), mask=cm)
 
 
 def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
@@ -79,3 +101,24 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
                           x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
     return dx
+
+
+def column_tiles(M: int, N: int) -> tuple[int, int, tuple[int]]:
+    """Tiles for the column-owning kernels: narrow column blocks so that ~256 programs share the columns
+    (one per SM and more on current GPUs), each walking all rows in ``BLOCK_M`` steps."""
+    bn = max(16, min(128, triton.next_power_of_2(triton.cdiv(max(N, 1), 256))))
+    bm = max(1, min(triton.next_power_of_2(max(M, 1)), 4096 // bn))
+    return bm, bn, (triton.cdiv(N, bn),)
+
+
+def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
+                            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sum, bias dtype), in one launch."""
+    M, N = x.shape[0], x.shape[1] // 2
+    dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
+    db = torch.empty((2 * N,), dtype=bias.dtype, device=x.device)
+    if N:
+        bm, bn, grid = column_tiles(M, N)
+        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                             BLOCK_M=bm, BLOCK_N=bn)
+    return dx, db

@@ -4,8 +4,9 @@
 Dtype policy: the bias add and the activation in fp32 (fp64 for fp64 inputs), one rounding to the input
 dtype; ``dbias`` summed in fp32 and returned in the bias dtype.
 
-Paths, behind the ``apex::bias_gelu_fwd``/``_bwd`` custom ops: CUDA/ROCm tensors one Triton launch each way
-(``apex._kernels.bias_gelu``); CPU tensors PyTorch's ``gelu``/``gelu_backward`` (``approximate="tanh"``).
+Paths, behind the ``apex::bias_gelu_fwd``/``_bwd`` custom ops: CUDA/ROCm tensors one Triton launch each way, the
+bias gradient included (``apex._kernels.bias_gelu``); CPU tensors PyTorch's ``gelu``/``gelu_backward``
+(``approximate="tanh"``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
-from apex.ops.bias_swiglu import _contig, bias_grad, check_args
+from apex.ops.bias_swiglu import _check_grad, _contig, bias_grad, check_args
 
 Tensor = torch.Tensor
 
@@ -40,16 +41,35 @@ def bias_gelu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
 def bias_gelu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     """The gradient of ``input`` (that of ``bias`` is its sum over the leading dims)."""
     n = check_args(input, bias, glu=False)
-    if not isinstance(grad_output, torch.Tensor) or grad_output.shape != input.shape:
-        raise ValueError(f"grad_output must have shape {list(input.shape)}, got "
-                         f"{list(getattr(grad_output, 'shape', []))}")
+    _check_grad(grad_output, input.shape)
     if input.dtype != torch.float64 and select(input) == "triton":
         from apex._kernels import bias_gelu as kernels
 
         dx = kernels.backward(grad_output.reshape(-1, n), input.reshape(-1, n), _contig(bias), input.dtype)
         return dx.view(input.shape)
+    return _bwd_torch(grad_output, input, bias)
+
+
+def _bwd_torch(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     h, _ = _h(input, bias)
     return torch.ops.aten.gelu_backward(grad_output.to(h.dtype), h, approximate="tanh").to(input.dtype)
+
+
+def bias_gelu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of ``input`` and ``bias`` together: one Triton launch (``dbias`` summed in fp32 from the
+    unrounded ``dx``), or PyTorch's ``gelu_backward`` and a fp32 sum on the CPU."""
+    n = check_args(input, bias, glu=False)
+    if bias is None:
+        raise ValueError("bias must be a tensor to take its gradient, got None")
+    _check_grad(grad_output, input.shape)
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_gelu as kernels
+
+        dx, db = kernels.backward_with_bias_grad(grad_output.reshape(-1, n), input.reshape(-1, n),
+                                                 bias.contiguous(), input.dtype)
+        return dx.view(input.shape), db
+    dx = _bwd_torch(grad_output, input, bias)
+    return dx, bias_grad(dx, bias)
 
 
 # ------------------------------------------------------------------------------------------ custom ops
@@ -77,10 +97,21 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@torch.library.custom_op("apex::bias_gelu_bwd_dbias", mutates_args=())
+def _bwd_db_op(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    return bias_gelu_backward_with_bias_grad(grad_output, input, bias)
+
+
+@_bwd_db_op.register_fake
+def _(grad_output, input, bias):
+    return torch.empty_like(input, memory_format=torch.contiguous_format), torch.empty_like(bias)
+
+
 def _backward(ctx, grad):
     input, bias = ctx.saved_tensors
-    dx = torch.ops.apex.bias_gelu_bwd(grad, input, bias)
-    return dx, bias_grad(dx, bias) if bias is not None and ctx.needs_input_grad[1] else None
+    if bias is not None and ctx.needs_input_grad[1]:
+        return torch.ops.apex.bias_gelu_bwd_dbias(grad, input, bias)
+    return torch.ops.apex.bias_gelu_bwd(grad, input, bias), None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)

@@ -2,7 +2,8 @@
 activation, ROCm Apex's ``fused_bias_swiglu``).
 
 ``input`` ``[..., 2n]``, ``bias`` ``[2n]`` or None, ``y`` ``[..., n]``. Backward:
-``dx₂ = dy·silu(h₁)``, ``dx₁ = dy·h₂·σ(h₁)·(1 + h₁(1 − σ(h₁)))``, ``dbias = Σ dx`` over the leading dims.
+``dx₂ = dy·silu(h₁)``, ``dx₁ = dy·h₂·σ(h₁)·(1 + h₁(1 − σ(h₁)))``, ``dbias = Σ dx`` over the leading dims
+(in the same Triton launch as ``dx`` when the bias needs a gradient).
 
 Dtype policy: the bias add and the activation in fp32 (fp64 for fp64 inputs), one rounding to the input
 dtype; the bias may be of any float dtype; ``dbias`` is summed in fp32 and returned in the bias dtype.
@@ -95,12 +96,15 @@ def bias_swiglu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
     return _fwd_torch(input, bias)
 
 
+def _check_grad(grad_output: Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != tuple(shape):
+        raise ValueError(f"grad_output must have shape {list(shape)}, got {list(getattr(grad_output, 'shape', []))}")
+
+
 def bias_swiglu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     """``fused_bias_swiglu.backward``: the gradient of ``input`` (that of ``bias`` is its sum over rows)."""
     n = check_args(input, bias)
-    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != (*input.shape[:-1], n // 2):
-        raise ValueError(f"grad_output must have shape {[*input.shape[:-1], n // 2]}, got "
-                         f"{list(getattr(grad_output, 'shape', []))}")
+    _check_grad(grad_output, (*input.shape[:-1], n // 2))
     if input.dtype != torch.float64 and select(input) == "triton":
         from apex._kernels import bias_swiglu as kernels
 
@@ -108,6 +112,23 @@ def bias_swiglu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None
                               input.dtype)
         return dx.view(input.shape)
     return _bwd_torch(grad_output, input, bias)
+
+
+def bias_swiglu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of ``input`` and ``bias`` together: one Triton launch (the kernel sums ``dbias`` in fp32
+    from the unrounded ``dx``), or PyTorch's backward and a fp32 sum on the CPU."""
+    n = check_args(input, bias)
+    if bias is None:
+        raise ValueError("bias must be a tensor to take its gradient, got None")
+    _check_grad(grad_output, (*input.shape[:-1], n // 2))
+    if input.dtype != torch.float64 and select(input) == "triton":
+        from apex._kernels import bias_swiglu as kernels
+
+        dx, db = kernels.backward_with_bias_grad(grad_output.reshape(-1, n // 2), input.reshape(-1, n),
+                                                 bias.contiguous(), input.dtype)
+        return dx.view(input.shape), db
+    dx = _bwd_torch(grad_output, input, bias)
+    return dx, bias_grad(dx, bias)
 
 
 # ------------------------------------------------------------------------------------------ custom ops
@@ -140,10 +161,21 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@torch.library.custom_op("apex::bias_swiglu_bwd_dbias", mutates_args=())
+def _bwd_db_op(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    return bias_swiglu_backward_with_bias_grad(grad_output, input, bias)
+
+
+@_bwd_db_op.register_fake
+def _(grad_output, input, bias):
+    return torch.empty_like(input, memory_format=torch.contiguous_format), torch.empty_like(bias)
+
+
 def _backward(ctx, grad):
     input, bias = ctx.saved_tensors
-    dx = torch.ops.apex.bias_swiglu_bwd(grad, input, bias)
-    return dx, bias_grad(dx, bias) if bias is not None and ctx.needs_input_grad[1] else None
+    if bias is not None and ctx.needs_input_grad[1]:
+        return torch.ops.apex.bias_swiglu_bwd_dbias(grad, input, bias)
+    return torch.ops.apex.bias_swiglu_bwd(grad, input, bias), None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)

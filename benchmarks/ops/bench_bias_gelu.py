@@ -2,7 +2,8 @@
 (``bias_gelu`` / ``bias_gelu_back``); Triton bytes and launches.
 
 Counted under the interpreter at 64 × 512 fp32. Minimum bytes: forward reads x and bias and writes y;
-backward reads dy, x and bias and writes dx.
+backward reads dy, x and bias and writes dx and dbias (Megatron's autograd sums dx for dbias: the
+eager figures include that sum).
 """
 
 from __future__ import annotations
@@ -27,27 +28,33 @@ def _megatron_bwd(g, bias, y):
     return ff * g
 
 
+def _with_db(dx):
+    return dx, dx.sum(0)
+
+
 def _inputs(m, n):
     g = torch.Generator().manual_seed(0)
     return torch.randn(m, n, generator=g), torch.randn(n, generator=g), torch.randn(m, n, generator=g)
 
 
 def _timed(shape, backward):
-    from apex.ops.bias_gelu import bias_gelu_backward, bias_gelu_forward
+    from apex.ops.bias_gelu import bias_gelu_backward_with_bias_grad, bias_gelu_forward
 
     x, b, dy = _inputs(*shape)
     if backward:
-        return (lambda: bias_gelu_backward(dy, x, b)), (lambda: _megatron_bwd(dy, b, x))
+        return (lambda: bias_gelu_backward_with_bias_grad(dy, x, b)), (lambda: _with_db(_megatron_bwd(dy, b, x)))
     return (lambda: bias_gelu_forward(x, b)), (lambda: _megatron_fwd(b, x))
 
 
 def _counted(shape, backward):
-    from apex.ops.bias_gelu import bias_gelu_backward, bias_gelu_forward
+    from apex.ops.bias_gelu import bias_gelu_backward_with_bias_grad, bias_gelu_forward
 
     x, b, dy = _inputs(*shape)
     if backward:
-        return Counted(triton=lambda: bias_gelu_backward(dy, x, b), eager=lambda: _megatron_bwd(dy, b, x),
-                       bytes_min=3 * x.nbytes + b.nbytes, note="eager = Megatron's bias_gelu_back")
+        return Counted(triton=lambda: bias_gelu_backward_with_bias_grad(dy, x, b),
+                       eager=lambda: _with_db(_megatron_bwd(dy, b, x)),
+                       bytes_min=3 * x.nbytes + 2 * b.nbytes,
+                       note="eager = Megatron's bias_gelu_back + autograd's bias sum")
     return Counted(triton=lambda: bias_gelu_forward(x, b), eager=lambda: _megatron_fwd(b, x),
                    bytes_min=2 * x.nbytes + b.nbytes, note="eager = Megatron's bias_gelu")
 

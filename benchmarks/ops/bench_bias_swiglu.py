@@ -2,8 +2,8 @@
 (``bias_swiglu`` / ``bias_swiglu_back``); Triton bytes and launches.
 
 Counted under the interpreter at 64 × 2·256 fp32. Minimum bytes: forward reads x and bias and writes y;
-backward reads dy, x and bias and writes dx (the bias gradient is a separate PyTorch sum of dx, not counted
-here: it is called outside the timed/counted ``fused_bias_swiglu.backward``).
+backward reads dy, x and bias and writes dx and dbias, in one launch (Megatron's autograd sums dx for
+dbias: the eager figures include that sum).
 """
 
 from __future__ import annotations
@@ -29,27 +29,33 @@ def _megatron_bwd(g, y, bias):
     return torch.cat((g * torch.sigmoid(y1) * (1 + y1 * (1 - torch.sigmoid(y1))) * y2, g * F.silu(y1)), -1)
 
 
+def _with_db(dx):
+    return dx, dx.sum(0)
+
+
 def _inputs(m, n2):
     g = torch.Generator().manual_seed(0)
     return torch.randn(m, n2, generator=g), torch.randn(n2, generator=g), torch.randn(m, n2 // 2, generator=g)
 
 
 def _timed(shape, backward):
-    from apex.ops.bias_swiglu import bias_swiglu_backward, bias_swiglu_forward
+    from apex.ops.bias_swiglu import bias_swiglu_backward_with_bias_grad, bias_swiglu_forward
 
     x, b, dy = _inputs(*shape)
     if backward:
-        return (lambda: bias_swiglu_backward(dy, x, b)), (lambda: _megatron_bwd(dy, x, b))
+        return (lambda: bias_swiglu_backward_with_bias_grad(dy, x, b)), (lambda: _with_db(_megatron_bwd(dy, x, b)))
     return (lambda: bias_swiglu_forward(x, b)), (lambda: _megatron_fwd(x, b))
 
 
 def _counted(shape, backward):
-    from apex.ops.bias_swiglu import bias_swiglu_backward, bias_swiglu_forward
+    from apex.ops.bias_swiglu import bias_swiglu_backward_with_bias_grad, bias_swiglu_forward
 
     x, b, dy = _inputs(*shape)
     if backward:
-        return Counted(triton=lambda: bias_swiglu_backward(dy, x, b), eager=lambda: _megatron_bwd(dy, x, b),
-                       bytes_min=2 * x.nbytes + b.nbytes + dy.nbytes, note="eager = Megatron's bias_swiglu_back")
+        return Counted(triton=lambda: bias_swiglu_backward_with_bias_grad(dy, x, b),
+                       eager=lambda: _with_db(_megatron_bwd(dy, x, b)),
+                       bytes_min=2 * x.nbytes + 2 * b.nbytes + dy.nbytes,
+                       note="eager = Megatron's bias_swiglu_back + autograd's bias sum")
     return Counted(triton=lambda: bias_swiglu_forward(x, b), eager=lambda: _megatron_fwd(x, b),
                    bytes_min=x.nbytes + b.nbytes + dy.nbytes, note="eager = Megatron's bias_swiglu")
 
