@@ -40,6 +40,12 @@ MODULES = (
     "bnp",
     "fused_adam_cuda",
     "fused_lamb_cuda",
+    "_apex_nccl_allocator",
+    "_apex_gpu_direct_storage",
+    "_nccl_version_getter",
+    "cudnn_gbn_lib",
+    "group_norm_v2_cuda",
+    "syncbn",
 )
 
 
