@@ -6,7 +6,7 @@ batch norm is ``x·scale + bias`` with ``scale = weight / sqrt(running_var)`` (n
 ``bias = bias − running_mean·scale``. ``explicit_nhwc=True`` takes and returns (N, H, W, C) tensors and
 stores the convolution weights as (O, kH, kW, I), as Apex does; the convolutions then run on
 channels_last views. ``use_cudnn`` selected Apex's fused cuDNN kernels and is accepted for compatibility.
-Apex's ``SpatialBottleneck`` (spatially split across ranks with halo exchange) is not provided.
+Apex's ``SpatialBottleneck`` (spatially split across ranks with halo exchange) is in ``spatial_bottleneck.py``.
 """
 
 from __future__ import annotations
