@@ -78,12 +78,16 @@ def _worker(rank, world, kind):
     else:
         bn = GroupBatchNorm2d(C, 2)
         y = bn(mine.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-    (dx,) = torch.autograd.grad(y, mine, dy_full[3 * rank:3 * rank + 3].float())
+    dx, dw, db = torch.autograd.grad(y, (mine, bn.weight, bn.bias), dy_full[3 * rank:3 * rank + 3].float())
     x64 = full.clone().requires_grad_()
-    ref = _ref_nhwc(x64, torch.ones(C), torch.zeros(C))
-    (rdx,) = torch.autograd.grad(ref, x64, dy_full)
+    w64, b64 = torch.ones(C, dtype=torch.float64, requires_grad=True), torch.zeros(C, dtype=torch.float64,
+                                                                                   requires_grad=True)
+    ref = _ref_nhwc(x64, w64, b64)
+    rdx, rdw, rdb = torch.autograd.grad(ref, (x64, w64, b64), dy_full)
     assert_rel_close(y, ref[3 * rank:3 * rank + 3], tol=1e-5)
     assert_rel_close(dx, rdx[3 * rank:3 * rank + 3], tol=1e-5)
+    if kind == "cudnn_gbn":  # Apex's cuDNN GBN: the group's weight/bias gradient over the group size
+        assert_rel_close([dw, db], [rdw / 2, rdb / 2], tol=1e-5)
     assert_rel_close(bn.running_mean, 0.1 * full.reshape(-1, C).mean(0), tol=1e-5)
 
 
