@@ -61,20 +61,22 @@ def _forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob)
     U = g.shape[1]
     h = f.unsqueeze(2) + g.unsqueeze(1)
     valid = _valid(f_len, g_len, T, U)
-    mask = None
-    if relu or dropout:
-        keep = h > 0 if relu else torch.ones_like(h, dtype=torch.bool)
-        if dropout:
-            keep &= torch.rand(h.shape, device=h.device) < 1.0 - dropout_prob
-            h = torch.where(keep, h.float() / (1.0 - dropout_prob), 0.0).to(f.dtype)
-        else:
-            h = torch.where(keep, h, 0.0)
-        mask = keep.to(torch.uint8)
+    keep = None
+    if relu:
+        h.relu_()
+        keep = h > 0  # where the sum was positive (a zero sum has a zero gradient either way)
+    if dropout:
+        kept = torch.rand(h.shape, device=h.device) < 1.0 - dropout_prob
+        keep = kept if keep is None else keep.logical_and_(kept)
+        h = torch.where(keep, h.float() / (1.0 - dropout_prob), 0.0).to(f.dtype)
+    mask = keep.view(torch.uint8) if keep is not None else None  # bool and uint8 share the byte layout
     if pack_output:
         return h[valid], (mask[valid] if mask is not None else None)
-    h = h.masked_fill_(~valid.unsqueeze(-1), -1.0)
+    # Only the don't-care rows are touched (an index_put over them, not a pass over all of h).
+    invalid = ~valid
+    h[invalid] = -1.0
     if mask is not None:
-        mask.masked_fill_(~valid.unsqueeze(-1), 0)
+        mask[invalid] = 0
     return h, mask
 
 
@@ -85,8 +87,10 @@ def _backward_torch(dh, mask, f_len, g_len, T, U, pack_output, scale):
     if pack_output:
         grid = dh.new_zeros((B, T, U, H))
         grid[valid] = dh if mask is None else dh * mask.to(dh.dtype)
-    else:
-        grid = dh * valid.unsqueeze(-1) if mask is None else dh * (mask * valid.unsqueeze(-1))
+    elif mask is None:
+        grid = dh * valid.unsqueeze(-1)
+    else:  # the forward zeroed the mask outside the lengths
+        grid = dh * mask
     if scale != 1.0:
         grid = grid * scale
     df = grid.sum(2, dtype=torch.float32).to(dh.dtype)
