@@ -29,6 +29,7 @@ from torch import nn
 
 
 def is_iterable(maybe_iterable) -> bool:
+    """True if ``maybe_iterable`` is a list or a tuple (a single tensor is not)."""
     return isinstance(maybe_iterable, (list, tuple))
 
 

@@ -29,10 +29,12 @@ def GRUCell(input, hidden, w_ih, w_hh, b_ih=None, b_hh=None):
 
 
 def RNNReLUCell(input, hidden, w_ih, w_hh, b_ih=None, b_hh=None):
+    """One Elman RNN step, ``h' = relu(x W_ihᵀ + b_ih + h W_hhᵀ + b_hh)``, on ``torch.rnn_relu_cell``."""
     return torch.rnn_relu_cell(input, hidden, w_ih, w_hh, b_ih, b_hh)
 
 
 def RNNTanhCell(input, hidden, w_ih, w_hh, b_ih=None, b_hh=None):
+    """One Elman RNN step, ``h' = tanh(x W_ihᵀ + b_ih + h W_hhᵀ + b_hh)``, on ``torch.rnn_tanh_cell``."""
     return torch.rnn_tanh_cell(input, hidden, w_ih, w_hh, b_ih, b_hh)
 
 

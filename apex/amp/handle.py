@@ -227,6 +227,9 @@ class AmpHandle:
 
 
 class NoOpHandle:
+    """The handle amp returns when it is disabled (``enabled=False``): ``scale_loss`` yields the loss
+    unchanged, and nothing is cast or scaled.
+    """
     def is_active(self) -> bool:
         return False
 

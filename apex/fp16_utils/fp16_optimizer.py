@@ -22,6 +22,15 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class FP16_Optimizer:
+    """Apex's legacy master-weights wrapper: ``FP16_Optimizer(init_optimizer, static_loss_scale=1.0,
+    dynamic_loss_scale=False, dynamic_loss_args=None, verbose=True)``.
+
+    The wrapped optimizer's fp16/bf16 parameters get fp32 master copies, which the wrapped optimizer updates;
+    ``backward(loss)`` scales the loss, ``step()`` unscales the gradients into the masters, skips the step
+    when they overflowed (dynamic scaling halves the scale then), and copies the masters back to the model.
+    ``clip_master_grads(max_norm)``, ``state_dict``/``load_state_dict`` and ``loss_scale`` as in Apex.
+    Raises ``TypeError`` when ``init_optimizer`` is not a ``torch.optim.Optimizer``.
+    """
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
                  verbose: bool = True):

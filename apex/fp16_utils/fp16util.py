@@ -74,6 +74,9 @@ class FP16Model(nn.Module):
 
 
 def backwards_debug_hook(grad):
+    """A gradient hook that raises ``RuntimeError``: registered on master parameters to catch a backward
+    that reaches them (masters are updated from copied gradients, never by autograd).
+    """
     raise RuntimeError("master_params recieved a gradient in the backward pass!")
 
 

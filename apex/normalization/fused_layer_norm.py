@@ -54,17 +54,26 @@ def manual_rms_norm(input: Tensor, normalized_shape, weight: Tensor | None, eps:
 # ------------------------------------------------------------------------------------ functional forms
 def fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normalized_shape, eps: float = 1e-6,
                             memory_efficient: bool = False) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims.
+
+    Statistics in fp32; the output has the input's dtype (under autocast: the autocast dtype).
+    ``memory_efficient=True`` saves the output instead of the input for backward.
+    """
     return _autocast_call(lambda x, w, b: layer_norm(x, normalized_shape, w, b, eps, memory_efficient),
                           input, weight, bias)
 
 
 def fused_layer_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
                      ) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the trailing ``normalized_shape`` dims, without weight or bias."""
     return _autocast_call(lambda x: layer_norm(x, normalized_shape, None, None, eps, memory_efficient), input)
 
 
 def mixed_dtype_fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normalized_shape,
                                         eps: float = 1e-6, memory_efficient: bool = False) -> Tensor:
+    """As :func:`fused_layer_norm_affine`, but the output has the weight's dtype (fp32 weights with
+    half activations give fp32 outputs, Megatron's ``MixedFusedLayerNorm``).
+    """
     return _autocast_call(
         lambda x, w, b: layer_norm(x, normalized_shape, w, b, eps, memory_efficient, out_dtype=w.dtype),
         input, weight, bias)
@@ -72,16 +81,21 @@ def mixed_dtype_fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Ten
 
 def fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: float = 1e-6,
                           memory_efficient: bool = False) -> Tensor:
+    """``x / sqrt(mean(x²) + eps) * weight`` over the trailing ``normalized_shape`` dims; fp32 statistics,
+    output in the input dtype.
+    """
     return _autocast_call(lambda x, w: rms_norm(x, normalized_shape, w, eps, memory_efficient), input, weight)
 
 
 def fused_rms_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
                    ) -> Tensor:
+    """``x / sqrt(mean(x²) + eps)`` over the trailing ``normalized_shape`` dims, without weight."""
     return _autocast_call(lambda x: rms_norm(x, normalized_shape, None, eps, memory_efficient), input)
 
 
 def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: float = 1e-6,
                                       memory_efficient: bool = False) -> Tensor:
+    """As :func:`fused_rms_norm_affine`, with the output in the weight's dtype."""
     return _autocast_call(
         lambda x, w: rms_norm(x, normalized_shape, w, eps, memory_efficient, out_dtype=w.dtype),
         input, weight)

@@ -24,6 +24,14 @@ _CHUNK = 2048 * 32
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` in place so that their total ``norm_type`` norm is at most
+    ``max_norm``; returns the total norm before clipping (fp32).
+
+    As ``torch.nn.utils.clip_grad_norm_``: the gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``;
+    the norm is computed with the multi-tensor L2-norm kernel (one launch per device and dtype on GPUs).
+    ``error_if_nonfinite=True`` raises ``RuntimeError`` on an inf/NaN norm. ``max_norm`` must be a number
+    (``TypeError`` otherwise).
+    """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

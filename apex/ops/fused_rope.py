@@ -278,31 +278,39 @@ def fused_rope_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tenso
 
 # ------------------------------------------- Apex's ``fused_rotary_positional_embedding`` entry points
 def forward(input: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
+    """Upstream's ``fused_rotary_positional_embedding.forward(input, freqs, transpose_output)``: rotate-half
+    RoPE of an ``[s, b, h, d]`` tensor by ``freqs`` ``[s, 1, 1, R]`` (the first ``R`` columns rotate).
+    """
     check_sbhd(input, freqs)
     return rope_apply(input, freqs, None, None, None, None, SBHD, 1, False, transpose_output)
 
 
 def backward(output_grads: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
+    """The gradient of :func:`forward`: the inverse rotation of ``output_grads``."""
     check_sbhd(output_grads, freqs)
     return rope_apply(output_grads, freqs, None, None, None, None, SBHD, 1, True, transpose_output)
 
 
 def forward_cached(input: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
+    """RoPE with precomputed ``cos``/``sin`` of shape ``[s, 1, 1, R]`` (upstream's ``forward_cached``)."""
     check_cached(input, cos, sin)
     return rope_apply(input, cos, sin, None, None, None, CACHED, 1, False, transpose_output)
 
 
 def backward_cached(output_grads: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
+    """The gradient of :func:`forward_cached`."""
     check_cached(output_grads, cos, sin)
     return rope_apply(output_grads, cos, sin, None, None, None, CACHED, 1, True, transpose_output)
 
 
 def forward_thd(input: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+    """RoPE of packed sequences ``[t, h, d]``: positions restart at each ``cu_seqlens`` boundary."""
     check_thd(input, cu_seqlens, freqs)
     return rope_apply(input, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
 
 
 def backward_thd(output_grads: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+    """The gradient of :func:`forward_thd`."""
     check_thd(output_grads, cu_seqlens, freqs)
     return rope_apply(output_grads, freqs, None, None, None, cu_seqlens, THD, 1, True, False)
 
@@ -321,6 +329,7 @@ def forward_2d(input: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w
 
 
 def backward_2d(output_grads: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w: Tensor) -> Tensor:
+    """The gradient of the 2-D (image) RoPE ``forward_2d``: height and width rotations inverted."""
     g, ih, iw = _img(output_grads, "output_grads")
     check_2d(g, ih, iw, cos_h, sin_h, cos_w, sin_w)
     return rope_apply(g, cos_h, sin_h, cos_w, sin_w, None, IMG2D, iw, True, False)

@@ -21,6 +21,11 @@ from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 @torch.no_grad()
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
                          mode: int, weight_decay: float, *, validate: bool = True) -> None:
+    """``amp_C.multi_tensor_adagrad``: lists ``[grads, params, state_sums]``;
+    ``sum += g²``, ``p -= lr * g / (sqrt(sum) + epsilon)``, with ``weight_decay`` added to the gradient
+    (``mode`` 0, L2) or applied to the parameter (``mode`` 1, decoupled). Math in fp32. Nothing is updated
+    when ``noop_flag`` is set.
+    """
     if validate:
         device = check_tensor_lists(tensor_lists, 3)
         check_noop_flag(noop_flag, device)

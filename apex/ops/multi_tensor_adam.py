@@ -33,6 +33,10 @@ from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lis
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
                       weight_decay: float, *, validate: bool = True) -> None:
+    """``amp_C.multi_tensor_adam``: lists ``[grads, params, exp_avgs, exp_avg_sqs]`` (+ fp32 masters);
+    one Adam (``mode`` 0, L2) or AdamW (``mode`` 1) step with ``bias_correction`` 0/1 at ``step``.
+    Math in fp32; parameters may be fp32, fp16 or bf16.
+    """
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
           inv_scale=None, capturable=False, n_lists=(4, 5), validate=validate)
 
@@ -42,6 +46,10 @@ def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tenso
                                  beta1: float, beta2: float, epsilon: float, step: torch.Tensor, mode: int,
                                  bias_correction: int, weight_decay: float, inv_scale: torch.Tensor, *,
                                  validate: bool = True) -> None:
+    """``amp_C.multi_tensor_adam_capturable``: as :func:`multi_tensor_adam` with ``lr`` and ``step``
+    as device tensors and the gradients multiplied by ``inv_scale`` first (CUDA-graph capturable; nothing
+    is written when the unscaled gradients are not finite).
+    """
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
           inv_scale=inv_scale, capturable=True, n_lists=4, validate=validate)
 
@@ -52,6 +60,9 @@ def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor
                                         step: torch.Tensor, mode: int, bias_correction: int,
                                         weight_decay: float, inv_scale: torch.Tensor, *,
                                         validate: bool = True) -> None:
+    """``amp_C.multi_tensor_adam_capturable_master``: as :func:`multi_tensor_adam_capturable` with a
+    fifth list of fp32 master parameters, which are updated and copied to the half parameters.
+    """
     _adam(noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay,
           inv_scale=inv_scale, capturable=True, n_lists=5, validate=validate)
 

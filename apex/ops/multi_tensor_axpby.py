@@ -16,6 +16,9 @@ from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
 @torch.no_grad()
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
                        arg_to_check: int) -> None:
+    """``amp_C.multi_tensor_axpby``: lists ``[x, y, out]``, ``out = a*x + b*y`` in fp32;
+    ``arg_to_check`` -1 checks both inputs for inf/NaN, 0 only ``x``, 1 only ``y`` (sets ``noop_flag``).
+    """
     device = check_tensor_lists(tensor_lists, 3)
     check_noop_flag(noop_flag, device)
     if arg_to_check not in (-1, 0, 1):

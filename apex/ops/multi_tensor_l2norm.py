@@ -87,6 +87,10 @@ def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                         per_tensor: bool | None = False, *,
                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amp_C.multi_tensor_l2norm``: ``(total_norm, per_tensor_norms)`` of the tensors in
+    ``tensor_lists[0]``, in fp32; per-tensor norms only with ``per_tensor=True`` (an empty tensor otherwise).
+    Sets ``noop_flag`` on a non-finite value.
+    """
     device = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
@@ -97,6 +101,9 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
 def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                            per_tensor: bool | None = False, *,
                            validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`multi_tensor_l2norm`, but returns zeros without reading the tensors when ``noop_flag``
+    is already set.
+    """
     device = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
@@ -106,6 +113,9 @@ def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_list
 @torch.no_grad()
 def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float,
                               per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amp_C.multi_tensor_l2norm_scale``: lists ``[in, out]``; the norms of ``in`` (as
+    :func:`multi_tensor_l2norm`) and ``out = in * scale`` in one pass.
+    """
     device = _prologue(noop_flag, tensor_lists, 2)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
@@ -116,6 +126,9 @@ def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_l
 def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                 inv_scale: torch.Tensor,
                                 per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amp_C.multi_tensor_unscale_l2norm``: the norms of ``in * inv_scale`` (a one-element tensor);
+    nothing is written.
+    """
     device = _prologue(noop_flag, tensor_lists, 1)
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
         raise TypeError("inv_scale must be a one-element tensor")
@@ -128,6 +141,9 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
 @torch.no_grad()
 def multi_tensor_norm_out_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, out: torch.Tensor,
                                alpha: float, beta: float, norm_type: int) -> None:
+    """``amp_C.multi_tensor_norm_out_cuda``: blends each tensor's norm into ``out``
+    (``out = alpha * out + beta * norm``; ``norm_type`` 2 = L2, 0 = max norm), as NovoGrad needs.
+    """
     device = _prologue(noop_flag, tensor_lists, 1)
     if norm_type not in (0, 2):
         raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")

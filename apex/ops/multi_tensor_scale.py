@@ -19,6 +19,9 @@ from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lis
 @torch.no_grad()
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                        scale: float | torch.Tensor) -> None:
+    """``amp_C.multi_tensor_scale``: lists ``[in, out]``, ``out = in * scale`` computed in fp32 and rounded
+    once to ``out``'s dtype; sets ``noop_flag`` (a one-element int32 tensor) when an input is inf/NaN.
+    """
     device = check_tensor_lists(tensor_lists, 2)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:

@@ -38,6 +38,11 @@ from apex.ops._fp32 import as_fp32, write_back
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
                      dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
                      scale: float = 1.0, *, validate: bool = True) -> None:
+    """``amp_C.multi_tensor_sgd``: lists ``[grads, params, momenta]`` (+ model copies for fp32 masters);
+    one SGD step with ``wd``, ``momentum``, ``dampening``, ``nesterov``, gradients multiplied by ``scale``;
+    ``first_run`` initialises the momenta with the gradient, ``wd_after_momentum`` applies weight decay to
+    the update instead of the gradient. Math in fp32.
+    """
     if validate:
         device = check_tensor_lists(tensor_lists, (3, 4))
         check_noop_flag(noop_flag, device)

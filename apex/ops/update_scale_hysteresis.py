@@ -32,6 +32,12 @@ def _check_scalar(t, name: str, dtype: torch.dtype) -> None:
 def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.Tensor,
                             hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor, growth_factor: float,
                             backoff_factor: float, growth_interval: int, hysteresis: int) -> torch.Tensor:
+    """``amp_C.update_scale_hysteresis``: Megatron's dynamic loss-scale update with hysteresis.
+
+    On ``found_inf`` the hysteresis counter drops, and once it reaches zero the scale is multiplied by
+    ``backoff_factor``; after ``growth_interval`` clean steps the scale is multiplied by ``growth_factor``
+    and the counter is reset to ``hysteresis``. Updates the tensors in place and returns ``current_scale``.
+    """
     _check_scalar(current_scale, "current_scale", torch.float32)
     _check_scalar(growth_tracker, "growth_tracker", torch.int32)
     _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32)

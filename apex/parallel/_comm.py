@@ -73,6 +73,7 @@ def flat_dist_call(tensors: Iterable[torch.Tensor], call, extra_args=None) -> No
 
 
 def extract_tensors(maybe_tensor, tensor_list: list) -> None:
+    """Append every tensor found in ``maybe_tensor`` (a tensor or nested iterables of them) to ``tensor_list``."""
     if torch.is_tensor(maybe_tensor):
         tensor_list.append(maybe_tensor)
         return

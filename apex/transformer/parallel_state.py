@@ -79,12 +79,14 @@ def _require(value: Any, what: str) -> Any:
 
 # ----------------------------------------------------------------------------------- process groups
 def set_nccl_socket_envs() -> None:
+    """Select NCCL's socket transport (``NCCL_NET=Socket``); ``RuntimeError`` without ``NCCL_SOCKET_IFNAME``."""
     if os.getenv("NCCL_SOCKET_IFNAME") is None:
         raise RuntimeError("NCCL_SOCKET_IFNAME was not set")
     os.environ["NCCL_NET"] = "Socket"
 
 
 def set_nccl_ib_envs() -> None:
+    """Select NCCL's InfiniBand transport (``NCCL_NET=IB``)."""
     os.environ["NCCL_NET"] = "IB"
 
 
@@ -96,6 +98,7 @@ def init_nccl_net(group) -> None:
 
 
 def new_nccl_socket_group(ranks):
+    """A new NCCL group over ``ranks`` using the socket transport."""
     set_nccl_socket_envs()
     group = dist.new_group(ranks, backend="nccl", timeout=_default_group_timeout())
     init_nccl_net(group=group)
@@ -103,6 +106,7 @@ def new_nccl_socket_group(ranks):
 
 
 def new_nccl_ib_group(ranks):
+    """A new NCCL group over ``ranks`` using the InfiniBand transport."""
     set_nccl_ib_envs()
     group = dist.new_group(ranks, backend="nccl", timeout=_default_group_timeout())
     init_nccl_net(group=group)
@@ -255,6 +259,7 @@ def is_unitialized() -> bool:
 
 
 def model_parallel_is_initialized() -> bool:
+    """True once ``initialize_model_parallel`` has built the tensor, pipeline and data groups."""
     return None not in (_STATE.tensor_group, _STATE.pipeline_group, _STATE.data_group)
 
 
@@ -268,42 +273,81 @@ def get_rank_info() -> tuple[int, int, int, int | None]:
 
 
 def get_model_parallel_group():
+    """The model-parallel (tensor × pipeline) group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.model_group, "model parallel group")
 
 
 def get_tensor_model_parallel_group():
+    """The tensor-parallel group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.tensor_group, "tensor model parallel group")
 
 
 def get_pipeline_model_parallel_group():
+    """The pipeline-parallel group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.pipeline_group, "pipeline model parallel group")
 
 
 def get_data_parallel_group():
+    """The data-parallel group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.data_group, "data parallel group")
 
 
 def get_amax_reduction_group():
+    """The FP8 amax-reduction group (needs ``use_fp8_=True``) of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.amax_group, "AMAX reduction group (initialize_model_parallel(use_fp8_=True))")
 
 
 def get_embedding_group():
+    """The embedding group (first and last pipeline stages, tied word embeddings) of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.embedding_group, "embedding group")
 
 
 def get_position_embedding_group():
+    """The position-embedding group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.position_embedding_group, "position embedding group")
 
 
 def get_encoder_relative_position_embedding_group():
+    """The encoder relative-position-embedding group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.encoder_relative_position_embedding_group, "encoder relative position embedding group")
 
 
 def get_decoder_relative_position_embedding_group():
+    """The decoder relative-position-embedding group of this rank.
+
+    Raises :class:`ParallelStateError` before ``initialize_model_parallel``.
+    """
     return _require(_STATE.decoder_relative_position_embedding_group, "decoder relative position embedding group")
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """True if this rank holds tied word embeddings (with ``ignore_virtual=False``, only on the
+    first or last virtual stage).
+    """
     rank = dist.get_rank()
     ranks = _require(_STATE.embedding_ranks, "embedding group")
     if rank not in ranks:
@@ -318,15 +362,18 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
 
 
 def is_rank_in_position_embedding_group() -> bool:
+    """True if this rank is in the position-embedding group."""
     return dist.get_rank() in _require(_STATE.position_embedding_ranks, "position embedding group")
 
 
 def is_rank_in_encoder_relative_position_embedding_group() -> bool:
+    """True if this rank is in the encoder relative-position-embedding group."""
     ranks = _require(_STATE.encoder_relative_position_embedding_ranks, "encoder relative position embedding group")
     return dist.get_rank() in ranks
 
 
 def is_rank_in_decoder_relative_position_embedding_group() -> bool:
+    """True if this rank is in the decoder relative-position-embedding group."""
     ranks = _require(_STATE.decoder_relative_position_embedding_ranks, "decoder relative position embedding group")
     return dist.get_rank() in ranks
 
@@ -358,54 +405,65 @@ def is_pipeline_stage_at_split() -> bool:
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the tensor-parallel size the getters report (None: ask the group)."""
     _STATE.mpu_tensor_world_size = world_size
 
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the pipeline-parallel size the getters report (None: ask the group)."""
     _STATE.mpu_pipeline_world_size = world_size
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    """Override the tensor-parallel rank the getters report (None: ask the group)."""
     _STATE.mpu_tensor_rank = rank
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Override the pipeline-parallel rank the getters report (None: ask the group)."""
     _STATE.mpu_pipeline_rank = rank
 
 
 def get_tensor_model_parallel_world_size() -> int:
+    """The tensor-parallel size (the override if set)."""
     if _STATE.mpu_tensor_world_size is not None:
         return _STATE.mpu_tensor_world_size
     return dist.get_world_size(group=get_tensor_model_parallel_group())
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    """The pipeline-parallel size (the override if set)."""
     if _STATE.mpu_pipeline_world_size is not None:
         return _STATE.mpu_pipeline_world_size
     return dist.get_world_size(group=get_pipeline_model_parallel_group())
 
 
 def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group (the override if set)."""
     if _STATE.mpu_tensor_rank is not None:
         return _STATE.mpu_tensor_rank
     return dist.get_rank(group=get_tensor_model_parallel_group())
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage (the override if set)."""
     if _STATE.mpu_pipeline_rank is not None:
         return _STATE.mpu_pipeline_rank
     return dist.get_rank(group=get_pipeline_model_parallel_group())
 
 
 def get_pipeline_model_parallel_split_rank() -> int | None:
+    """The first decoder stage of an encoder-and-decoder pipeline, or None."""
     return _STATE.pipeline_split_rank
 
 
 def set_pipeline_model_parallel_split_rank(pipeline_model_parallel_split_rank: int | None) -> None:
+    """Set the first decoder stage of an encoder-and-decoder pipeline."""
     _STATE.pipeline_split_rank = pipeline_model_parallel_split_rank
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first pipeline stage (and, unless ``ignore_virtual``, the first virtual chunk)."""
     if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() is not None \
             and get_virtual_pipeline_model_parallel_rank() != 0:
         return False
@@ -413,6 +471,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last pipeline stage (and, unless ``ignore_virtual``, the last virtual chunk)."""
     vsize = get_virtual_pipeline_model_parallel_world_size()
     if not ignore_virtual and vsize is not None and get_virtual_pipeline_model_parallel_rank() != vsize - 1:
         return False
@@ -420,18 +479,22 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The current virtual pipeline chunk, or None without interleaving."""
     return _STATE.virtual_pipeline_rank
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Set the current virtual pipeline chunk."""
     _STATE.virtual_pipeline_rank = rank
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """The number of virtual pipeline chunks per stage, or None."""
     return _STATE.virtual_pipeline_world_size
 
 
 def set_virtual_pipeline_model_parallel_world_size(size: int | None) -> None:
+    """Set the number of virtual pipeline chunks per stage."""
     _STATE.virtual_pipeline_world_size = size
 
 
@@ -452,26 +515,32 @@ def _pipeline_ranks() -> list:
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of this rank's pipeline."""
     return _pipeline_ranks()[0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of this rank's pipeline."""
     return _pipeline_ranks()[get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (wrapping around)."""
     ranks = _pipeline_ranks()
     return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage (wrapping around)."""
     ranks = _pipeline_ranks()
     return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
 
 
 def get_data_parallel_world_size() -> int:
+    """The size of this rank's data-parallel group."""
     return dist.get_world_size(group=get_data_parallel_group())
 
 
 def get_data_parallel_rank() -> int:
+    """This rank's index in its data-parallel group."""
     return dist.get_rank(group=get_data_parallel_group())

@@ -50,17 +50,24 @@ def _conv(x, weight, bias, padding, stride):
 
 
 def ConvBiasReLU(x: Tensor, weight: Tensor, bias: Tensor, padding: int, stride: int) -> Tensor:  # noqa: N802
+    """``relu(conv2d(x, weight) + bias)`` with ``padding`` and ``stride`` on both spatial dims.
+
+    A channels_last input stays channels_last; the bias (``[C]`` or ``[1, C, 1, 1]``) and the ReLU are
+    applied in place on the convolution's output. Differentiable in ``x``, ``weight`` and ``bias``.
+    """
     x, weight, bias = _prepare(x, weight, bias)
     return torch.relu_(_conv(x, weight, _channel(bias, weight.shape[0], "bias"), padding, stride))
 
 
 def ConvBias(x: Tensor, weight: Tensor, bias: Tensor, padding: int, stride: int) -> Tensor:  # noqa: N802
+    """``conv2d(x, weight) + bias`` with ``padding`` and ``stride``, the bias added in place on the output."""
     x, weight, bias = _prepare(x, weight, bias)
     return _conv(x, weight, _channel(bias, weight.shape[0], "bias"), padding, stride)
 
 
 def ConvBiasMaskReLU(x: Tensor, weight: Tensor, bias: Tensor, mask: Tensor, padding: int,  # noqa: N802
                      stride: int) -> Tensor:
+    """``relu((conv2d(x, weight) + bias) * mask)``; ``mask`` has the output's shape (``ValueError`` otherwise)."""
     x, weight, bias = _prepare(x, weight, bias)
     y = _conv(x, weight, _channel(bias, weight.shape[0], "bias"), padding, stride)
     if tuple(mask.shape) != tuple(y.shape):
@@ -70,6 +77,9 @@ def ConvBiasMaskReLU(x: Tensor, weight: Tensor, bias: Tensor, mask: Tensor, padd
 
 def ConvFrozenScaleBiasReLU(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor, padding: int,  # noqa: N802
                             stride: int) -> Tensor:
+    """``relu(conv2d(x, weight) * scale + bias)`` with per-channel ``scale`` and ``bias`` that receive
+    no gradient (a frozen batch norm folded into the convolution).
+    """
     x, weight, scale, bias = _prepare(x, weight, scale, bias)
     c = weight.shape[0]
     s = _channel(scale, c, "scale").detach().view(1, c, 1, 1)
@@ -99,6 +109,9 @@ def backward(inputs, padding, stride):
 
 
 def forward_no_relu(inputs, padding, stride):
+    """Upstream's ``fused_conv_bias_relu.forward_no_relu(inputs, padding, stride)``: ``[ConvBias(*inputs)]``
+    without autograd.
+    """
     x, w, b = inputs
     with torch.no_grad():
         return [ConvBias(x, w, b, padding, stride)]
@@ -111,12 +124,18 @@ def backward_no_relu(inputs, padding, stride):
 
 
 def forward_mask(inputs, padding, stride):
+    """Upstream's ``fused_conv_bias_relu.forward_mask(inputs, padding, stride)``: ``[ConvBiasMaskReLU(*inputs)]``
+    without autograd.
+    """
     x, w, b, mask = inputs
     with torch.no_grad():
         return [ConvBiasMaskReLU(x, w, b, mask, padding, stride)]
 
 
 def forward_cscale_cbias_relu(inputs, padding, stride):
+    """Upstream's ``fused_conv_bias_relu.forward_cscale_cbias_relu(inputs, padding, stride)``: the output of
+    ``ConvFrozenScaleBiasReLU(*inputs)`` without autograd.
+    """
     x, w, scale, b = inputs
     with torch.no_grad():
         return ConvFrozenScaleBiasReLU(x, w, scale, b, padding, stride)

@@ -132,4 +132,7 @@ def bwd_nl(dout, qkv, S_dmask, cu_seqlens, p_dropout, max_s, zero_tensors):  # n
 
 
 def fwd_nl(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, generator):
+    """Upstream's ``fmhalib.fwd_nl``: the same forward as ``fwd`` (the ``is_nl`` flag chose a CUDA kernel
+    variant for short sequences; here both take the same path).
+    """
     return fwd(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, generator)

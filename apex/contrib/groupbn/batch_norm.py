@@ -38,16 +38,20 @@ class BatchNorm2d_NHWC(SyncBatchNorm):  # noqa: N801 - Apex's name
 # Apex's bnp exposed its CUDA kernels' launch tuning and IPC buffers; only the occupancy queries have a
 # meaning without them (one resident program per SM).
 def bn_fwd_nhwc_occupancy() -> int:
+    """Upstream's CUDA occupancy query for the NHWC batch-norm forward; always 1 (no persistent kernels here)."""
     return 1
 
 
 def bn_bwd_nhwc_occupancy() -> int:
+    """Upstream's CUDA occupancy query for the NHWC batch-norm backward; always 1."""
     return 1
 
 
 def bn_addrelu_fwd_nhwc_occupancy() -> int:
+    """Upstream's CUDA occupancy query for the fused add-ReLU batch-norm forward; always 1."""
     return 1
 
 
 def bn_addrelu_bwd_nhwc_occupancy() -> int:
+    """Upstream's CUDA occupancy query for the fused add-ReLU batch-norm backward; always 1."""
     return 1

@@ -64,19 +64,30 @@ def _backward(output_grads, softmax_results, dropout_mask, dropout_prob):
 
 
 def mask_softmax_dropout_forward(use_mask, is_training, heads, input, pad_mask, dropout_prob):  # noqa: A002
+    """Upstream's ``fast_multihead_attn.mask_softmax_dropout_forward``: softmax of ``input`` with the
+    boolean padding mask (True = masked) applied when ``use_mask``, then dropout when ``is_training``.
+    Returns ``[dropout_results, dropout_mask, softmax_results]``; softmax in fp32, outputs in the input dtype.
+    """
     return _forward(use_mask, is_training, heads, input, pad_mask, float(dropout_prob), False)
 
 
 def mask_softmax_dropout_backward(use_mask, heads, output_grads, softmax_results, dropout_mask, padding_mask,
                                   dropout_prob):
+    """Upstream's ``fast_multihead_attn.mask_softmax_dropout_backward``: the gradient of the scores
+    from the saved softmax results and dropout mask.
+    """
     return _backward(output_grads, softmax_results, dropout_mask, float(dropout_prob))
 
 
 def additive_mask_softmax_dropout_forward(use_mask, is_training, heads, input, pad_mask,  # noqa: A002
                                           dropout_prob):
+    """As :func:`mask_softmax_dropout_forward`, with ``pad_mask`` added to the scores (an additive mask,
+    ``-inf`` = masked) instead of a boolean one.
+    """
     return _forward(use_mask, is_training, heads, input, pad_mask, float(dropout_prob), True)
 
 
 def additive_mask_softmax_dropout_backward(use_mask, heads, output_grads, softmax_results, dropout_mask,
                                            dropout_prob):
+    """The backward of :func:`additive_mask_softmax_dropout_forward`."""
     return _backward(output_grads, softmax_results, dropout_mask, float(dropout_prob))

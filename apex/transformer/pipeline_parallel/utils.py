@@ -23,6 +23,7 @@ Shape = list[int] | torch.Size
 
 
 def listify_model(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``model`` if it is a list (virtual pipeline chunks), else ``[model]``."""
     return model if isinstance(model, list) else [model]
 
 
@@ -71,18 +72,22 @@ def _calculator() -> NumMicroBatchesCalculator:
 
 
 def get_micro_batch_size() -> int:
+    """The micro-batch size of the global microbatch calculator."""
     return _calculator().micro_batch_size
 
 
 def get_num_microbatches() -> int:
+    """The number of microbatches per global batch (changes during a batch-size ramp-up)."""
     return _calculator().get()
 
 
 def get_current_global_batch_size() -> int:
+    """The current global batch size of the microbatch calculator."""
     return _calculator().get_current_global_batch_size()
 
 
 def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
+    """Advance the microbatch calculator to ``consumed_samples`` (for batch-size ramp-up)."""
     _calculator().update(consumed_samples, consistency_check)
 
 
@@ -117,6 +122,7 @@ def get_kth_microbatch(batch: list[torch.Tensor] | None, k: int) -> list[torch.T
 
 
 def get_autoresume():
+    """Megatron's autoresume object, or None (not used here)."""
     return _GLOBAL_AUTORESUME
 
 
@@ -127,20 +133,24 @@ def _set_timers() -> None:
 
 
 def get_timers() -> _Timers:
+    """The global timers; ``RuntimeError`` before ``setup_microbatch_calculator``/``_set_timers``."""
     _ensure_var_is_initialized(_GLOBAL_TIMERS, "timers")
     return _GLOBAL_TIMERS
 
 
 def print_rank_0(message: str) -> None:
+    """Print ``message`` on global rank 0 only (everywhere when torch.distributed is not initialized)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(message, flush=True)
 
 
 def is_last_rank() -> bool:
+    """True on the last global rank."""
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
 def print_rank_last(message: str) -> None:
+    """Print ``message`` on the last global rank only."""
     if not torch.distributed.is_initialized() or is_last_rank():
         print(message, flush=True)
 
@@ -196,6 +206,7 @@ def average_losses_across_data_parallel_group(losses: Sequence[torch.Tensor]) ->
 
 
 def report_memory(name: str) -> None:
+    """Print the CUDA memory counters prefixed by ``name`` (does nothing without CUDA)."""
     if not torch.cuda.is_available():
         return
     mb = 1024.0 * 1024.0

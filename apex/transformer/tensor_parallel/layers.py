@@ -60,6 +60,7 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Mark ``tensor`` as split (``is_parallel``) along ``dim`` with ``stride``; ``RuntimeError`` if already marked."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(tensor, attribute):
             raise RuntimeError(f"tensor already has the tensor-parallel attribute {attribute!r}")
@@ -69,12 +70,14 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
 
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the default (not split) tensor-parallel attributes where it has none."""
     for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
         if not hasattr(tensor, attribute):
             setattr(tensor, attribute, value)
 
 
 def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+    """Copy the tensor-parallel attributes of ``source_tensor`` to ``destination_tensor``."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, attribute):
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))

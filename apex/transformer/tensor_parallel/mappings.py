@@ -207,28 +207,37 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over the tensor-parallel group backward."""
     return _CopyToModelParallelRegion.apply(input_)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """All-reduce (sum) over the tensor-parallel group forward; identity backward."""
     return _ReduceFromModelParallelRegion.apply(input_)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     return _ScatterToModelParallelRegion.apply(input_)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
     return _GatherFromModelParallelRegion.apply(input_)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the first (sequence) dim forward; all-gather backward."""
     return _ScatterToSequenceParallelRegion.apply(input_)
 
 
 def gather_from_sequence_parallel_region(input_: torch.Tensor, to_model_parallel: bool = True) -> torch.Tensor:
+    """All-gather along the first (sequence) dim forward; backward reduce-scatters the gradient
+    (``to_model_parallel=True``) or keeps this rank's slice.
+    """
     return _GatherFromSequenceParallelRegion.apply(input_, to_model_parallel)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Reduce-scatter along the first (sequence) dim forward; all-gather backward."""
     return _ReduceScatterToSequenceParallelRegion.apply(input_)

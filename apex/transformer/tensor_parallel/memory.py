@@ -72,6 +72,7 @@ _REGISTRY = _Buffers()
 
 
 def allocate_mem_buff(name: str, numel: int, dtype: torch.dtype, track_usage: bool) -> MemoryBuffer:
+    """Allocate a named :class:`MemoryBuffer` of ``numel`` elements; ``RuntimeError`` if the name exists."""
     if name in _REGISTRY.buffers:
         raise RuntimeError(f"memory buffer {name} already allocated.")
     _REGISTRY.buffers[name] = MemoryBuffer(name, numel, dtype, track_usage)
@@ -79,6 +80,7 @@ def allocate_mem_buff(name: str, numel: int, dtype: torch.dtype, track_usage: bo
 
 
 def get_mem_buff(name: str) -> MemoryBuffer:
+    """The memory buffer allocated under ``name``."""
     return _REGISTRY.buffers[name]
 
 

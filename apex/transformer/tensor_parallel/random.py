@@ -111,6 +111,9 @@ class _Tracker:
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
+    """The process's RNG-states tracker (Megatron's ``get_cuda_rng_tracker``; forks the CPU generator
+    where there is no CUDA).
+    """
     return _Tracker.tracker
 
 
@@ -139,6 +142,7 @@ def init_checkpointed_activations_memory_buffer(micro_batch_size, max_position_e
 
 
 def reset_checkpointed_activations_memory_buffer() -> None:
+    """Reset the buffer that holds distributed checkpointed activations, if one is allocated."""
     if _Tracker.checkpointed_activations_buffer is not None:
         _Tracker.checkpointed_activations_buffer.reset()
 

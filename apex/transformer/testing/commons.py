@@ -92,16 +92,19 @@ class ToyParallelMLP(_InputTensorMixin, nn.Module):
 
 def model_provider_func(hidden_size: int, pre_process: bool, post_process: bool, *, add_encoder: bool = False,
                         add_decoder: bool = False) -> MyModel:
+    """Build the toy :class:`MyModel` used by upstream's pipeline tests."""
     return MyModel(hidden_size, pre_process, post_process, add_encoder=add_encoder, add_decoder=add_decoder)
 
 
 def mlp_provider_func(hidden_size: int, pre_process: bool, post_process: bool, *, add_encoder: bool = False,
                       add_decoder: bool = False, sequence_parallel_enabled: bool = False) -> ToyParallelMLP:
+    """Build the toy :class:`ToyParallelMLP` used by upstream's pipeline tests."""
     return ToyParallelMLP(hidden_size, pre_process, post_process, add_encoder=add_encoder, add_decoder=add_decoder,
                           sequence_parallel_enabled=sequence_parallel_enabled)
 
 
 def process_batch(batch):
+    """The first element of a list batch, or the batch itself."""
     return batch[0] if isinstance(batch, list) else batch
 
 
@@ -111,6 +114,7 @@ def _sum_loss(x):
 
 
 def fwd_step_func(batch, model):
+    """A pipeline ``forward_step_func``: ``(model(batch), loss_func)`` with a summed loss."""
     return model(process_batch(batch)), _sum_loss
 
 
@@ -167,6 +171,7 @@ def initialize_distributed(backend: str = "nccl") -> None:
 
 
 def print_separator(message: str) -> None:
+    """Print ``message`` between dashes on rank 0."""
     filler = "-" * ((78 - len(message)) // 2)
     if torch.distributed.get_rank() == 0:
         print(f"\n{filler} {message} {filler}", flush=True)

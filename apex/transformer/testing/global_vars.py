@@ -34,31 +34,38 @@ def _ensure_var_is_not_initialized(var, name: str) -> None:
 
 
 def get_args():
+    """The parsed test arguments; ``RuntimeError`` before ``set_global_variables``."""
     _ensure_var_is_initialized(_GLOBALS.args, "args")
     return _GLOBALS.args
 
 
 def get_num_microbatches() -> int:
+    """The number of microbatches of the test's microbatch calculator."""
     return _GLOBALS.num_microbatches_calculator.get()
 
 
 def get_current_global_batch_size() -> int:
+    """The current global batch size of the test's microbatch calculator."""
     return _GLOBALS.num_microbatches_calculator.get_current_global_batch_size()
 
 
 def update_num_microbatches(consumed_samples: int, *, consistency_check: bool = True) -> None:
+    """Advance the test's microbatch calculator to ``consumed_samples``."""
     _GLOBALS.num_microbatches_calculator.update(consumed_samples, consistency_check)
 
 
 def get_tensorboard_writer():
+    """The TensorBoard writer, or None."""
     return _GLOBALS.tensorboard_writer
 
 
 def get_adlr_autoresume():
+    """ADLR autoresume, or None."""
     return _GLOBALS.adlr_autoresume
 
 
 def get_timers():
+    """The test's timers; ``RuntimeError`` before ``set_global_variables``."""
     _ensure_var_is_initialized(_GLOBALS.timers, "timers")
     return _GLOBALS.timers
 

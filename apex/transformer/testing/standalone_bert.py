@@ -29,6 +29,7 @@ def bert_extended_attention_mask(attention_mask):
 
 
 def bert_position_ids(token_ids):
+    """Position ids ``0..s-1`` for each row of ``token_ids`` ``[b, s]``."""
     seq_length = token_ids.size(1)
     return torch.arange(seq_length, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
 
@@ -54,6 +55,7 @@ class BertLMHead(MegatronModule):
 
 def post_language_model_processing(lm_output, pooled_output, lm_head, binary_head, lm_labels, logit_weights,
                                    fp16_lm_cross_entropy):
+    """BERT's heads: LM logits (and the loss when ``lm_labels`` is given) and the binary-head logits."""
     lm_logits = lm_head(lm_output, logit_weights)
     binary_logits = binary_head(pooled_output) if binary_head is not None else None
     if lm_labels is None:
@@ -115,6 +117,7 @@ class BertModel(MegatronModule):
 
 
 def bert_model_provider(pre_process=True, post_process=True, cpu_offload=False):
+    """Build the standalone :class:`BertModel` from the global test arguments."""
     args = get_args()
     return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,
                      parallel_output=True, pre_process=pre_process, post_process=post_process,

@@ -18,6 +18,7 @@ from apex.transformer.testing.standalone_transformer_lm import (
 
 
 def gpt_model_provider(pre_process: bool = True, post_process: bool = True, cpu_offload: bool = False) -> GPTModel:
+    """Build the standalone :class:`GPTModel` from the global test arguments."""
     args = get_args()
     return GPTModel(num_tokentypes=0, parallel_output=True, pre_process=pre_process, post_process=post_process,
                     cpu_offload=args.cpu_offload)

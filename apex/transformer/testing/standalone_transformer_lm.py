@@ -22,6 +22,7 @@ from apex.transformer.utils import divide
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
+    """True unless the parameter is marked ``shared`` (tied embeddings)."""
     return not getattr(param, "shared", False)
 
 
@@ -63,6 +64,7 @@ class MegatronModule(torch.nn.Module):
 
 
 def get_linear_layer(rows, columns, init_method):
+    """An ``nn.Linear(rows, columns)`` with ``init_method`` weights and a zero bias."""
     layer = torch.nn.Linear(rows, columns)
     init_method(layer.weight)
     with torch.no_grad():
@@ -71,24 +73,29 @@ def get_linear_layer(rows, columns, init_method):
 
 
 def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Fill masked attention scores (``attention_mask`` True) with -10000."""
     return attention_scores.masked_fill(attention_mask, -10000.0)
 
 
 def init_method_normal(sigma):
+    """An initialiser drawing from ``N(0, sigma²)``."""
     def init_(tensor):
         return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
     return init_
 
 
 def scaled_init_method_normal(sigma, num_layers):
+    """An initialiser drawing from ``N(0, (sigma / sqrt(2 num_layers))²)`` (output layers)."""
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
 
 
 def openai_gelu(x):
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))``."""
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
 def erf_gelu(x):
+    """GELU, exact: ``x Φ(x)`` through ``erf``."""
     return x * 0.5 * (torch.erf(x / 1.41421) + torch.ones_like(x))
 
 
@@ -188,10 +195,12 @@ class ParallelAttention(MegatronModule):
 
 
 def bias_dropout_add(x, bias, residual, prob: float, training: bool):
+    """``residual + dropout(x + bias)``."""
     return residual + F.dropout(x + bias, p=prob, training=training)
 
 
 def get_bias_dropout_add(training):
+    """``bias_dropout_add`` with ``training`` bound."""
     def _bias_dropout_add(x, bias, residual, prob):
         return bias_dropout_add(x, bias, residual, prob, training)
     return _bias_dropout_add
