@@ -19,6 +19,8 @@ import torch
 BACKENDS = ("auto", "torch", "triton")
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("apex_backend", default=None)
+# Set by apex.testing.triton_compile: launches on CPU tensors compile for a GPU target and run nothing.
+_compile_only: contextvars.ContextVar[bool] = contextvars.ContextVar("apex_compile_only", default=False)
 
 
 def _validate(name: object, source: str) -> str:
@@ -82,8 +84,19 @@ def select(*tensors) -> str:
     if not triton_available():
         raise RuntimeError("APEX_BACKEND=triton was requested but triton is not installed "
                            "(pip install 'apex[triton]')")
-    if not on_gpu and not interpreting():
+    if not on_gpu and not interpreting() and not _compile_only.get():
         where = "CPU tensors" if device is None or device.type == "cpu" else f"{device.type} tensors"
         raise RuntimeError(f"the triton backend cannot run on {where} unless the Triton interpreter is on "
                            "(set TRITON_INTERPRET=1 before importing apex kernels)")
     return "triton"
+
+
+@contextlib.contextmanager
+def compile_only_mode() -> Iterator[None]:
+    """Let ``triton`` be selected for CPU tensors without the interpreter: only for
+    :func:`apex.testing.triton_compile.compile_only`, where a launch compiles for a GPU and runs nothing."""
+    token = _compile_only.set(True)
+    try:
+        yield
+    finally:
+        _compile_only.reset(token)

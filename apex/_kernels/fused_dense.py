@@ -140,10 +140,15 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
         # The interpreter pays per operation, not per element: one large tile per dimension.
         return dict(BM=_pow2(m, 16, 64), BN=_pow2(n, 16, 128), BK=_pow2(k, 16, 128), GROUP_M=8,
                     num_warps=4, num_stages=1)
-    bk = 32 if dtype == torch.float32 else 64
     bm = 128 if m > 64 else 64
     bn = 128 if n > 64 else 64
-    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    if triton.runtime.driver.active.get_current_target().backend == "hip":
+        # AMD GPUs have 64 KB of LDS per workgroup: two stages of (BM + BN) x BK tiles must fit in it.
+        return dict(BM=bm, BN=bn, BK=16 if dtype == torch.float32 else 32, GROUP_M=8, num_warps=warps,
+                    num_stages=2)
+    # NVIDIA (sm_80+: 164-228 KB of shared memory per block): three stages in flight.
+    return dict(BM=bm, BN=bn, BK=32 if dtype == torch.float32 else 64, GROUP_M=8, num_warps=warps, num_stages=3)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, epi_act: int = NONE,

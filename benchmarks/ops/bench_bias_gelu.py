@@ -47,9 +47,12 @@ def _timed(shape, backward):
 
 
 def _counted(shape, backward):
-    from apex.ops.bias_gelu import bias_gelu_backward_with_bias_grad, bias_gelu_forward
+    from apex.ops.bias_gelu import bias_gelu_backward, bias_gelu_backward_with_bias_grad, bias_gelu_forward
 
     x, b, dy = _inputs(*shape)
+    if backward == "dx":  # fused_bias_gelu.backward: no bias gradient
+        return Counted(triton=lambda: bias_gelu_backward(dy, x, b), eager=None, bytes_min=3 * x.nbytes + b.nbytes,
+                       note="dx only")
     if backward:
         return Counted(triton=lambda: bias_gelu_backward_with_bias_grad(dy, x, b),
                        eager=lambda: _with_db(_megatron_bwd(dy, b, x)),
@@ -64,4 +67,5 @@ def cases() -> list[Case]:
     return [Case(f"bias_gelu_{'bwd' if bwd else 'fwd'}_{name}", timed=lambda bwd=bwd: _timed(TIMED, bwd),
                  counted=lambda bwd=bwd: _counted(COUNTED, bwd),
                  torch_label="Megatron bias_gelu" + ("_back" if bwd else ""))
-            for bwd in (False, True)]
+            for bwd in (False, True)] + [
+        Case(f"bias_gelu_bwd_dx_only_{'x'.join(map(str, COUNTED))}", counted=lambda: _counted(COUNTED, "dx"))]

@@ -48,9 +48,12 @@ def _timed(shape, backward):
 
 
 def _counted(shape, backward):
-    from apex.ops.bias_swiglu import bias_swiglu_backward_with_bias_grad, bias_swiglu_forward
+    from apex.ops.bias_swiglu import bias_swiglu_backward, bias_swiglu_backward_with_bias_grad, bias_swiglu_forward
 
     x, b, dy = _inputs(*shape)
+    if backward == "dx":  # fused_bias_swiglu.backward: no bias gradient
+        return Counted(triton=lambda: bias_swiglu_backward(dy, x, b), eager=None,
+                       bytes_min=2 * x.nbytes + b.nbytes + dy.nbytes, note="dx only")
     if backward:
         return Counted(triton=lambda: bias_swiglu_backward_with_bias_grad(dy, x, b),
                        eager=lambda: _with_db(_megatron_bwd(dy, x, b)),
@@ -65,4 +68,5 @@ def cases() -> list[Case]:
     return [Case(f"bias_swiglu_{'bwd' if bwd else 'fwd'}_{name}", timed=lambda bwd=bwd: _timed(TIMED, bwd),
                  counted=lambda bwd=bwd: _counted(COUNTED, bwd),
                  torch_label="Megatron bias_swiglu" + ("_back" if bwd else ""))
-            for bwd in (False, True)]
+            for bwd in (False, True)] + [
+        Case(f"bias_swiglu_bwd_dx_only_{'x'.join(map(str, COUNTED))}", counted=lambda: _counted(COUNTED, "dx"))]
