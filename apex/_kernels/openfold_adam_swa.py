@@ -1,0 +1,87 @@
+"""Adam step + copy to the compute (bf16) parameters + SWA average in one pass, over lists of tensors.
+
+Lists, in order: grads (on the compute parameters), state parameters, compute parameters, SWA parameters,
+``exp_avg``, ``exp_avg_sq``. Arithmetic is fp64 for fp64 state parameters and fp32 otherwise; the
+hyperparameters come from a small fp64 tensor (so fp64 state is updated with fp64 ``lr``/``betas``, not
+their fp32 roundings). Per element: read g, p, m, v, s; write p, c, m, v, s (the SWA read is skipped on
+the first average, which is a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apex._kernels import multi_tensor as mt
+
+# Positions in the hyperparameter tensor.
+LR, BETA1, BETA2, EPS, WD, BC1, BC2, DECAY = range(8)
+
+
+@triton.jit
+def _to(x, DT: tl.constexpr):
+    # fp64 → 16-bit through fp32, as PyTorch rounds (and the interpreter cannot cast fp64 to bf16).
+    if DT == tl.float64:
+        return x.to(DT)
+    return x.to(tl.float32).to(DT)
+
+
+@triton.jit
+def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, clip_ptr,
+                     G_DT: tl.constexpr, P_DT: tl.constexpr, C_DT: tl.constexpr, S_DT: tl.constexpr,
+                     M_DT: tl.constexpr, V_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                     MODE: tl.constexpr, FIRST_AVERAGE: tl.constexpr, CT: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    c_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, C_DT)
+    s_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, S_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 5, n_tensors, t, V_DT)
+    lr = tl.load(hyper + 0).to(CT)
+    beta1 = tl.load(hyper + 1).to(CT)
+    beta2 = tl.load(hyper + 2).to(CT)
+    eps = tl.load(hyper + 3).to(CT)
+    wd = tl.load(hyper + 4).to(CT)
+    bc1 = tl.load(hyper + 5).to(CT)
+    bc2 = tl.load(hyper + 6).to(CT)
+    decay = tl.load(hyper + 7).to(CT)
+    clip = tl.load(clip_ptr).to(CT)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(CT) * clip
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(CT)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(CT)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(CT)
+        if MODE != 1:  # L2 penalty folded into the gradient (Apex Adam, PyTorch Adam)
+            g = g + wd * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        if MODE == 2:  # PyTorch's order: step size lr/bc1, denominator sqrt(v)/sqrt(bc2) + eps
+            p = p - (lr / bc1) * (m / (tl.sqrt(v) / tl.sqrt(bc2) + eps))
+        else:
+            update = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+            if MODE == 1:  # decoupled weight decay (Apex AdamW)
+                update = update + wd * p
+            p = p - lr * update
+        if FIRST_AVERAGE:
+            s = p
+        else:
+            s = tl.load(s_ptr + idx, mask=mask, other=0.0).to(CT)
+            s = s + (1.0 - decay) * (p - s)
+        tl.store(p_ptr + idx, _to(p, P_DT), mask=mask)
+        tl.store(c_ptr + idx, _to(p, C_DT), mask=mask)
+        tl.store(s_ptr + idx, _to(s, S_DT), mask=mask)
+        tl.store(m_ptr + idx, _to(m, M_DT), mask=mask)
+        tl.store(v_ptr + idx, _to(v, V_DT), mask=mask)
+
+
+def adam_swa(lists, hyper: torch.Tensor, clip: torch.Tensor, mode: int, first_average: bool) -> None:
+    """One launch per group of tensors sharing (device, dtype of each list). ``hyper``: fp64 tensor indexed
+    by ``LR … DECAY`` on the parameters' device; ``clip``: one-element tensor scaling the gradients."""
+    for _, sub in mt.group(lists):
+        ct = tl.float64 if sub[1][0].dtype == torch.float64 else tl.float32
+        mt.launch(_adam_swa_kernel, mt.table(sub), hyper, clip, MODE=int(mode),
+                  FIRST_AVERAGE=bool(first_average), CT=ct)

@@ -1,0 +1,242 @@
+"""OpenFold's triangle/MSA attention with a 0/1 key mask and an additive bias: flash-attention kernels.
+
+``o = softmax(q·kᵀ/√d + (mask − 1)·inf + bias) · v`` over ``[Z, H, NQ, D]`` queries and ``[Z, H, NK, D]``
+keys/values, with ``mask`` and ``bias`` read through broadcast strides (a stride of 0 repeats them, so
+OpenFold's ``[B, 1, 1, NK]`` mask and ``[1, H, NQ, NK]`` bias are never expanded in memory).
+
+Forward keeps a running max and sum per query row and writes ``o`` and the fp32 log-sum-exp. Backward has
+two kernels, no atomics: one per query block writes ``delta = Σ o·do``, ``dq`` and (when the bias needs a
+gradient) the fp32 score gradient ``ds`` per ``[Z, H, NQ, NK]``, which the op layer sums over the bias's
+broadcast dimensions; one per key block accumulates ``dk`` and ``dv``. Scores and accumulators are fp32.
+On GPUs the two products use the input dtype (fp16/bf16 tensor cores, fp32 accumulation) and
+``input_precision="ieee"`` for fp32 inputs; under the interpreter every product is fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def _mm(a, b, LOW: tl.constexpr, DT: tl.constexpr):
+    if LOW:
+        return tl.dot(a.to(DT), b.to(DT))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _scores(qt, kb, mask_base, bias_base, offs_m, offs_n, NQ, NK, sm_m, sm_n, sb_m, sb_n, scale, inf,
+            HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, LOW: tl.constexpr, DT: tl.constexpr):
+    """fp32 scores ``[BLOCK_M, BLOCK_N]`` of queries ``qt`` against one key block ``kb`` ``[BLOCK_N, BLOCK_D]``;
+    keys past ``NK`` get −inf."""
+    nmask = offs_n < NK
+    s = _mm(qt, tl.trans(kb), LOW, DT) * scale
+    both = (offs_m[:, None] < NQ) & nmask[None, :]
+    if HAS_MASK:
+        mk = tl.load(mask_base + offs_m[:, None] * sm_m + offs_n[None, :] * sm_n, mask=both, other=1.0)
+        s += (mk.to(tl.float32) - 1.0) * inf
+    if HAS_BIAS:
+        s += tl.load(bias_base + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n, mask=both,
+                     other=0.0).to(tl.float32)
+    return tl.where(nmask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _attn_fwd(q, k, v, mask, bias, o, lse,
+              sq_z, sq_h, sq_m, sq_d, sk_z, sk_h, sk_n, sk_d, sv_z, sv_h, sv_n, sv_d,
+              sm_z, sm_h, sm_m, sm_n, sb_z, sb_h, sb_m, sb_n,
+              H, NQ, NK, D, scale, inf, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, LOW: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    zh = tl.program_id(1)
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    DT = q.dtype.element_ty
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    mrow = offs_m < NQ
+    dmask = offs_d < D
+    qt = tl.load(q + z * sq_z + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
+                 mask=mrow[:, None] & dmask[None, :], other=0.0)
+    k_base = k + z * sk_z + h * sk_h
+    v_base = v + z * sv_z + h * sv_h
+    mask_base = mask + z * sm_z + h * sm_h
+    bias_base = bias + z * sb_z + h * sb_h
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        kb = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                     mask=(offs_n[:, None] < NK) & dmask[None, :], other=0.0)
+        s = _scores(qt, kb, mask_base, bias_base, offs_m, offs_n, NQ, NK, sm_m, sm_n, sb_m, sb_n, scale, inf,
+                    HAS_MASK, HAS_BIAS, LOW, DT)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        vt = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
+                     mask=(offs_n[:, None] < NK) & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p, vt, LOW, DT)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_off = (zh.to(tl.int64) * NQ + offs_m)[:, None] * D + offs_d[None, :]
+    tl.store(o + o_off, out.to(o.dtype.element_ty), mask=mrow[:, None] & dmask[None, :])
+    tl.store(lse + zh.to(tl.int64) * NQ + offs_m, m_i + tl.log(l_i), mask=mrow)
+
+
+@triton.jit
+def _attn_bwd_dq(q, k, v, mask, bias, o, do, lse, delta, dq, ds,
+                 sq_z, sq_h, sq_m, sq_d, sk_z, sk_h, sk_n, sk_d, sv_z, sv_h, sv_n, sv_d,
+                 sm_z, sm_h, sm_m, sm_n, sb_z, sb_h, sb_m, sb_n,
+                 H, NQ, NK, D, scale, inf, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DS: tl.constexpr,
+                 LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    zh = tl.program_id(1)
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    DT = q.dtype.element_ty
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    mrow = offs_m < NQ
+    md = mrow[:, None] & (offs_d[None, :] < D)
+    qt = tl.load(q + z * sq_z + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=md, other=0.0)
+    row = zh.to(tl.int64) * NQ + offs_m
+    o_off = row[:, None] * D + offs_d[None, :]
+    dot_ = tl.load(do + o_off, mask=md, other=0.0)
+    dl = tl.sum(tl.load(o + o_off, mask=md, other=0.0).to(tl.float32) * dot_.to(tl.float32), axis=1)
+    tl.store(delta + row, dl, mask=mrow)
+    lse_i = tl.load(lse + row, mask=mrow, other=0.0)
+    k_base = k + z * sk_z + h * sk_h
+    v_base = v + z * sv_z + h * sv_h
+    mask_base = mask + z * sm_z + h * sm_h
+    bias_base = bias + z * sb_z + h * sb_h
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        nmask = offs_n < NK
+        kb = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                     mask=nmask[:, None] & (offs_d[None, :] < D), other=0.0)
+        s = _scores(qt, kb, mask_base, bias_base, offs_m, offs_n, NQ, NK, sm_m, sm_n, sb_m, sb_n, scale, inf,
+                    HAS_MASK, HAS_BIAS, LOW, DT)
+        both = mrow[:, None] & nmask[None, :]
+        p = tl.where(both, tl.exp(s - lse_i[:, None]), 0.0)
+        vt = tl.load(v_base + offs_n[None, :] * sv_n + offs_d[:, None] * sv_d,
+                     mask=nmask[None, :] & (offs_d[:, None] < D), other=0.0)
+        dp = _mm(dot_, vt, LOW, DT)
+        dsb = p * (dp - dl[:, None])
+        if NEED_DS:
+            tl.store(ds + row[:, None] * NK + offs_n[None, :], dsb, mask=both)
+        acc += _mm(dsb, kb, LOW, DT)
+    tl.store(dq + o_off, (acc * scale).to(dq.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _attn_bwd_dkdv(q, k, v, mask, bias, do, lse, delta, dk, dv,
+                   sq_z, sq_h, sq_m, sq_d, sk_z, sk_h, sk_n, sk_d, sv_z, sv_h, sv_n, sv_d,
+                   sm_z, sm_h, sm_m, sm_n, sb_z, sb_h, sb_m, sb_n,
+                   H, NQ, NK, D, scale, inf, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, LOW: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    zh = tl.program_id(1)
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    DT = q.dtype.element_ty
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    nmask = offs_n < NK
+    dmask = offs_d < D
+    nd = nmask[:, None] & dmask[None, :]
+    vb = tl.load(v + z * sv_z + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=nd, other=0.0)
+    kb = tl.load(k + z * sk_z + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=nd, other=0.0)
+    mask_base = mask + z * sm_z + h * sm_h
+    bias_base = bias + z * sb_z + h * sb_h
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for m0 in range(0, NQ, BLOCK_M):
+        offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mrow = offs_m < NQ
+        md = mrow[:, None] & dmask[None, :]
+        qt = tl.load(q + z * sq_z + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=md, other=0.0)
+        s = _scores(qt, kb, mask_base, bias_base, offs_m, offs_n, NQ, NK, sm_m, sm_n, sb_m, sb_n, scale, inf,
+                    HAS_MASK, HAS_BIAS, LOW, DT)
+        row = zh.to(tl.int64) * NQ + offs_m
+        lse_i = tl.load(lse + row, mask=mrow, other=0.0)
+        dl = tl.load(delta + row, mask=mrow, other=0.0)
+        p = tl.where(mrow[:, None] & nmask[None, :], tl.exp(s - lse_i[:, None]), 0.0)
+        dot_ = tl.load(do + row[:, None] * D + offs_d[None, :], mask=md, other=0.0)
+        dv_acc += _mm(tl.trans(p), dot_, LOW, DT)
+        dp = _mm(dot_, tl.trans(vb), LOW, DT)
+        dsb = p * (dp - dl[:, None])
+        dk_acc += _mm(tl.trans(dsb), qt, LOW, DT)
+    kv_off = (zh.to(tl.int64) * NK + offs_n)[:, None] * D + offs_d[None, :]
+    tl.store(dk + kv_off, (dk_acc * scale).to(dk.dtype.element_ty), mask=nd)
+    tl.store(dv + kv_off, dv_acc.to(dv.dtype.element_ty), mask=nd)
+
+
+def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
+    block_d = max(16, triton.next_power_of_2(d))
+    if _interpreting() or device.type != "cuda":
+        return 32, 64, block_d, 1  # the interpreter pays per op: few, large blocks
+    if block_d <= 64:
+        return 64, 64, block_d, 4
+    return 64, 32, block_d, 4
+
+
+def _strides4(t):
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+def _common(q, k, v, mask, bias):
+    z, h, nq, d = q.shape
+    nk = k.shape[2]
+    low = q.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    return (*q.stride(), *k.stride(), *v.stride(), *_strides4(mask), *_strides4(bias), h, nq, nk, d), low
+
+
+def forward(q, k, v, mask, bias, scale: float, inf: float):
+    """``(o, lse)``: ``q``/``k``/``v`` 4-D ``[Z, H, N, D]`` (any strides); ``mask``/``bias`` None or 4-D views
+    of ``[Z, H, NQ, NK]`` (broadcast strides allowed). ``o`` contiguous in ``q``'s dtype, ``lse`` fp32."""
+    z, h, nq, d = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((z, h, nq), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    bm, bn, bd, warps = _blocks(d, q.device)
+    args, low = _common(q, k, v, mask, bias)
+    _attn_fwd[(triton.cdiv(nq, bm), z * h)](
+        q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *args,
+        float(scale), float(inf), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+    return o, lse
+
+
+def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds: bool):
+    """``(dq, dk, dv, ds)``: contiguous gradients in the inputs' dtypes; ``ds`` the fp32 score gradient
+    ``[Z, H, NQ, NK]`` when ``need_ds``, else None. ``do`` and ``o`` contiguous."""
+    z, h, nq, d = q.shape
+    nk = k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    ds = torch.empty((z, h, nq, nk), dtype=torch.float32, device=q.device) if need_ds else None
+    delta = torch.empty((z, h, nq), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
+    bm, bn, bd, warps = _blocks(d, q.device)
+    args, low = _common(q, k, v, mask, bias)
+    m_arg = mask if mask is not None else q
+    b_arg = bias if bias is not None else q
+    flags = dict(HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_D=bd, num_warps=warps)
+    _attn_bwd_dq[(triton.cdiv(nq, bm), z * h)](
+        q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *args,
+        float(scale), float(inf), NEED_DS=need_ds, **flags)
+    _attn_bwd_dkdv[(triton.cdiv(nk, bn), z * h)](
+        q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *args, float(scale), float(inf), **flags)
+    return dq, dk, dv, ds

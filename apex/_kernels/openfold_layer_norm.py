@@ -1,0 +1,196 @@
+"""LayerNorm for OpenFold's small rows (N of 64–256 over millions of rows): kernels and launchers.
+
+A program normalises ``ROWS`` whole rows at once (one ``[ROWS, BLOCK_N]`` tile), so short rows still fill a
+block. Inputs may be a 4-D strided view normalised over its last dimension (OpenFold's transposed pair
+activations): row ``m`` of ``[D0, D1, D2, N]`` starts at ``i0·S0 + i1·S1 + i2·S2`` and its elements are
+``SN`` apart, so no copy is made. Outputs are contiguous. Statistics are fp32.
+
+Backward: one kernel writes ``dx`` and, per program, fp32 partial sums of ``dy·x̂`` and ``dy`` over the
+rows it owns (a fixed number of programs, each walking a contiguous range of rows); a second kernel sums
+the partial rows in a fixed order into ``dweight``/``dbias``. No atomics: results are deterministic.
+
+``ROWS`` is autotuned on GPUs (``triton.autotune``, key ``(M, N)``); under the Triton interpreter the
+autotuners hold a single fixed config, since the interpreter cannot benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_N = 16384  # longer rows do not fit one tile; the op layer sends them to PyTorch
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _configs() -> list:
+    if _interpreting():
+        return [triton.Config({"ROWS": 16}, num_warps=1)]
+    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
+
+
+def _prune(configs, named_args, **kwargs):
+    # Tiles above 16K fp32 values spill registers; keep at least one config whatever N is.
+    block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N", 1))
+    kept = [c for c in configs if c.kwargs["ROWS"] * block_n <= 16384]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _row_start(rows, D1, D2, S0, S1, S2):
+    r = rows.to(tl.int64)
+    i0 = r // (D1 * D2)
+    rest = r % (D1 * D2)
+    return i0 * S0 + (rest // D2) * S1 + (rest % D2) * S2
+
+
+@triton.autotune(configs=_configs(), key=["M", "N"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _ln_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, D1, D2, S0, S1, S2, SN, eps,
+            HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)  # 64-bit offsets: no overflow, no overflow checks
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    start = _row_start(rows, D1, D2, S0, S1, S2)
+    x = tl.load(x_ptr + start[:, None] + cols[None, :] * SN, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=rmask)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+
+
+@triton.autotune(configs=_configs(), key=["M", "N"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _ln_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N, rows_per_prog,
+            D1, D2, S0, S1, S2, SN, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+            BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)  # 64-bit offsets: no overflow, no overflow checks
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    last = tl.minimum(first + rows_per_prog, M)
+    for r0 in range(first, last, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        rmask = rows < last
+        mask = rmask[:, None] & cmask[None, :]
+        start = _row_start(rows, D1, D2, S0, S1, S2)
+        x = tl.load(x_ptr + start[:, None] + cols[None, :] * SN, mask=mask, other=0.0).to(tl.float32)
+        out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        dy = tl.load(dy_ptr + out, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if NEED_DB:
+            db_acc += tl.sum(dy, axis=0)
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=cmask)
+    if NEED_DB:
+        tl.store(db_part_ptr + pid * N + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def _column_sum(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        m = (ps < P)[:, None] & cmask[None, :]
+        acc += tl.sum(tl.load(part_ptr + ps[:, None] * N + cols[None, :], mask=m, other=0.0), axis=0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def tuneable_kernels() -> dict:
+    """The autotuned kernels by name (their ``.cache`` maps a tuning key to the chosen config)."""
+    return {"_ln_fwd": _ln_fwd, "_ln_bwd": _ln_bwd}
+
+
+def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, int]:
+    """``(M, N, D1, D2, S0, S1, S2, SN)`` for a tensor of up to 4 dims normalised over its last dim."""
+    *lead, n = x.shape
+    lead = [1] * (3 - len(lead)) + list(lead)
+    strides = [0] * (3 - (x.dim() - 1)) + list(x.stride()[:-1])
+    m = lead[0] * lead[1] * lead[2]
+    return m, n, lead[1], lead[2], strides[0], strides[1], strides[2], x.stride(-1)
+
+
+def _programs(m: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = 4  # the interpreter runs programs one by one: few, long programs
+    return max(1, min(m, cap))
+
+
+def forward(x: torch.Tensor, weight, bias, eps: float):
+    """``(y, mean, rstd)`` for ``x`` of at most 4 dims normalised over its last dim; ``y`` contiguous."""
+    m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, mean, rstd
+    block_n = triton.next_power_of_2(n)
+    _ln_fwd[lambda meta: (triton.cdiv(m, meta["ROWS"]),)](
+        x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd,
+        m, n, d1, d2, s0, s1, s2, sn, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=block_n)
+    return y, mean, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: bool, need_db: bool,
+             w_dtype: torch.dtype, b_dtype: torch.dtype):
+    """``(dx, dweight, dbias)``; ``dy`` contiguous with ``x``'s shape, ``dx`` contiguous."""
+    m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    progs = _programs(m, x.device)
+    dw_part = torch.empty((progs, n), dtype=torch.float32, device=x.device) if need_dw else None
+    db_part = torch.empty((progs, n), dtype=torch.float32, device=x.device) if need_db else None
+    if m > 0:
+        _ln_bwd[(progs,)](
+            dy, x, weight if weight is not None else x, mean, rstd, dx,
+            dw_part if need_dw else dx, db_part if need_db else dx, m, n, triton.cdiv(m, progs),
+            d1, d2, s0, s1, s2, sn, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
+            BLOCK_N=triton.next_power_of_2(n))
+    sums = []
+    for part, dt, need in ((dw_part, w_dtype, need_dw), (db_part, b_dtype, need_db)):
+        if not need:
+            sums.append(None)
+            continue
+        out = torch.empty(n, dtype=dt, device=x.device)
+        if m == 0:
+            out.zero_()
+        else:
+            block_c = min(triton.next_power_of_2(n), 256)
+            _column_sum[(triton.cdiv(n, block_c),)](part, out, progs, n, BLOCK_P=16, BLOCK_C=block_c)
+        sums.append(out)
+    return dx, sums[0], sums[1]

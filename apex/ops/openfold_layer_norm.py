@@ -1,0 +1,109 @@
+"""OpenFold's small-shape LayerNorm: ``y = (x − mean) / sqrt(var + eps) · weight + bias`` over the trailing
+``normalized_shape``, with the biased variance.
+
+Dtype policy: statistics in fp32 (fp64 for fp64 inputs), one rounding to the input dtype; the saved
+``mean``/``rstd`` are fp32 (the input dtype for fp64), one value per row; ``dweight``/``dbias`` are
+accumulated in fp32 and rounded to the parameters' dtype.
+
+Paths: CUDA/ROCm tensors run ``apex._kernels.openfold_layer_norm`` (several short rows per program,
+strided 4-D inputs read in place, deterministic two-step ``dweight``/``dbias``); rows longer than
+``MAX_N`` and fp64 inputs go to PyTorch there too. CPU tensors run PyTorch's fused
+``native_layer_norm`` forward and ``native_layer_norm_backward``.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from apex import _backend
+
+Tensor = torch.Tensor
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_N = 16384  # mirrors apex._kernels.openfold_layer_norm.MAX_N, without importing Triton here
+
+
+def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Tensor | None
+               ) -> tuple[tuple[int, ...], int, int]:
+    """Validate the arguments; returns ``(normalized_shape, M rows, N per row)``."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"inputs must be a tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"inputs must be a floating-point tensor, got {input.dtype}")
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    try:
+        shape = tuple(int(s) for s in normalized_shape)
+    except TypeError:
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
+    if not shape or tuple(input.shape[input.dim() - len(shape):]) != shape or len(shape) > input.dim():
+        raise ValueError(f"normalized_shape {list(shape)} must be a non-empty suffix of the input shape "
+                         f"{list(input.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(p.shape)}")
+        if p.device != input.device:
+            raise ValueError(f"{name} is on {p.device}, inputs on {input.device}")
+    n = prod(shape)
+    return shape, input.numel() // max(n, 1) if n else 0, n
+
+
+def _use_kernel(x: Tensor, shape, n: int, *tensors) -> bool:
+    if _backend.select(x, *tensors) != "triton":
+        return False
+    return x.dtype in _KERNEL_DTYPES and 0 < n <= _MAX_N
+
+
+def _kernel_view(x: Tensor, shape) -> Tensor:
+    """A view the kernels read in place: strided ≤4-D over the last dim, else contiguous rows."""
+    if len(shape) == 1 and x.dim() <= 4:
+        return x
+    return x.contiguous().view(-1, prod(shape))
+
+
+def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+                       eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` without autograd; ``mean``/``rstd`` have one entry per row."""
+    shape, m, n = check_args(input, normalized_shape, weight, bias)
+    if _use_kernel(input, shape, n, weight, bias):
+        from apex._kernels import openfold_layer_norm as kernels
+
+        y, mean, rstd = kernels.forward(_kernel_view(input, shape),
+                                        weight.reshape(-1).contiguous() if weight is not None else None,
+                                        bias.reshape(-1).contiguous() if bias is not None else None, eps)
+        return y.view(input.shape), mean, rstd
+    y, mean, rstd = torch.native_layer_norm(input, list(shape), weight, bias, eps)
+    return y, mean.reshape(-1), rstd.reshape(-1)
+
+
+def layer_norm_backward(grad_output: Tensor, input: Tensor, normalized_shape, weight: Tensor | None,
+                        bias: Tensor | None, mean: Tensor, rstd: Tensor,
+                        needs: tuple[bool, bool, bool] = (True, True, True)
+                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dinput, dweight, dbias)`` from the saved row statistics; entries not in ``needs`` are None."""
+    shape, m, n = check_args(input, normalized_shape, weight, bias)
+    if tuple(grad_output.shape) != tuple(input.shape):
+        raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected {list(input.shape)}")
+    need_dw = needs[1] and weight is not None
+    need_db = needs[2] and bias is not None
+    if _use_kernel(input, shape, n, weight, bias, grad_output):
+        from apex._kernels import openfold_layer_norm as kernels
+
+        xv = _kernel_view(input, shape)
+        dy = grad_output.contiguous().view(xv.shape)
+        dx, dw, db = kernels.backward(dy, xv, weight.reshape(-1).contiguous() if weight is not None else None,
+                                      mean, rstd, need_dw, need_db,
+                                      weight.dtype if weight is not None else input.dtype,
+                                      bias.dtype if bias is not None else input.dtype)
+        return (dx.view(input.shape) if needs[0] else None,
+                dw.view(shape) if dw is not None else None, db.view(shape) if db is not None else None)
+    lead = input.shape[: input.dim() - len(shape)]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        grad_output, input, list(shape), mean.view(*lead, *([1] * len(shape))),
+        rstd.view(*lead, *([1] * len(shape))), weight, bias, [needs[0], need_dw, need_db])
+    return dx, dw, db

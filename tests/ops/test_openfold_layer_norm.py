@@ -1,0 +1,103 @@
+"""apex.contrib.openfold_triton.LayerNormSmallShapeOptImpl (apex.ops.openfold_layer_norm) against float64
+references on both backends (the Triton path under the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import apex
+from apex.contrib.openfold_triton import (
+    LayerNormSmallShapeOptImpl,
+)
+from apex.testing import assert_rel_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------ LayerNorm
+def _ln_case(x, ns, w, b, dy, eps=1e-5):
+    """Our output and grads, the float64 reference, and PyTorch's own result in the input dtype."""
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = LayerNormSmallShapeOptImpl.apply(x, ns, w, b, eps)
+    got = [y, *torch.autograd.grad(y, leaves, dy)]
+    d64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, rest = d64[0], iter(d64[1:])
+    w64 = next(rest) if w is not None else None
+    b64 = next(rest) if b is not None else None
+    y64 = F.layer_norm(x64, ns, w64, b64, eps)
+    ref = [y64, *torch.autograd.grad(y64, d64, dy.double())]
+    yl = F.layer_norm(x, ns, w, b, eps)
+    base = [yl, *torch.autograd.grad(yl, leaves, dy)]
+    return got, ref, base
+
+
+def _param(n, dtype):
+    return (1.0 + 0.3 * torch.randn(n)).to(dtype).requires_grad_()
+
+
+LN_SHAPES = [
+    ((37, 45), (45,), False),          # ragged rows
+    ((2, 5, 7, 33), (33,), True),      # OpenFold's transposed 4-D pair activation, read in place
+    ((3, 4, 3, 7), (3, 7), False),     # two normalised dims
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,ns,transposed", LN_SHAPES, ids=str)
+def test_layer_norm_matches_float64(backend_name, shape, ns, transposed, dtype):
+    x = torch.randn(shape)
+    if transposed:
+        x = x.transpose(1, 2)  # non-contiguous, normalised over the (still unit-stride) last dim
+    x = x.to(dtype).requires_grad_()
+    w, b = _param(ns, dtype), (0.1 * torch.randn(ns)).to(dtype).requires_grad_()
+    dy = torch.randn(x.shape).to(dtype)
+    got, ref, base = _ln_case(x, ns, w, b, dy)
+    for name, g, r, bl in zip(["y", "dx", "dw", "db"], got, ref, base):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_rel_close(g, r, dtype, tol=1e-5 if dtype == torch.float32 else None,
+                         baseline=None if dtype == torch.float32 else bl, name=name)
+
+
+def test_layer_norm_strided_last_dim_and_no_affine(backend_name):
+    # A last dim with stride > 1 (4-D) and no weight/bias.
+    x = torch.randn(2, 3, 21, 4).transpose(-1, -2).requires_grad_()
+    dy = torch.randn(x.shape)
+    got, ref, _ = _ln_case(x, (21,), None, None, dy)
+    for name, g, r in zip(["y", "dx"], got, ref):
+        assert_rel_close(g, r, torch.float32, tol=1e-5, name=name)
+
+
+def test_layer_norm_bf16_input_fp32_params(backend_name):
+    # Mixed precision: bf16 activations, fp32 LayerNorm parameters (their gradients stay fp32).
+    x = torch.randn(3, 11, 40).to(torch.bfloat16).requires_grad_()
+    w, b = _param(40, torch.float32), torch.randn(40).requires_grad_()
+    dy = torch.randn(x.shape).to(torch.bfloat16)
+    got, ref, base = _ln_case(x, (40,), w, b, dy)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    for name, g, r, bl in zip(["y", "dx", "dw", "db"], got, ref, base):
+        assert_rel_close(g, r, torch.bfloat16, baseline=bl, name=name)
+
+
+@settings(max_examples=4, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(3, 130))  # n ≤ 2: dx is 0 up to rounding noise
+def test_layer_norm_ragged_shapes_triton(m, n):
+    x = torch.randn(m, n, dtype=torch.float32).requires_grad_()
+    w, b = _param(n, torch.float32), torch.randn(n).requires_grad_()
+    with apex.backend("triton"):
+        got, ref, _ = _ln_case(x, (n,), w, b, torch.randn(m, n))
+    for name, g, r in zip(["y", "dx", "dw", "db"], got, ref):
+        assert_rel_close(g, r, torch.float32, tol=1e-5, name=name)
+
+
+def test_layer_norm_bad_arguments_raise():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        LayerNormSmallShapeOptImpl.apply(x, (7,), None, None, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        LayerNormSmallShapeOptImpl.apply(x, (8,), torch.ones(7), None, 1e-5)
+    with pytest.raises(TypeError, match="floating"):
+        LayerNormSmallShapeOptImpl.apply(x.long(), (8,), None, None, 1e-5)
