@@ -49,6 +49,7 @@ MODULES = (
     "cudnn_gbn_lib",
     "group_norm_v2_cuda",
     "syncbn",
+    "permutation_search_cuda",
 )
 
 

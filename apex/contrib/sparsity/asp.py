@@ -13,19 +13,26 @@ tensor-core rule); others are skipped with a log line on the ``apex.contrib.spar
 
 Differences from Apex: misuse raises ``RuntimeError`` (Apex asserts); ``already_init_asp_model`` always
 returns a bool; the shape rule applies to every dtype (Apex skips the check for bfloat16); the pruned copies
-kept by ``allow_recompute_mask`` return to the weight's own device; the model-level channel permutation (Apex's
-torch.fx graph analysis in ``permutation_lib``) is not implemented: ``allow_permutation`` is accepted and masks
-are computed on the unpermuted weights (the search itself is ``permutation_search_kernels``).
+kept by ``allow_recompute_mask`` return to the weight's own device.
+
+Channel permutation (``allow_permutation=True``, the default as in Apex): ``compute_sparse_masks`` first
+permutes the model's channels with :class:`~apex.contrib.sparsity.permutation_lib.Permutation` so that the masks
+keep more magnitude; the model computes the same function. Unlike Apex it also permutes the optimizer's state
+(Adam moments, momentum) of every permuted parameter, restores dense weights *before* permuting when masks are
+recomputed, and does not reseed the global RNGs (the search is deterministic).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 import types
 from collections.abc import Callable, Iterable
 
 import torch
 
+from apex.contrib.sparsity.permutation_lib import Permutation
 from apex.contrib.sparsity.sparse_masklib import create_mask
 
 _log = logging.getLogger("apex.contrib.sparsity")
@@ -97,6 +104,7 @@ class ASP:
         cls._allow_permutation = True
         cls._save_permutation_graph = False
         cls._permutation_output_dir = "."
+        Permutation.set_permutation_params_from_asp(None, [], [], 0)
 
     @classmethod
     def init_model_for_pruning(
@@ -176,6 +184,9 @@ class ASP:
         cls._calculate_mask = calculate
         cls._sparse_parameters = records
         cls._allow_permutation = allow_permutation
+        if allow_permutation:
+            every = [(mn, m, pn, p) for mn, m in model.named_modules() for pn, p in m.named_parameters(recurse=False)]
+            Permutation.set_permutation_params_from_asp(model, records, every, verbosity)
 
     @classmethod
     def _say_at(cls, verbosity: int, level: int, msg: str) -> None:
@@ -225,12 +236,16 @@ class ASP:
             if pruned is None and not bool(mask.all()):
                 raise RuntimeError(f"Unable to restore dense parameter {module_name}::{p_name} to recompute its "
                                    "mask because allow_recompute_mask == False")
+        with torch.no_grad():
+            for _, _, _, p, mask, pruned in cls._sparse_parameters:
+                if pruned is not None and not bool(mask.all()):  # recomputing: back to the dense weights
+                    p.add_(pruned.to(p.device))
+                    mask.fill_(True)
+                    pruned.zero_()
         if cls._allow_permutation:
-            cls._say(2, "[ASP] channel permutation search is not implemented; masks use the unpermuted weights")
+            cls._permute()
         with torch.no_grad():
             for module_name, _, p_name, p, mask, pruned in cls._sparse_parameters:
-                if pruned is not None and not bool(mask.all()):
-                    p.add_(pruned.to(p.device))
                 new_mask = cls._calculate_mask(p)
                 mask.copy_(new_mask.to(device=mask.device, dtype=torch.bool).reshape(mask.shape))
                 if pruned is not None:
@@ -238,6 +253,25 @@ class ASP:
                 p.mul_(mask)
                 cls._say(2, f"[ASP] Enabled {100.0 - 100.0 * float(mask.sum()) / mask.numel():.2f}% sparsity for "
                          f"{module_name}::{p_name} of size={tuple(p.shape)} and type={p.dtype}")
+
+    @classmethod
+    def _permute(cls) -> None:
+        """Permute the model's channels (the wrapped ``.module`` of a DDP-style wrapper first, as Apex), then
+        the optimizer state of every permuted parameter the same way."""
+        start = time.perf_counter()
+        inner = getattr(cls._model, "module", None)
+        target = inner if isinstance(inner, torch.nn.Module) else cls._model
+        out = os.path.join(cls._permutation_output_dir, "model_offline_permutation_graph.json")
+        done = Permutation.permute_model(target, dump_fx_graph=cls._save_permutation_graph, save_dumped_fx_graph=out)
+        if not done:
+            return
+        if cls._optimizer is not None:
+            with torch.no_grad():
+                for t, dim, idx in Permutation._applied:
+                    for value in cls._optimizer.state.get(t, {}).values():
+                        if isinstance(value, torch.Tensor) and value.shape == t.shape:
+                            value.copy_(value.index_select(dim, idx.to(value.device)))
+        cls._say(2, f"[ASP] found and applied channel permutations in {time.perf_counter() - start:.3f} s")
 
     @classmethod
     def restore_pruned_weights(cls) -> None:
@@ -282,9 +316,13 @@ class ASP:
     @classmethod
     def set_permutation_saving_params(cls, allow_permutation: bool = True, save_permutation_graph: bool = False,
                                       permutation_output_dir: str = ".") -> None:
-        """Record the permutation options (kept for Apex's API; no permutation search runs, see above)."""
+        """Turn the channel permutation of ``compute_sparse_masks`` on or off; with ``save_permutation_graph``
+        the traced graph is written as JSON under ``permutation_output_dir``."""
         cls._allow_permutation = allow_permutation
         cls._save_permutation_graph = save_permutation_graph
         cls._permutation_output_dir = permutation_output_dir
+        Permutation.set_permutation_saving_params(allow_permutation, save_permutation_graph, permutation_output_dir)
+        if allow_permutation and Permutation._model is None and cls._model is not None:
+            Permutation.set_permutation_params_from_asp(cls._model, cls._sparse_parameters, [], cls._verbosity)
         cls._say(2, f"[ASP] permutation: allow={allow_permutation}, save graph={save_permutation_graph}, "
                  f"dir={permutation_output_dir}")
