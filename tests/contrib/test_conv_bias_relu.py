@@ -114,3 +114,23 @@ def test_bad_input(case):
             ConvBiasMaskReLU(x, w, b, torch.ones(2, 7, 3, 3, dtype=torch.int8), 1, 1)
         else:
             ConvBiasReLU(x, w, b, -1, 1)
+
+
+def test_autocast_gradient_matches_fp32_loss_reference():
+    # Upstream's test computes its reference loss as ``(out_ ** 2).sum() / numel`` under autocast: on CUDA
+    # ``pow`` and ``sum`` autocast to fp32, on CPU they stay fp16, where 1/numel rounds to an fp16 subnormal.
+    # Against the CUDA semantics (loss in fp32, gradient rounded once to fp16) the block is bit-identical.
+    torch.manual_seed(0)
+    x = torch.randint(-16, 16, (2, 8, 64, 64)).float().to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(8, 16, 1, stride=1)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w1, w2 = conv.weight.detach().clone().requires_grad_(), conv.weight.detach().clone().requires_grad_()
+    b1, b2 = conv.bias.detach().clone().requires_grad_(), conv.bias.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.half):
+        out = ConvBias(x1, w1, b1.reshape(1, -1, 1, 1), 0, 1)
+        ref = F.conv2d(x2, w2, b2)
+        ((out.float() ** 2).sum() / out.numel()).backward()
+        ((ref.float() ** 2).sum() / ref.numel()).backward()
+    assert out.dtype == ref.dtype == torch.float16
+    for a, r in ((out, ref), (w1.grad, w2.grad), (b1.grad, b2.grad), (x1.grad, x2.grad)):
+        torch.testing.assert_close(a, r, atol=1e-3, rtol=1e-3)

@@ -126,3 +126,18 @@ def test_errors():
     g = FusedDenseGeluDense(5, 4, 3)
     with pytest.raises(ValueError, match="weight 1 expects 6 input features but the weight 0.s out_features is 4"):
         fused_dense_gelu_dense_function(torch.randn(2, 5), g.weight1, g.bias1, torch.randn(3, 6), g.bias2)
+
+
+def test_bf16_output_rounded_once():
+    # Upstream's test_fused_dense[bf16] compares with ``matmul(x, Wᵀ) + bias`` in bf16, which rounds twice
+    # (after the product and after the bias add). FusedDense adds the bias before its single rounding, as
+    # cuBLASLt's bias epilogue does: it must stay the once-rounded result, not the twice-rounded one.
+    torch.manual_seed(0)
+    x = torch.randn(96, 256).bfloat16()
+    dense = FusedDense(256, 192).bfloat16()
+    with torch.no_grad():
+        y = dense(x)
+        once = (x.double() @ dense.weight.double().t() + dense.bias.double()).bfloat16()
+        twice = torch.matmul(x, dense.weight.t()) + dense.bias
+    assert (y != once).float().mean().item() < 1e-3  # only fp32-accumulation ties
+    assert (twice != once).float().mean().item() > 0.05  # the test's reference is the one that is off
