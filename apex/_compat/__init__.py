@@ -40,6 +40,8 @@ MODULES = (
     "bnp",
     "fused_adam_cuda",
     "fused_lamb_cuda",
+    "distributed_adam_cuda",
+    "distributed_lamb_cuda",
     "peer_memory_cuda",
     "nccl_p2p_cuda",
     "fast_bottleneck",

@@ -1,0 +1,411 @@
+"""Gradient reduce-scatter, sharded Adam step and parameter all-gather of ``DistributedFusedAdam``.
+
+Collectives are asynchronous ``torch.distributed`` works (Gloo threads on CPUs, NCCL's stream on GPUs);
+a bucket's work is waited for when its result is first needed. Every rank issues the same collectives in
+the same order because buckets become full in the same (backward) order on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from apex.contrib.optimizers import _zero_buckets as zb
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_PENDING_CLASSES: dict = {}
+
+
+def _pending_class(cls: type) -> type:
+    """A subclass of ``cls`` whose torch operations first finish the parameter's pending all-gather."""
+    if cls not in _PENDING_CLASSES:
+        def __torch_function__(sub, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for a in tree_flatten((args, kwargs))[0]:
+                if type(a) in _PENDING_CLASSES.values() and getattr(a, "_pre_forward_hook_is_enabled", False):
+                    a._pre_forward_hook_is_enabled = False
+                    a._pre_forward_hook()
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        _PENDING_CLASSES[cls] = type(f"_PendingSync{cls.__name__}", (cls,),
+                                     {"__torch_function__": classmethod(__torch_function__)})
+    return _PENDING_CLASSES[cls]
+
+
+class ZeroCommMixin:
+    # -- gradients -----------------------------------------------------------------------------------------
+
+    def _grad_copy(self, param: torch.nn.Parameter) -> None:
+        """Add ``param.grad`` into its buckets and drop it."""
+        if "fragments" not in self.state[param]:
+            self.init_params([param])
+        for frag in self.state[param]["fragments"]:
+            gb = self._grads_buckets[frag.bucket_id]
+            sb = self.state["buckets"][frag.bucket_id]
+            if gb.status == zb.GradientStatus.SYNCING:
+                self._finish_bucket_grad_sync()
+            gb.status = zb.GradientStatus.PARTIALLY_FILLED
+            if gb.grads_bucket is None:
+                if self.contiguous_grad_buffer:
+                    if not self._grad_buffers:
+                        self._init_grad_buffer()
+                    start = sb.contiguous_buffer_offset
+                    gb.grads_bucket = self._grad_buffers[sb.dtypes()][start:start + sb.bucket_size]
+                    gb.grads_bucket.zero_()
+                else:
+                    gb.grads_bucket = torch.zeros([sb.bucket_size], dtype=sb.grad_sync_dtype, device=self.device)
+            if param.grad is not None:
+                src = zb._flat(param.grad)[slice(*frag.param_range)]
+                dst = gb.grads_bucket[slice(*frag.bucket_range)]
+                if src.data_ptr() != dst.data_ptr() or src.numel() == 0:
+                    dst.add_(src)
+        param.grad = None
+
+    def _try_start_bucket_grad_sync(self, params=None, ignore_last_bucket: bool = False) -> None:
+        """Start reducing every bucket all of whose parameters have produced a gradient."""
+        for p in params or []:
+            for frag in self.state[p]["fragments"]:
+                gb = self._grads_buckets[frag.bucket_id]
+                gb.grads_generated.add((frag.param_group_id, frag.param_id))
+                if len(gb.grads_generated) == len(self.state["buckets"][frag.bucket_id].fragments):
+                    gb.status = zb.GradientStatus.FULLY_FILLED
+        last = len(self.state["buckets"]) - 1
+        full = [gb for i, gb in sorted(self._grads_buckets.items())
+                if gb.status == zb.GradientStatus.FULLY_FILLED and not (ignore_last_bucket and i == last)]
+        if full:
+            self._start_bucket_grad_sync(full)
+
+    def _start_bucket_grad_sync(self, buckets) -> None:
+        """Reduce-scatter (then all-reduce over the redundant group) the buckets, asynchronously."""
+        op = dist.ReduceOp.SUM
+        average = self.average_grad_sync
+        if average and dist.get_backend(self.distributed_process_group) == "nccl":
+            op, average = dist.ReduceOp.AVG, False
+        for gb in buckets:
+            if gb.status == zb.GradientStatus.SYNCING:
+                self._finish_bucket_grad_sync()
+            gb.status = zb.GradientStatus.SYNCING
+            gb.grads_generated.clear()
+            if gb.grads_bucket is None:
+                raise AssertionError("bucket without gradients started a reduction")
+            if average and self.distributed_size * self.redundant_size > 1:
+                gb.grads_bucket.div_(self.distributed_size * self.redundant_size)
+            works = []
+            if self.distributed_size == 1:
+                gb.sync_grads_shard = gb.grads_bucket
+            else:
+                nbytes = gb.grads_bucket.numel() * gb.grads_bucket.element_size()
+                if self._grad_sync_all_reduce:
+                    # Gloo's reduce-scatter is slower than its all-reduce (twice the traffic, half the time):
+                    # reduce the whole bucket in place and keep this rank's shard.
+                    works.append(dist.all_reduce(gb.grads_bucket, op=op, group=self.distributed_process_group,
+                                                 async_op=True))
+                    shard = gb.grads_bucket.numel() // self.distributed_size
+                    gb.sync_grads_shard = gb.grads_bucket[self.distributed_rank * shard:][:shard]
+                    self.comm_stats["all_reduce_bytes"] += nbytes
+                else:
+                    gb.sync_grads_shard = torch.empty([gb.grads_bucket.numel() // self.distributed_size],
+                                                      dtype=gb.grads_bucket.dtype, device=self.device)
+                    works.append(_reduce_scatter(gb.sync_grads_shard, gb.grads_bucket, op=op,
+                                                 group=self.distributed_process_group, async_op=True))
+                    self.comm_stats["reduce_scatter_bytes"] += nbytes
+            if self.redundant_size > 1:
+                # The all-reduce must follow the reduce-scatter; Gloo/NCCL order works of one rank per group
+                # only, so wait here (the redundant group is rare and small).
+                for w in works:
+                    w.wait()
+                works = [dist.all_reduce(gb.sync_grads_shard, op=op, group=self.redundant_process_group,
+                                         async_op=True)]
+                self.comm_stats["all_reduce_bytes"] += gb.sync_grads_shard.numel() * gb.sync_grads_shard.element_size()
+            gb.work = works
+
+    def _finish_bucket_grad_sync(self) -> None:
+        """Wait for the reductions in flight and accumulate them into the local gradient shards."""
+        for _, gb in sorted(self._grads_buckets.items()):
+            if gb.status != zb.GradientStatus.SYNCING:
+                continue
+            for w in gb.work or []:
+                w.wait()
+            gb.work = None
+            if gb.grads_shard is None:
+                aliases_buffer = self.contiguous_grad_buffer and (self.distributed_size == 1
+                                                                  or self._grad_sync_all_reduce)
+                gb.grads_shard = gb.sync_grads_shard.clone() if aliases_buffer else gb.sync_grads_shard
+            else:
+                gb.grads_shard.add_(gb.sync_grads_shard)
+            gb.sync_grads_shard = None
+            gb.grads_bucket = None
+            gb.status = zb.GradientStatus.READY
+            self._grad_norm = None
+
+    def _force_bucket_grad_sync(self) -> None:
+        """Reduce every bucket that has local gradients; buckets nobody wrote get zero gradients."""
+        pending = []
+        for _, gb in sorted(self._grads_buckets.items()):
+            if gb.status in (zb.GradientStatus.PARTIALLY_FILLED, zb.GradientStatus.FULLY_FILLED):
+                pending.append(gb)
+        if pending:
+            self._start_bucket_grad_sync(pending)
+        self._finish_bucket_grad_sync()
+        for bucket_id, sb in enumerate(self.state["buckets"]):
+            gb = self._grads_buckets[bucket_id]
+            if gb.grads_shard is None:
+                gb.grads_shard = torch.zeros([sb.shard_size], dtype=sb.grad_sync_dtype, device=self.device)
+
+    @torch.no_grad()
+    def _shrink_last_buckets(self) -> None:
+        """Fit the last bucket of each dtype triple to its contents, once, before its first reduction.
+
+        Buckets have a fixed capacity, so the last one is usually mostly padding that every rank would store
+        and communicate. Before the first step (fresh state) and while its gradients are still local, the
+        last bucket can be cut to ``filled_size`` rounded up to ``alignment * distributed_size``; its
+        fragments' shard ranges and its state shards are rebuilt (identically on every rank)."""
+        if self._buckets_shrunk or self.with_scaled_states or \
+                any("fragments" not in self.state[p] for p in self.parameters()):
+            return
+        self._buckets_shrunk = True
+        if not isinstance(self.state["step"], int) or self.state["step"] != 0:
+            return
+        last: dict = {}
+        for i, b in enumerate(self.state["buckets"]):
+            last[b.dtypes()] = i
+        for bucket_id in last.values():
+            b = self.state["buckets"][bucket_id]
+            gb = self._grads_buckets.get(bucket_id)
+            if gb is not None and gb.status not in (zb.GradientStatus.READY, zb.GradientStatus.PARTIALLY_FILLED,
+                                                    zb.GradientStatus.FULLY_FILLED):
+                continue
+            if gb is not None and gb.grads_shard is not None:
+                continue
+            shard = zb._round_to_multiple(-(-b.filled_size // self.distributed_size), self.alignment)
+            if shard >= b.shard_size:
+                continue
+            nb = self.StateBucket(shard * self.distributed_size, shard, b.dtype, self.device, b.grad_sync_dtype,
+                                  b.param_sync_dtype, b.contiguous_buffer_offset, b.params_shard is not None,
+                                  b.param_remainders_shard is not None)
+            nb.filled_size, nb.able_to_fill = b.filled_size, False
+            rank = self.distributed_rank
+            for f in b.fragments:
+                b0, b1 = f.bucket_range
+                s0 = min(max(b0 - shard * rank, 0), shard)
+                s1 = min(max(b1 - shard * rank, 0), shard)
+                f.in_local_shard = s0 < s1 and b1 > b0
+                f.shard_range = (s0, s1) if f.in_local_shard else None
+                f.shard_bucket_range = (s0 + shard * rank, s1 + shard * rank) if f.in_local_shard else None
+                f.shard_param_range = ((f.shard_bucket_range[0] - b0 + f.param_range[0],
+                                        f.shard_bucket_range[1] - b0 + f.param_range[0]) if f.in_local_shard else None)
+                nb.fragments.append(f)
+                if f.in_local_shard and nb.params_shard is not None:
+                    nb.params_shard[slice(*f.shard_range)].copy_(
+                        zb._flat(self.parameter(f))[slice(*f.shard_param_range)])
+            self.state["buckets"][bucket_id] = nb
+            if gb is not None and gb.grads_bucket is not None:
+                gb.grads_bucket = gb.grads_bucket[:nb.bucket_size]
+
+    def grad_sync(self) -> None:
+        """Copy any gradients still on the parameters into buckets and finish every reduction."""
+        with self._lock:
+            self._shrink_last_buckets()
+            for sb in self.state["buckets"]:
+                for frag in sb.fragments:
+                    p = self.parameter(frag)
+                    if p.grad is not None:
+                        self._grad_copy(p)
+                        if not self.contiguous_grad_buffer:
+                            self._try_start_bucket_grad_sync(params=[p])
+            self._force_bucket_grad_sync()
+
+    # -- parameters ----------------------------------------------------------------------------------------
+
+    def _start_bucket_param_sync(self, buckets) -> None:
+        buckets = [b for b in buckets if b.status == zb.ParameterStatus.SHARDED]
+        for pb in buckets:
+            pb.status = zb.ParameterStatus.SYNCING
+            if pb.params_bucket is None and self.distributed_size == 1:
+                pb.params_bucket = pb.params_shard
+            elif pb.params_bucket is None:
+                pb.params_bucket = torch.empty([pb.params_shard.numel() * self.distributed_size],
+                                               dtype=pb.params_shard.dtype, device=self.device)
+            if self.distributed_size > 1:
+                pb.work = _all_gather(pb.params_bucket, pb.params_shard, group=self.distributed_process_group,
+                                      async_op=True)
+                self.comm_stats["all_gather_bytes"] += pb.params_bucket.numel() * pb.params_bucket.element_size()
+
+    def _finish_bucket_param_sync(self) -> None:
+        for pb in self._params_buckets.values():
+            if pb.status == zb.ParameterStatus.SYNCING:
+                if pb.work is not None:
+                    pb.work.wait()
+                pb.work = None
+                pb.params_shard = None
+                pb.status = zb.ParameterStatus.READY
+
+    def _param_copy_fragments(self, fragments) -> None:
+        ins, outs = [], []
+        for frag in fragments:
+            if frag.param_range[1] <= frag.param_range[0] or frag.bucket_id not in self._params_buckets:
+                continue
+            ins.append(self._params_buckets[frag.bucket_id].params_bucket[slice(*frag.bucket_range)])
+            outs.append(zb._flat(self.parameter(frag))[slice(*frag.param_range)])
+        zb._multi_tensor_copy(ins, outs, self._dummy_overflow_buf)
+
+    def _param_copy(self, params) -> None:
+        """Write the gathered values of ``params`` into them, waiting for their buckets if needed."""
+        params = [params] if isinstance(params, torch.Tensor) else params
+        frags = [f for p in params if "fragments" in self.state[p] for f in self.state[p]["fragments"]
+                 if f.bucket_id in self._params_buckets]
+        if not frags:
+            return
+        buckets = {f.bucket_id: self._params_buckets[f.bucket_id] for f in frags}
+        if any(b.status != zb.ParameterStatus.READY for b in buckets.values()):
+            self._start_bucket_param_sync(list(buckets.values()))
+            self._finish_bucket_param_sync()
+        self._param_copy_fragments(frags)
+        for f in frags:
+            pb = self._params_buckets.get(f.bucket_id)
+            if pb is None:
+                continue
+            pb.params_updated.add((f.param_group_id, f.param_id))
+            if len(pb.params_updated) >= len({(g.param_group_id, g.param_id)
+                                              for g in self.state["buckets"][f.bucket_id].fragments}):
+                del self._params_buckets[f.bucket_id]
+
+    def param_sync(self) -> None:
+        """Finish every pending parameter all-gather and write the parameters."""
+        with self._lock:
+            if self._params_buckets:
+                self._start_bucket_param_sync(list(self._params_buckets.values()))
+                self._finish_bucket_param_sync()
+                self._param_copy(list(self.parameters()))
+            self._params_buckets.clear()
+            for p in self.parameters():
+                self._restore_param_class(p)
+
+    def _make_pre_forward_hook(self, param, param_group_id: int, param_id: int):
+        def pre_forward_hook(*unused) -> None:
+            with self._lock:
+                self._restore_param_class(param)
+                if "fragments" in self.state[param]:
+                    self._param_copy(param)
+        return pre_forward_hook
+
+    def _arm_pre_forward_hooks(self) -> None:
+        """Defer each parameter's write until a torch operation first uses it (``overlap_param_sync``)."""
+        ids = self._id_map()
+        for p in self.parameters():
+            if type(p) not in _PENDING_CLASSES.values():
+                p.__class__ = _pending_class(type(p))
+            p._pre_forward_hook = self._make_pre_forward_hook(p, *ids[p])
+            p._pre_forward_hook_is_enabled = True
+
+    @staticmethod
+    def _restore_param_class(p) -> None:
+        if getattr(p, "_pre_forward_hook_is_enabled", None) is not None:
+            p._pre_forward_hook_is_enabled = False
+        if type(p) in _PENDING_CLASSES.values():
+            p.__class__ = type(p).__mro__[1]
+
+    # -- step ----------------------------------------------------------------------------------------------
+
+    def step(self, closure=None, *, grad_scaler=None):
+        """One Adam step on this rank's shard, then the parameter all-gather. With a ``GradScaler`` whose
+        gradients hold an inf/NaN the step is skipped and nothing changes."""
+        from torch.amp.grad_scaler import OptState
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.init_params()
+        self.param_sync()
+        self.grad_sync()
+        if grad_scaler is not None and grad_scaler._enabled:
+            st = grad_scaler._per_optimizer_states[id(self)]
+            if st["stage"] is OptState.READY:
+                self.unscale_grads(grad_scaler=grad_scaler)
+            found_inf = st["found_inf_per_device"][self.device]
+            if self.capturable:
+                self._dummy_overflow_buf.copy_(found_inf.reshape([1]))
+            elif found_inf.item():
+                return loss
+        with self._lock, torch.no_grad():
+            self._prepare_param_buckets()
+            if self.capturable:
+                self.state["step"] += (self._dummy_overflow_buf != 1).to(torch.int32)
+            else:
+                self.state["step"] += 1
+            self._local_step(list(range(len(self.state["buckets"]))))
+            self._start_bucket_param_sync(list(self._params_buckets.values()))
+        if self.overlap_param_sync and self.distributed_size > 1:
+            self._arm_pre_forward_hooks()
+        else:
+            self.param_sync()
+        return loss
+
+    def _prepare_param_buckets(self) -> None:
+        for bucket_id in reversed(range(len(self.state["buckets"]))):
+            sb = self.state["buckets"][bucket_id]
+            pb = self._params_buckets[bucket_id] = self.ParameterBucket()
+            if self.contiguous_param_buffer:
+                if not self._param_buffers:
+                    self.init_param_buffer()
+                start = sb.contiguous_buffer_offset
+                pb.params_bucket = self._param_buffers[sb.dtypes()][start:start + sb.bucket_size]
+                r = self.distributed_rank * sb.shard_size
+                pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
+            if not sb.param_sync_dtype.is_floating_point:  # Adam writes floats; cast in _check_params_shard_dtypes
+                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.dtype, device=self.device)
+            elif pb.params_shard is None:
+                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.param_sync_dtype, device=self.device)
+
+    def _local_step(self, bucket_ids) -> None:
+        """Adam on the local shards, grouped by parameter group, through ``distributed_adam_cuda``'s kernels."""
+        if self.with_scaled_states:
+            self._local_step_with_scaled_states(bucket_ids)
+            return
+        groups: dict = {}
+        for bucket_id in bucket_ids:
+            sb = self.state["buckets"][bucket_id]
+            grads = self._grads_buckets[bucket_id].grads_shard
+            out = self._params_buckets[bucket_id].params_shard
+            for frag in sb.fragments:
+                if not frag.in_local_shard or frag.shard_range[1] <= frag.shard_range[0]:
+                    continue
+                r = slice(*frag.shard_range)
+                rem = sb.param_remainders_shard is not None
+                if sb.params_shard is not None:
+                    p_in = sb.params_shard[r]
+                else:
+                    model = zb._flat(self.parameter(frag))[slice(*frag.shard_param_range)]
+                    p_in = model.to(torch.bfloat16 if rem else sb.dtype, copy=True)
+                key = (frag.param_group_id, rem)
+                lists = groups.setdefault(key, [[] for _ in range(6 if rem else 5)])
+                row = ([p_in, sb.param_remainders_shard[r]] if rem else [p_in]) + [
+                    sb.exp_avg_shard[r], sb.exp_avg_sq_shard[r], grads[r], out[r]]
+                for lst, t in zip(lists, row):
+                    lst.append(t)
+        for (group_id, rem), lists in groups.items():
+            group = self.param_groups[group_id]
+            beta1, beta2 = group["betas"]
+            args = (self._grad_scale, group["lr"], beta1, beta2, group["eps"], self.state["step"],
+                    int(self.adam_w_mode), int(bool(group["bias_correction"])), group["weight_decay"])
+            if rem:
+                zb.multi_tensor_fused_adam_with_param_remainders(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            elif self.capturable:
+                zb.multi_tensor_fused_adam_capturable(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            else:
+                zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
+        self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
+
+    @torch.no_grad()
+    def _check_params_shard_dtypes(self, params_buckets: dict) -> None:
+        """Cast each updated local shard to its bucket's ``param_sync_dtype`` (an integer dtype receives the
+        most significant bytes of the float values, as in Apex)."""
+        for bucket_id, pb in params_buckets.items():
+            dtype = self.state["buckets"][bucket_id].param_sync_dtype
+            if pb.params_shard.dtype != dtype:
+                out = torch.empty_like(pb.params_shard, dtype=dtype)
+                zb._copy_cast(pb.params_shard, out)
+                pb.params_shard = out

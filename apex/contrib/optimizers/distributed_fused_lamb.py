@@ -1,0 +1,408 @@
+"""``DistributedFusedLAMB``: Apex's ZeRO-sharded LAMB on ``torch.distributed`` (NCCL on GPUs, Gloo on CPUs).
+
+Each rank keeps the fp32 master weights and the two moments of ``1 / world`` of the parameters (its shard,
+see ``_dist_lamb_layout``). One step::
+
+    backward      gradient of each parameter copied (÷ world) into a flat buffer by a backward hook; a
+                  block's reduce-scatter starts as soon as all its gradients are in (overlap_reductions)
+    ‖g‖           global norm of the averaged, still loss-scaled gradients: all-reduce of the shards'
+                  squared norms (L2_grad_norm)
+    skip          if ‖g‖ is not finite: nothing changes, has_overflow is True, the step count stays
+    ĝ             shard / (global_scale * clip),  clip = max(1, ‖g‖ / global_scale / max_grad_norm)
+                  (no clipping when max_grad_norm == 0)
+    u             FusedLAMB's update direction (apex.ops.multi_tensor_lamb) on the shard's fragments:
+                  m, v, bias corrections, eps, decoupled or L2 weight decay
+    trust ratio   ‖p‖ and ‖u‖ of every *whole* parameter: one all-reduce of the fragments' squared norms,
+                  then p -= lr * ‖p‖/‖u‖ * u (apex.ops.multi_tensor_lamb_stage2_cuda)
+    all-gather    the updated shards, written back to the model's parameters
+
+so the parameters after a step are ``apex.optimizers.FusedLAMB``'s on the gradients averaged over ranks.
+With ``clip_after_ar=False`` (upstream's option) every rank instead clips its own gradient by its own norm
+before the reduction and ``L2_grad_norm`` is that local norm. Dtype policy: fp32 masters and moments;
+gradients are reduced and parameters gathered in the parameters' dtype (fp32 when the model mixes dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from apex.contrib.optimizers import _dist_lamb_checkpoint
+from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
+from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
+from apex.optimizers._base import _number, check_betas, check_non_negative
+
+_CHUNK = 2048 * 32
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DistributedFusedLAMB(torch.optim.Optimizer):
+    """LAMB with ZeRO sharding of the optimizer state (see the module docstring for the math).
+
+    Arguments as upstream's: ``lr`` (1e-3), ``bias_correction`` (True), ``grad_averaging`` (True: ``1 - beta1``
+    on the gradient in the first moment), ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (0),
+    ``max_grad_norm`` (0: no clipping), ``adam_w_mode`` (True: decoupled decay; False: L2), ``use_nvlamb``
+    (False: trust ratio only where weight_decay != 0), ``step_supports_amp_scaling`` (True: ``GradScaler.step``
+    hands itself to ``step``), ``overlap_reductions`` (True: reduce-scatter blocks from backward hooks),
+    ``clip_after_ar`` (True: clip the averaged gradient; False: each rank clips its own before reducing),
+    ``skip_allgather`` (False; True leaves the model's parameters stale), ``verbose`` (print the layout).
+
+    The ``dwu_*`` knobs: ``dwu_group_size`` (0: the world) shards over groups of that many consecutive
+    ranks, the shards being all-reduced across groups (upstream's intra-node reduce-scatter + inter-node
+    all-reduce); ``dwu_num_blocks`` (4) is the number of blocks reduced independently during backward;
+    ``dwu_num_chunks`` (4) the number of reduce-scatters per block. ``dwu_num_rs_pg``, ``dwu_num_ar_pg``,
+    ``dwu_num_ag_pg`` (upstream: extra process groups for parallel CUDA streams), ``fused_norm``,
+    ``fuse_scale``, ``e5m2_allgather`` (parameters are gathered in their own dtype), ``full_ar`` (gradients
+    are always reduce-scattered), ``set_param_views_to_flat_buffer``, ``param_order`` and
+    ``nccl_allgather_channels`` are accepted and have no effect on the result or on the collectives.
+
+    Differences from upstream: everything is set up in the constructor (it broadcasts the parameters from
+    rank 0, a collective); ``_lazy_init_stage1/2`` are no-ops; ``step`` completes the reductions itself if
+    ``complete_reductions`` was not called; the learning rate is each group's ``lr`` unless ``_lr`` is set
+    (upstream reads only ``_lr``); clipping divides by ``max(1, ‖g‖ / max_grad_norm)`` like ``FusedLAMB``
+    (upstream adds 1e-6 to the norm); ``grad_averaging=False`` is honoured.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, grad_averaging=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, max_grad_norm=0.0, adam_w_mode=True, use_nvlamb=False,
+                 step_supports_amp_scaling=True, overlap_reductions=True, dwu_group_size=0, dwu_num_blocks=4,
+                 dwu_num_chunks=4, dwu_num_rs_pg=1, dwu_num_ar_pg=4, dwu_num_ag_pg=0, fused_norm=False,
+                 e5m2_allgather=False, verbose=False, clip_after_ar=True, full_ar=False,
+                 set_param_views_to_flat_buffer=False, skip_allgather=False, fuse_scale=False, param_order=None,
+                 nccl_allgather_channels=0):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_grad_norm", max_grad_norm)):
+            check_non_negative(value, name)
+        check_betas(betas)
+        for name, value in (("dwu_num_blocks", dwu_num_blocks), ("dwu_num_chunks", dwu_num_chunks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedFusedLAMB needs torch.distributed to be initialized "
+                               "(torch.distributed.init_process_group)")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        self._adam_w_mode = 1 if adam_w_mode else 0
+        self._use_nvlamb = bool(use_nvlamb)
+        self._step_supports_amp_scaling = bool(step_supports_amp_scaling)
+        self._overlap_reductions = bool(overlap_reductions)
+        self._clip_after_ar = bool(clip_after_ar)
+        self._skip_ag = bool(skip_allgather)
+        self._verbose = bool(verbose)
+        self._num_blocks, self._num_chunks = dwu_num_blocks, dwu_num_chunks
+        # accepted for upstream's signature; see the class docstring
+        self._num_rs_pg, self._num_ar_pg, self._num_ag_pg = dwu_num_rs_pg, dwu_num_ar_pg, dwu_num_ag_pg
+        self._fused_norm, self._fuse_scale, self._e5m2_allgather = fused_norm, fuse_scale, e5m2_allgather
+        self._full_ar, self._set_flat_param_view = full_ar, set_param_views_to_flat_buffer
+        self._is_accumulation_step = False
+        self._last_step = False
+        self._global_scale = None
+        self._lr = None
+        self._L2_grad_norm = None
+        self._has_overflow = False
+        self._step = 0
+        self._setup_groups(dwu_group_size)
+        self._setup_params()
+        self._reset_step_state()
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def _setup_groups(self, dwu_group_size: int) -> None:
+        self._world_size = dist.get_world_size()
+        self._group_size, self._rs_pg, self._ar_pg = shard_groups(dwu_group_size)
+        self._num_groups = self._world_size // self._group_size
+        self._rank_in_group = dist.get_rank() % self._group_size
+
+    @torch.no_grad()
+    def _setup_params(self) -> None:
+        params, groups = [], []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.dtype not in _DTYPES:
+                    raise TypeError(f"DistributedFusedLAMB supports {_DTYPES} parameters, got {p.dtype}")
+                if p.requires_grad:
+                    params.append(p)
+                    groups.append(gi)
+        if not params:
+            raise ValueError("DistributedFusedLAMB got no parameter that requires grad")
+        device = params[0].device
+        if any(p.device != device for p in params):
+            raise ValueError("DistributedFusedLAMB needs all parameters on one device, got "
+                             f"{sorted({str(p.device) for p in params})}")
+        backend = str(dist.get_backend(self._rs_pg))
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"the process group's backend is NCCL but the parameters are on {device}")
+        self._device = device
+        for group in self.param_groups:  # the same starting point on every rank, as upstream
+            for p in group["params"]:
+                dist.broadcast(p.data, src=0)
+        dtypes = {p.dtype for p in params}
+        self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self._model_params, self._param_group_index = params, groups
+        self._layout = lay = Layout([p.numel() for p in params], self._group_size, self._rank_in_group,
+                                    self._num_blocks, self._num_chunks)
+        kw = dict(device=device)
+        self._flat_grads = torch.zeros(lay.padded, dtype=self._flat_dtype, **kw)
+        self._grad_views = [self._flat_grads[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, params)]
+        self._fp16_g = torch.zeros(lay.shard_numel, dtype=self._flat_dtype, **kw)  # reduced gradient shard
+        self._fp32_p = torch.zeros(lay.shard_numel, dtype=torch.float32, **kw)
+        self._fp32_m = torch.zeros_like(self._fp32_p)
+        self._fp32_v = torch.zeros_like(self._fp32_p)
+        self._fp32_u = torch.zeros_like(self._fp32_p)  # update direction (scratch)
+        self._fp32_g = torch.zeros_like(self._fp32_p)  # unscaled, clipped gradient (scratch)
+        self._fp16_p = torch.zeros(lay.shard_numel, dtype=self._flat_dtype, **kw)  # all-gather input
+        self._new_params = torch.zeros(lay.padded, dtype=self._flat_dtype, **kw)  # all-gather output
+        self._frag_group = []
+        n = len(params)
+        for f in lay.fragments:
+            src = params[f.param].detach().reshape(-1)[f.param_offset:f.param_offset + f.length]
+            self._fp32_p[f.shard_offset:f.shard_offset + f.length].copy_(src)
+            self._frag_group.append(groups[f.param])
+        # per param group: the shard's fragment views and the parameters they belong to
+        self._group_frags = []
+        for gi in range(len(self.param_groups)):
+            sel = [f for f, g in zip(lay.fragments, self._frag_group) if g == gi]
+            views = [[t[f.shard_offset:f.shard_offset + f.length] for f in sel]
+                     for t in (self._fp32_g, self._fp32_p, self._fp32_m, self._fp32_v, self._fp32_u)]
+            self._group_frags.append((torch.tensor([f.param for f in sel], dtype=torch.long, device=device),
+                                      views))
+        idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
+        self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
+        self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        if self._verbose and dist.get_rank() == 0:
+            print(f"DistributedFusedLAMB: {n} parameters, {lay.total} elements padded to {lay.padded}; "
+                  f"{lay.pieces} pieces of {lay.piece} per rank over {self._group_size} ranks x "
+                  f"{self._num_groups} groups; gradients in {self._flat_dtype}")
+
+    def _make_hook(self, i: int):
+        ref = weakref.ref(self)  # the hooks outlive the optimizer: they must not keep it alive
+
+        def hook(param: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._on_grad_ready(i)
+        return hook
+
+    def _on_grad_ready(self, i: int) -> None:
+        if self._is_accumulation_step or not (self._overlap_reductions and self._clip_after_ar):
+            return
+        blocks = self._layout.param_blocks[i]
+        if self._taken[i]:
+            if any(self._launched[b] for b in blocks):
+                raise RuntimeError("DistributedFusedLAMB: a second backward in the same step after its gradients "
+                                   "were sent; call set_is_accumulation_step(True) for all but the last backward")
+            self._take_grad(i, 1.0 / self._world_size)
+            return
+        self._take_grad(i, 1.0 / self._world_size)
+        for b in blocks:
+            self._block_pending[b] -= 1
+            if self._block_pending[b] == 0:
+                self._launch_block(b)
+
+    def _reset_step_state(self) -> None:
+        self._taken = [False] * len(self._model_params)
+        self._block_pending = list(self._layout.block_params)
+        self._launched = [False] * self._num_blocks
+        self._works = []
+        self._reduced = False
+
+    # -- gradient reduction ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _take_grad(self, i: int, scale: float) -> None:
+        g = self._model_params[i].grad
+        if g is None:
+            self._grad_views[i].zero_()
+        else:
+            torch.mul(g, scale, out=self._grad_views[i])
+        self._taken[i] = True
+
+    def _launch_block(self, b: int) -> None:
+        if self._launched[b]:
+            return
+        self._launched[b] = True
+        lay = self._layout
+        for k in lay.block_pieces(b):
+            lo, hi = lay.piece_range(k)
+            out = self._fp16_g[k * lay.piece:(k + 1) * lay.piece]
+            self._works.append(_reduce_scatter(out, self._flat_grads[lo:hi], group=self._rs_pg, async_op=True))
+
+    @torch.no_grad()
+    def complete_reductions(self) -> None:
+        """Finish the gradient reduction of this step: gradients no hook took (all of them without
+        ``overlap_reductions``; missing ones count as zero) are flattened, the remaining blocks reduced, and
+        ``L2_grad_norm`` computed. A no-op on accumulation steps and when already done this step."""
+        if self._is_accumulation_step or self._reduced:
+            return
+        if self._clip_after_ar:
+            for i, taken in enumerate(self._taken):
+                if not taken:
+                    self._take_grad(i, 1.0 / self._world_size)
+        else:
+            # upstream's clip before the reduction: each rank clips its own gradient by its own norm
+            for i in range(len(self._taken)):
+                self._take_grad(i, 1.0)
+            local = torch.linalg.vector_norm(self._flat_grads, dtype=torch.float32).reshape(1)
+            self._L2_grad_norm = local
+            coeff = 1.0
+            max_norm = self.defaults["max_grad_norm"]
+            scale = self._scale_value()
+            norm = float(local) / scale
+            if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+                coeff = max_norm / norm
+            self._flat_grads.mul_(coeff / self._world_size)
+        for b in range(self._num_blocks):
+            self._launch_block(b)
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._ar_pg is not None:
+            dist.all_reduce(self._fp16_g, group=self._ar_pg)
+        if self._clip_after_ar:
+            sq = torch.linalg.vector_norm(self._fp16_g, dtype=torch.float32).square().reshape(1)
+            dist.all_reduce(sq, group=self._rs_pg)
+            self._L2_grad_norm = sq.sqrt()
+        self._reduced = True
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def _scale_value(self) -> float:
+        s = self._global_scale
+        return 1.0 if s is None else _number(s, "global_scale")
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """One LAMB step (see the module docstring); ``grad_scaler``: a ``torch.amp.GradScaler`` whose scale is
+        used when ``set_global_scale`` was not called and which is told whether the step overflowed."""
+        if self._is_accumulation_step:
+            raise RuntimeError("step() called during an accumulation step; call set_is_accumulation_step(False) "
+                               "before the last backward of the step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.complete_reductions()
+        if self._global_scale is None and grad_scaler is not None:
+            scale = _number(grad_scaler._get_scale_async(), "grad_scaler's scale")
+        else:
+            scale = self._scale_value()
+        norm = self._L2_grad_norm
+        finite = torch.isfinite(norm).to(torch.int32)
+        if not self._clip_after_ar:  # local norms differ: skip everywhere if any rank overflowed
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        self._has_overflow = not bool(finite.item())
+        self._overflow_buf.fill_(int(self._has_overflow))
+        if grad_scaler is not None:
+            state = grad_scaler._per_optimizer_states[id(self)]
+            state["found_inf_per_device"][self._device] = torch.full(
+                (1,), float(self._has_overflow), device=self._device)
+        if not self._has_overflow:
+            self._step += 1
+            self._update(scale, float(norm))
+            self._gather_params()
+        self._reset_step_state()
+        return loss
+
+    def _update(self, scale: float, norm: float) -> None:
+        max_norm = self.defaults["max_grad_norm"] if self._clip_after_ar else 0.0
+        clip = 1.0
+        if max_norm > 0 and norm / scale > max_norm:
+            clip = norm / scale / max_norm
+        torch.div(self._fp16_g, scale * clip, out=self._fp32_g)
+        self._fp32_u.zero_()
+        zero_norm = torch.zeros(1, device=self._device)
+        for group, (_, (g, p, m, v, u)) in zip(self.param_groups, self._group_frags):
+            if not g:
+                continue
+            beta1, beta2 = group["betas"]
+            wd = group["weight_decay"]
+            if not self._adam_w_mode and wd != 0:
+                torch._foreach_add_(g, p, alpha=wd)
+            # FusedLAMB's update direction, without decay or trust ratio, written into the zeroed u:
+            # u = 0 - (-1) * m̂ / (sqrt(v̂) + eps)
+            multi_tensor_lamb(_CHUNK, self._overflow_buf, [g, u, m, v], -1.0, beta1, beta2, group["eps"],
+                              self._step, 1 if group["bias_correction"] else 0, 0.0,
+                              1 if group["grad_averaging"] else 0, 1, zero_norm, 1.0, False, validate=False)
+            if self._adam_w_mode and wd != 0:
+                torch._foreach_add_(u, p, alpha=wd)
+        # trust ratios of whole parameters: the fragments' squared norms summed over the shards
+        frags_p = [t for _, (_, p, _, _, _) in self._group_frags for t in p]
+        frags_u = [t for _, (_, _, _, _, u) in self._group_frags for t in u]
+        n = len(self._model_params)
+        sq = torch.zeros(2 * n, dtype=torch.float32, device=self._device)
+        if frags_p:
+            per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [frags_p + frags_u], True)[1]
+            sq.index_add_(0, self._norm_index, per.float().square())
+        dist.all_reduce(sq, group=self._rs_pg)
+        norms = sq.sqrt_()
+        for group, (idx, (_, p, _, _, u)) in zip(self.param_groups, self._group_frags):
+            if not p:
+                continue
+            lr = group["lr"] if self._lr is None else _number(self._lr, "_lr")
+            multi_tensor_lamb_stage2_cuda(_CHUNK, self._overflow_buf, [p, u], norms[idx], norms[n + idx], lr,
+                                          group["weight_decay"], self._use_nvlamb)
+
+    def _gather_params(self) -> None:
+        if self._skip_ag:
+            return
+        lay = self._layout
+        self._fp16_p.copy_(self._fp32_p)
+        _all_gather(self._new_params, self._fp16_p, group=self._rs_pg)
+        # gathered: [rank][piece][slice]; flat order: [piece][rank][slice]
+        flat = self._new_params.view(lay.world, lay.pieces, lay.piece).transpose(0, 1).reshape(-1)
+        torch._foreach_copy_([p.data for p in self._model_params],
+                             [flat[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, self._model_params)])
+
+    # -- upstream's small public API --------------------------------------------------------------------------
+    def set_global_scale(self, global_scale) -> None:
+        """The loss scale the gradients carry (a number or a one-element tensor); ``None``: 1."""
+        self._global_scale = global_scale
+
+    @property
+    def global_scale(self):
+        return self._global_scale
+
+    @property
+    def L2_grad_norm(self) -> torch.Tensor | None:
+        """Norm of this step's reduced (still loss-scaled) gradients; with ``clip_after_ar=False`` this
+        rank's own gradient norm."""
+        return self._L2_grad_norm
+
+    @property
+    def has_overflow(self) -> bool:
+        """Whether the last ``step`` found a non-finite gradient norm and skipped."""
+        return self._has_overflow
+
+    def set_is_accumulation_step(self, is_accumulation_step: bool) -> None:
+        """While True, backward hooks leave the gradients in ``.grad`` (accumulating there)."""
+        self._is_accumulation_step = bool(is_accumulation_step)
+
+    def set_last_step(self, last_step: bool) -> None:
+        """Upstream zeroes the gradients that no hook took on the last step; here that is always done."""
+        self._last_step = bool(last_step)
+
+    def _lazy_init_stage1(self) -> None:
+        """Upstream's deferred set-up; done in the constructor here."""
+
+    def _lazy_init_stage2(self) -> None:
+        """Upstream's deferred set-up; done in the constructor here."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard, as upstream (``step``, ``fp32_p``, ``fp32_m``, ``fp32_v``; copies), plus the
+        layout it belongs to and the groups' hyper-parameters."""
+        return _dist_lamb_checkpoint.shard_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict()`` of the same rank in the same layout (same world size, ``dwu_group_size``,
+        ``dwu_num_blocks``/``dwu_num_chunks`` and parameters); the model's parameters are loaded separately.
+        A mismatch raises ``ValueError`` and changes nothing."""
+        _dist_lamb_checkpoint.load_shard_state_dict(self, state_dict)

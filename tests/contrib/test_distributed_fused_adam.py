@@ -1,0 +1,326 @@
+"""``DistributedFusedAdam`` (ZeRO-2) on 2 and 3 Gloo ranks against ``apex.optimizers.FusedAdam`` in one
+process on the averaged gradients. Each rank replays every rank's data on a reference model, so the
+reference needs no communication. Several configurations share one spawn (spawning is the slow part)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from apex.contrib.optimizers._zero_buckets import _bf16_rem_to_fp32, _fp32_to_bf16_rem
+from apex.testing.distributed import run_distributed
+from apex.testing.numerics import assert_rel_close
+
+STEPS = 5
+TINY_MB = 70 * 4 / 2**20  # 70 fp32 elements: shards of 32, parameters split across buckets
+
+
+def _model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+
+
+def _groups(model, lr: float = 0.02) -> list:
+    ps = list(model.parameters()) if isinstance(model, nn.Module) else list(model)
+    return [{"params": ps[0::2], "lr": 2 * lr}, {"params": ps[1::2]}]
+
+
+def _data(step: int, micro: int, rank: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 5, generator=g).to(dtype), torch.randn(4, 3, generator=g).to(dtype)
+
+
+def _loss(model, x, dy):
+    return (model(x) * dy).sum()
+
+
+def _dfa(model, **kw):
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    kw.setdefault("bucket_cap_mb", TINY_MB)
+    return DistributedFusedAdam(_groups(model), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **kw)
+
+
+def _ref_step(ref_model, ref_opt, world, step, micro, dtype=torch.float32, clip=None, masters=None):
+    """Averaged gradients of every rank's data on the reference model, then one FusedAdam step."""
+    ps = list(ref_model.parameters())
+    total = [torch.zeros(p.shape, dtype=torch.float32) for p in ps]
+    for r in range(world):
+        for m in range(micro):
+            ref_model.zero_grad(set_to_none=True)
+            _loss(ref_model, *_data(step, m, r, dtype)).backward()
+            for t, p in zip(total, ps):
+                t += p.grad.float() / world
+    targets = masters if masters is not None else ps
+    for t, p in zip(total, targets):
+        p.grad = t
+    norm = torch.nn.utils.clip_grad_norm_(targets, clip) if clip else None
+    ref_opt.step()
+    return norm
+
+
+def _run_config(rank, world, cfg):
+    from apex.optimizers import FusedAdam
+
+    micro = cfg.pop("micro", 1)
+    tol = cfg.pop("tol", 1e-6)
+    clip = cfg.pop("clip", None)
+    bf16 = cfg.get("store_param_remainders", False)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model, ref = _model(dtype), _model(dtype)
+    if bf16:
+        cfg.update(store_params=False, param_sync_dtype=torch.bfloat16)
+    opt = _dfa(model, **cfg)
+    masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()] if bf16 else None
+    ref_opt = FusedAdam(_groups(masters if bf16 else ref), lr=0.02, betas=(0.8, 0.95),
+                        eps=1e-6, weight_decay=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in range(micro):
+            ctx = opt.no_sync() if m < micro - 1 else torch.enable_grad()
+            with ctx:
+                _loss(model, *_data(step, m, rank, dtype)).backward()
+        norm = opt.clip_grad_norm(clip) if clip else None
+        opt.step()
+        ref_norm = _ref_step(ref, ref_opt, world, step, micro, dtype, clip, masters)
+        if clip:
+            assert_rel_close(norm, ref_norm, tol=1e-6, name="grad norm")
+        if bf16:  # the reference's bf16 model takes Apex's split of the master (round half up on the bits)
+            for p, w in zip(ref.parameters(), masters):
+                _fp32_to_bf16_rem(w, p.data, torch.empty(w.shape, dtype=torch.int16))
+        if cfg.get("overlap_param_sync") and step == 0:
+            assert opt._params_buckets, "overlap_param_sync should leave the all-gathers pending"
+    if bf16:
+        sd = opt.state_dict()
+        got = [sd["state"][i]["param"] for i in range(len(masters))]
+        in_groups = [p.detach() for g in _groups(masters) for p in g["params"]]
+        assert_rel_close(got, in_groups, tol=1e-6, name=f"masters {cfg}")
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.detach(), r.detach()), "bf16 params must be the split of the master"
+    else:
+        assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                         tol=tol, name=f"params {cfg}")
+    return opt
+
+
+def _state_bytes(rank, world):
+    """Each rank's moments are 1/world of FusedAdam's (plus bucket padding); the master shard likewise."""
+    from apex.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    model, ref = nn.Linear(256, 256), nn.Linear(256, 256)
+    n = 256 * 257
+    opt, ref_opt = _dfa(model, bucket_cap_mb=1.02 * n * 4 / 2**20), FusedAdam(ref.parameters())
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(torch.randn(2, 256)).sum().backward()
+        o.step()
+    full = sum(s[k].numel() * s[k].element_size() for s in ref_opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    local = sum(t.numel() * t.element_size() for b in opt.state["buckets"]
+                for t in (b.exp_avg_shard, b.exp_avg_sq_shard))
+    assert full / world <= local <= 1.05 * full / world, (local, full, world)
+    masters = sum(b.params_shard.numel() * 4 for b in opt.state["buckets"])
+    assert 4 * n / world <= masters <= 1.05 * 4 * n / world
+
+
+def _worker_main(rank, world, tmp):
+    configs = [
+        dict(),
+        dict(overlap_grad_sync=False),
+        dict(contiguous_grad_buffer=True, contiguous_param_buffer=True),
+        dict(micro=3),
+        dict(micro=2, contiguous_grad_buffer=True, overlap_param_sync=True),
+        dict(store_param_remainders=True),
+        dict(clip=0.5, store_params=False),
+        dict(param_sync_dtype=torch.int64),
+        # fp16 master and moments with per-fragment scales: fp16 rounding of the state (2**-11) bounds it
+        dict(with_scaled_states=True, dtype=torch.float16, param_sync_dtype=torch.float16, tol=2e-3),
+    ]
+    for cfg in configs:
+        _run_config(rank, world, dict(cfg))
+    _state_bytes(rank, world)
+    _grad_scaler(rank, world)
+    if world == 2:
+        _checkpoint_save(rank, world, tmp)
+        _bad_input(rank, world)
+    else:
+        _checkpoint_load_other_world(rank, world, tmp)
+
+
+def _grad_scaler(rank, world):
+    from apex.optimizers import FusedAdam
+
+    model, ref = _model(), _model()
+    opt = _dfa(model)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for step in range(4):
+        opt.zero_grad()
+        x, dy = _data(step, 0, rank)
+        if step == 2 and rank == 0:
+            dy[0, 0] = float("inf")
+        scaler.scale(_loss(model, x, dy)).backward()
+        if step == 2:
+            before = [p.detach().clone() for p in model.parameters()]
+            sd_before = opt.state_dict()
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            assert scaler.get_scale() == 2.0**9
+            assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+            sd_after = opt.state_dict()
+            assert sd_after["state"]["step"] == sd_before["state"]["step"] == 2
+            for i in range(4):
+                for k in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(sd_after["state"][i][k], sd_before["state"][i][k])
+        else:
+            _ref_step(ref, ref_opt, world, step, 1)
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()], tol=1e-6)
+
+
+def _train(model, opt, rank, steps):
+    for step in steps:
+        opt.zero_grad()
+        _loss(model, *_data(step, 0, rank)).backward()
+        opt.step()
+
+
+def _checkpoint_save(rank, world, tmp):
+    model = _model()
+    opt = _dfa(model)
+    _train(model, opt, rank, range(3))
+    sd = opt.state_dict()
+    weights = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, rank, range(3, 5))
+    # Same world size: resume bit for bit.
+    model2 = _model()
+    with torch.no_grad():
+        for p, w in zip(model2.parameters(), weights):
+            p.copy_(w)
+    opt2 = _dfa(model2, bucket_cap_mb=TINY_MB * 3)  # a different bucketing loads the same state
+    opt2.load_state_dict(sd)
+    sd2 = opt2.state_dict()
+    for i in range(4):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd2["state"][i][k], sd["state"][i][k])
+    _train(model2, opt2, rank, range(3, 5))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(model.parameters(), model2.parameters()))
+    if rank == 0:
+        torch.save({"sd": sd, "weights": weights}, os.path.join(tmp, "ckpt.pt"))
+
+
+def _checkpoint_load_other_world(rank, world, tmp):
+    from apex.optimizers import FusedAdam
+
+    saved = torch.load(os.path.join(tmp, "ckpt.pt"), weights_only=False)
+    sd, weights = saved["sd"], saved["weights"]
+    model, ref = _model(), _model()
+    with torch.no_grad():
+        for p, r, w in zip(model.parameters(), ref.parameters(), weights):
+            p.copy_(w)
+            r.copy_(w)
+    opt = _dfa(model)
+    opt.load_state_dict(sd)
+    again = opt.state_dict()
+    for i in range(4):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(again["state"][i][k], sd["state"][i][k])
+    assert again["state"]["step"] == 3
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ref_sd = ref_opt.state_dict()
+    ref_sd["state"] = {i: {"exp_avg": sd["state"][i]["exp_avg"].clone(), "exp_avg_sq":
+                           sd["state"][i]["exp_avg_sq"].clone(), "step": torch.tensor(3.0)} for i in range(4)}
+    for g in ref_sd["param_groups"]:
+        g["step"] = 3
+    ref_opt.load_state_dict(ref_sd)
+    for step in range(3, 5):
+        opt.zero_grad()
+        _loss(model, *_data(step, 0, rank)).backward()
+        opt.step()
+        _ref_step(ref, ref_opt, world, step, 1)
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()], tol=1e-6)
+    # A format-1 checkpoint of another world size is refused, and nothing changes.
+    with pytest.raises(ValueError, match="2 ranks"):
+        opt.load_state_dict({"gathered_states": [torch.zeros(1, dtype=torch.uint8)] * 2, "format": 1})
+
+
+def _bad_input(rank, world):
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    with pytest.raises(TypeError, match="floating-point"):
+        DistributedFusedAdam([nn.Parameter(torch.ones(3, dtype=torch.int32), requires_grad=False)])
+    with pytest.raises(ValueError, match="one device"):
+        DistributedFusedAdam([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, device="meta"))])
+    with pytest.raises(RuntimeError, match="store_params=True"):
+        DistributedFusedAdam(_model(torch.bfloat16).parameters(), store_param_remainders=True,
+                             param_sync_dtype=torch.bfloat16)
+    model = _model()
+    opt = _dfa(model)
+    _train(model, opt, rank, range(1))
+    sd = opt.state_dict()
+    bad = opt.state_dict()
+    bad["state"][3]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(ValueError, match="elements"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][i][k], sd["state"][i][k]) for i in range(4)
+               for k in ("param", "exp_avg", "exp_avg_sq"))
+    assert after["param_groups"][0]["lr"] == sd["param_groups"][0]["lr"]
+
+
+def test_bf16_remainder_split_is_exact():
+    x = torch.randn(4099) * torch.logspace(-20, 20, 4099)
+    bf16, rem, back = torch.empty(x.shape, dtype=torch.bfloat16), torch.empty(x.shape, dtype=torch.int16), \
+        torch.empty_like(x)
+    _fp32_to_bf16_rem(x, bf16, rem)
+    _bf16_rem_to_fp32(bf16, rem, back)
+    assert torch.equal(back.view(torch.int32), x.view(torch.int32))
+    assert ((bf16.float() - x).abs() <= x.abs() * 2.0**-8).all()
+
+
+def test_two_then_three_ranks(tmp_path):
+    """All configurations on 2 ranks (saving a checkpoint), then on 3 ranks (resuming it)."""
+    run_distributed(_worker_main, 2, str(tmp_path), timeout_s=60)
+    run_distributed(_worker_main, 3, str(tmp_path), timeout_s=60)
+
+
+def test_distributed_adam_cuda_kernels_match_fused_adam_math():
+    """The ``distributed_adam_cuda`` names: Adam on ``g * grad_scale`` into ``p_in`` with a cast copy in
+    ``p_out``; the remainder variant equals the fp32 update of the rebuilt master."""
+    import distributed_adam_cuda
+
+    from apex.ops.multi_tensor_adam import multi_tensor_adam
+
+    g = torch.Generator().manual_seed(3)
+    sizes = (37, 130)
+    p = [torch.randn(n, generator=g) for n in sizes]
+    m = [torch.rand(n, generator=g) for n in sizes]
+    v = [torch.rand(n, generator=g) for n in sizes]
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    scale = torch.tensor(0.25)
+    args = (1e-2, 0.9, 0.99, 1e-8, 3, 1, 1, 0.1)
+    ref_p, ref_m, ref_v = [t.clone() for t in p], [t.clone() for t in m], [t.clone() for t in v]
+    flag = torch.zeros(1, dtype=torch.int32)
+    multi_tensor_adam(2048, flag, [[x * 0.25 for x in grads], ref_p, ref_m, ref_v], *args)
+    out = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    distributed_adam_cuda.multi_tensor_fused_adam(2048, flag, [p, m, v, grads, out], scale, *args)
+    for a, b, o in zip(p, ref_p, out):
+        assert torch.equal(a, b) and torch.equal(o, b.bfloat16())
+    # Remainders: bf16 + int16 hold the fp32 master exactly, before and after the update.
+    master = [torch.randn(n, generator=g) for n in sizes]
+    bf16 = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    rem = [torch.empty(n, dtype=torch.int16) for n in sizes]
+    for w, b, r in zip(master, bf16, rem):
+        _fp32_to_bf16_rem(w, b, r)
+    m2, v2 = [t.clone() for t in m], [t.clone() for t in v]
+    ref_master = [t.clone() for t in master]
+    multi_tensor_adam(2048, flag, [[x * 0.25 for x in grads], ref_master, m, v], *args)
+    p_out = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    distributed_adam_cuda.multi_tensor_fused_adam_with_param_remainders(
+        2048, flag, [bf16, rem, m2, v2, grads, p_out], scale, *args)
+    for b, r, w in zip(p_out, rem, ref_master):
+        back = torch.empty_like(w)
+        _bf16_rem_to_fp32(b, r, back)
+        assert torch.equal(back, w)
