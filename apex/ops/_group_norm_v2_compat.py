@@ -26,6 +26,8 @@ def _check(x: Tensor, w: Tensor, b: Tensor) -> None:
 
 def gn(x: Tensor, w: Tensor, b: Tensor, eps: float, silu: bool, num_groups: int,
        mean_var_out: Tensor | None = None, sm_margin: int = 0) -> Tensor:
+    """``group_norm_v2_cuda.gn``: group norm of NHWC ``x`` (optionally followed by SiLU); writes the fp32
+    ``(mean, biased variance)`` pair of every (sample, group) into ``mean_var_out`` when given."""
     _check(x, w, b)
     ng = x.shape[0] * num_groups
     if mean_var_out is not None and (mean_var_out.dtype != torch.float32 or mean_var_out.numel() != 2 * ng):
@@ -42,6 +44,7 @@ def gn(x: Tensor, w: Tensor, b: Tensor, eps: float, silu: bool, num_groups: int,
 
 def gn_bwd(grad_output: Tensor, x: Tensor, w: Tensor, b: Tensor, mean_var: Tensor, eps: float, silu: bool,
            num_groups: int, sm_margin: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """``group_norm_v2_cuda.gn_bwd``: ``(dx, dw, db)`` from the forward's ``mean_var`` pairs."""
     _check(x, w, b)
     if grad_output.dtype != x.dtype or mean_var.dtype != torch.float32:
         raise ValueError("gn_bwd dtype mismatch: grad_output must have x's dtype and mean_var be float32")

@@ -58,6 +58,8 @@ def _has_shortcut_conv(x, w3, stride: int) -> bool:
 
 
 def forward(explicit_nhwc: bool, stride_1x1: int, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``fast_bottleneck.forward``: the frozen-BN bottleneck block's outputs from ``[x, w1, w2, w3, s1, s2, s3,
+    b1, b2, b3(, w4, s4, b4)]`` (scales and biases of the frozen batch norms), as Apex's list."""
     t = _unpack(inputs, explicit_nhwc, 10, _FORWARD_4D)
     x, w1, w2, w3, s1, s2, s3, b1, b2, b3 = t[:10]
     shortcut_conv = _has_shortcut_conv(x, w3, stride_1x1)
@@ -73,6 +75,8 @@ def forward(explicit_nhwc: bool, stride_1x1: int, inputs: Sequence[torch.Tensor]
 
 
 def backward(explicit_nhwc: bool, stride_1x1: int, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``fast_bottleneck.backward``: the gradients of the input and the conv weights, from the forward's
+    inputs plus the output gradient and the saved activations, as Apex's list."""
     t = _unpack(inputs, explicit_nhwc, 14, _BACKWARD_4D)
     x, w1, w2, w3, s1, s2, _s3, _b1, _b2, _b3, g3, g4, out1, out2 = t[:14]
     shortcut_conv = _has_shortcut_conv(x, w3, stride_1x1)

@@ -39,11 +39,13 @@ class FrozenBatchNorm2d(nn.Module):
 
 
 def conv3x3(in_planes, out_planes, stride=1, groups=1, dilation=1):
+    """A bias-free 3x3 ``nn.Conv2d`` with padding ``dilation`` (torchvision's helper, as Apex has it)."""
     return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=dilation, groups=groups,
                      bias=False, dilation=dilation)
 
 
 def conv1x1(in_planes, out_planes, stride=1):
+    """A bias-free 1x1 ``nn.Conv2d`` (torchvision's helper, as Apex has it)."""
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 

@@ -42,18 +42,23 @@ SWITCH = MHASwitch()
 
 
 def is_enabled() -> bool:
+    """Whether OpenFold should route its attention through ``AttnTri`` (the switch in ``SWITCH``)."""
     return SWITCH.enabled
 
 
 def enable() -> None:
+    """Turn the fused attention on for OpenFold's callers."""
     SWITCH.enable()
 
 
 def disable() -> None:
+    """Turn the fused attention off for OpenFold's callers."""
     SWITCH.disable()
 
 
 def CanSchTriMHA(in_shape, has_bias: bool = True, inf: float = 1e9, training: bool = True) -> bool:  # noqa: N802
+    """True when ``AttnTri`` takes a call whose query has shape ``in_shape``: 4-D, or 5-D with a leading 1,
+    a head dim of at most 256 and a positive finite ``inf`` (upstream answered from its tuned shapes)."""
     shape = list(in_shape)
     if len(shape) not in (4, 5) or (len(shape) == 5 and shape[0] != 1):
         return False
@@ -64,6 +69,8 @@ def CanSchTriMHA(in_shape, has_bias: bool = True, inf: float = 1e9, training: bo
 
 def AttnTri(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,  # noqa: N802
             bias: torch.Tensor | None = None, inf: float = 1000000000.0, is_training: bool = True) -> torch.Tensor:
+    """``softmax(q·kᵀ/√d + (mask − 1)·inf + bias)·v`` (OpenFold's triangle/MSA attention); without a graph
+    when ``is_training`` is False. Softmax statistics in fp32, output in ``q``'s dtype."""
     if not is_training:
         with torch.no_grad():
             return attention(q, k, v, mask, bias, inf)
@@ -72,9 +79,11 @@ def AttnTri(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def AttnBiasJIT(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,  # noqa: N802
                 bias: torch.Tensor | None, inf: float) -> torch.Tensor:
+    """``AttnTri`` with a bias (upstream's compiled eager formula; here the same fused operation)."""
     return attention(query, key, value, mask, bias, inf)
 
 
 def AttnNoBiasJIT(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,  # noqa: N802
                   inf: float) -> torch.Tensor:
+    """``AttnTri`` without a bias (upstream's compiled eager formula; here the same fused operation)."""
     return attention(query, key, value, mask, None, inf)

@@ -47,6 +47,8 @@ def multi_tensor_lamb_compute_update_term(chunk_size: int, noop_flag: torch.Tens
                                           step: torch.Tensor, per_tensor_epsilon: torch.Tensor, mode: int,
                                           per_tensor_decay: torch.Tensor, global_scale: torch.Tensor,
                                           global_grad_norm: torch.Tensor, max_grad_norm: float) -> None:
+    """``distributed_lamb_cuda.multi_tensor_lamb_compute_update_term``: the LAMB update term ``u`` of each
+    tensor from ``[g, p, m, v, u]`` (see the module docstring), updating ``m`` and ``v`` in place."""
     device = check_tensor_lists(tensor_lists, 5)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0] or int(noop_flag.reshape(-1)[0]):
@@ -102,6 +104,8 @@ def multi_tensor_lamb_update_weights(chunk_size: int, noop_flag: torch.Tensor, t
                                      update_norm_offset: torch.Tensor, learning_rate: torch.Tensor,
                                      per_tensor_decay: torch.Tensor, global_grad_norm: torch.Tensor,
                                      use_nvlamb: bool) -> None:
+    """``distributed_lamb_cuda.multi_tensor_lamb_update_weights``: ``p -= ratio·u`` with LAMB's trust ratio, then
+    the copy into ``p_copy`` (see the module docstring)."""
     device = check_tensor_lists(tensor_lists, 3, list_dtypes={2: (*FLOAT_DTYPES, torch.uint8)})
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0] or int(noop_flag.reshape(-1)[0]):

@@ -60,10 +60,12 @@ def allocate_raw(size: int) -> int:
 
 
 def free_raw(raw: int) -> None:
+    """Release a buffer from ``allocate_raw``."""
     _RAW.free(raw)
 
 
 def zero(raw: int, size: int) -> None:
+    """Zero the first ``size`` bytes of a raw buffer."""
     _RAW.view(raw, size).zero_()
 
 
@@ -108,14 +110,17 @@ def _blob_view(raw: int, shape: Sequence[int], channels_last: bool, dtype: torch
 
 
 def blob_view_half(raw: int, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+    """An fp16 tensor of ``shape`` over a raw buffer (channels_last strides if asked)."""
     return _blob_view(raw, shape, channels_last, torch.float16)
 
 
 def blob_view_float(raw: int, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` over a raw buffer (channels_last strides if asked)."""
     return _blob_view(raw, shape, channels_last, torch.float32)
 
 
 def blob_view_int(raw: int, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+    """An int32 tensor of ``shape`` over a raw buffer (channels_last strides if asked)."""
     return _blob_view(raw, shape, channels_last, torch.int32)
 
 

@@ -103,6 +103,7 @@ def mn_1d_best(matrix: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 
 def m4n2_1d(mat: torch.Tensor, density: float) -> torch.Tensor:
+    """2:4 mask along rows: the 2 largest magnitudes of every 4 consecutive elements (``density`` unused)."""
     return mn_1d_best(mat, 4, 2)
 
 
@@ -142,6 +143,7 @@ def mn_2d_greedy(matrix: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 
 def m4n2_2d_greedy(mat: torch.Tensor, density: float) -> torch.Tensor:
+    """2:4 in both directions of every 4x4 block, picked greedily by magnitude (``density`` unused)."""
     return mn_2d_greedy(mat, 4, 2)
 
 
@@ -156,6 +158,8 @@ def mn_2d_best(matrix: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 
 def m4n2_2d_best(mat: torch.Tensor, density: float) -> torch.Tensor:
+    """2:4 in both directions of every 4x4 block: the valid pattern keeping the most magnitude (``density``
+    unused)."""
     return mn_2d_best(mat, 4, 2)
 
 
