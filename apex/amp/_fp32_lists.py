@@ -1,4 +1,4 @@
-"""O1's fp32 and banned functions where ``torch.autocast`` has none: Apex's lists, applied on the CPU.
+"""O1's fp32, half and banned functions where ``torch.autocast`` has none: Apex's lists, applied on the CPU.
 
 CUDA autocast already runs softmax, the norms, the losses, ``exp``/``log``/``pow``, ``sum``/``mean`` and
 the other reductions in fp32, as Apex's O1 did; CPU autocast leaves them in bf16/fp16. On the CPU, O1
@@ -34,6 +34,11 @@ TORCH_FP32 = (
     "sum", "var", "renorm",
 )
 TENSOR_FP32 = TORCH_FP32 + ("__pow__", "__rpow__", "__ipow__")
+# Apex's O1 ran the RNNs and RNN cells in half (its rnn_compat casts); CUDA autocast has the cells in its
+# lower-precision list, CPU autocast has neither them nor a half LSTM it can run (it sends LSTMs to oneDNN,
+# which has no fp16 LSTM without AVX512-FP16). On the CPU O1 casts their float arguments (input, state and
+# weights) to the half type and runs them with autocast off, where PyTorch picks a kernel that exists.
+TORCH_VF_HALF = ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru", "rnn_tanh", "rnn_relu")
 # Apex's O1 also lists Tensor.cpu: a half tensor copied to the host arrives in fp32. Autocast has no such
 # rule on any device, so this wrapper is installed on CUDA as well (``patch_transfers``).
 TENSOR_TRANSFERS_FP32 = ("cpu",)
@@ -89,6 +94,25 @@ def _fp32_wrapper(fn, handle):
     return wrapper
 
 
+def _to_half(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_half(v, dtype) for v in value)
+    return value
+
+
+def _half_wrapper(fn, handle):
+    def wrapper(*args, **kwargs):
+        if not _casting(handle):
+            return fn(*args, **kwargs)
+        with torch.autocast(handle.device_type, enabled=False):
+            return fn(*_to_half(args, handle.dtype), **{k: _to_half(v, handle.dtype) for k, v in kwargs.items()})
+
+    wrapper.__wrapped_amp__ = fn
+    return wrapper
+
+
 def _banned_wrapper(fn, handle):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -126,6 +150,11 @@ def patch(handle, allow_banned: bool) -> None:
             if orig is not None:
                 handle._save_func(module, name + "_", orig)
                 setattr(module, name + "_", _inplace_wrapper(orig, name + "_", handle))
+    for name in TORCH_VF_HALF:
+        orig = getattr(torch._VF, name, None)
+        if orig is not None:
+            handle._save_func(torch._VF, name, orig)
+            setattr(torch._VF, name, _half_wrapper(orig, handle))
     if not allow_banned:
         orig = F.binary_cross_entropy
         handle._save_func(F, "binary_cross_entropy", orig)
