@@ -23,6 +23,7 @@ def _update_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, factors_ptr, grow
     # Products in float64, one rounding to fp32, as the CUDA kernel does.
     grown = (s.to(tl.float64) * tl.load(factors_ptr)).to(tl.float32)
     shrunk = (s.to(tl.float64) * tl.load(factors_ptr + 1)).to(tl.float32)
+    shrunk = tl.where(tl.abs(shrunk) < 1.1754943508222875e-38, 0.0, shrunk)  # subnormal -> 0, as Apex's kernel
     grown_ok = (grown == grown) & (tl.abs(grown) != float("inf"))
     new_s = tl.where(backoff, shrunk, tl.where(hit & grown_ok, grown, s))
     new_g = tl.where(early | backoff | hit, 0, tl.where(grow, successful, g))

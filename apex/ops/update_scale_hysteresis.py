@@ -9,7 +9,8 @@ backoff_factor, growth_interval, hysteresis)`` updates the three state tensors i
 * ``f == 0``: ``g += 1``; when ``g == growth_interval``, ``s *= growth_factor`` unless that overflows fp32,
   and ``g = 0``; then ``h = hysteresis``.
 
-Products are formed in float64 and rounded once to fp32, as the CUDA kernel does. On GPUs everything stays
+Products are formed in float64 and rounded once to fp32, as the CUDA kernel does; a backed-off scale
+that would be subnormal is flushed to zero, as Apex's kernel (built with fast math) gives it. On GPUs everything stays
 on the device (no host synchronisation); CPU tensors are read directly. Dtypes: ``current_scale`` and
 ``found_inf`` float32, the trackers int32, one element each.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
+
+_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
 
 
 def _check_scalar(t, name: str, dtype: torch.dtype) -> None:
@@ -78,7 +81,8 @@ def _update_cpu(scale, growth, hyst, found_inf, growth_factor, backoff_factor, g
             hyst.fill_(h)
             return
     if f:
-        scale.fill_(s * backoff_factor)  # float64 product, one rounding to fp32 in fill_
+        shrunk = torch.tensor(s * backoff_factor, dtype=torch.float64).float()  # one rounding to fp32
+        scale.fill_(0.0 if shrunk.abs() < _TINY else shrunk.item())  # subnormal -> 0 (Apex's fast math)
         g = 0
     else:
         g += 1
@@ -105,6 +109,7 @@ def _update_torch(scale, growth, hyst, found_inf, growth_factor, backoff_factor,
     hit = grow & (successful == growth_interval)
     grown = (s.double() * growth_factor).float()
     shrunk = (s.double() * backoff_factor).float()
+    shrunk = torch.where(shrunk.abs() < _TINY, torch.zeros_like(shrunk), shrunk)
     new_s = torch.where(backoff, shrunk, torch.where(hit & torch.isfinite(grown), grown, s))
     zero = torch.zeros_like(g)
     new_g = torch.where(early | backoff | hit, zero, torch.where(grow, successful, g))

@@ -21,6 +21,8 @@ def _reference(scale, growth, hyst, found, growth_factor, backoff_factor, interv
             return scale, 0, hyst
     if found:
         scale = f32(scale * backoff_factor)
+        if abs(scale) < torch.finfo(torch.float32).tiny:  # Apex's kernel is built with fast math: FTZ
+            scale = 0.0
         growth = 0
     else:
         successful = growth + 1
@@ -135,3 +137,17 @@ def test_bad_input_raises_and_changes_nothing(bad, exc):
     with pytest.raises(exc):
         update_scale_hysteresis(**args)
     assert (s.item(), g.item(), h.item()) == (8.0, 1, 2)
+
+
+def test_backoff_into_subnormals_flushes_to_zero(backend_name):
+    # Apex's upstream test: a scale backed off below the smallest normal fp32 becomes 0, and stays 0.
+    s, g, h = _state(scale=2.0 ** -120, hyst=1)
+    found = torch.tensor([1.0])
+    for _ in range(5):
+        update_scale_hysteresis(s, g, h, found, 2.0, 0.25, 10, 1)
+        assert s.item() == 0.0 or s.item() >= torch.finfo(torch.float32).tiny
+    assert s.item() == 0.0
+    found.zero_()
+    for _ in range(20):
+        update_scale_hysteresis(s, g, h, found, 2.0, 0.25, 10, 1)
+    assert s.item() == 0.0
