@@ -101,6 +101,13 @@ ACCURATE_MIN_GROUP = 1 << 16
 def _forward_torch(x, num_groups, weight, bias, eps, silu):
     """``(y, mean, rstd)`` with fp32 (fp64) statistics from ``var_mean``; y keeps x's memory format."""
     n, c = x.shape[:2]
+    if (x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
+            and all(t is None or t.dtype == x.dtype for t in (weight, bias))):
+        # PyTorch's own fused kernel, 3-4x the speed of the composition below. Only for contiguous (NCHW)
+        # inputs: its channels_last CPU kernel loses up to 1e-4 relative accuracy on groups with a large mean
+        # (one-pass variance), so NHWC and half inputs keep the two-pass composition (fp32 statistics).
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), num_groups, eps)
+        return (F.silu(y, inplace=True) if silu else y), mean.reshape(-1), rstd.reshape(-1)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     dims = tuple(range(2, x.dim() + 1))
     var, mean = torch.var_mean(x.unflatten(1, (num_groups, c // num_groups)).to(ct), dims, correction=0)

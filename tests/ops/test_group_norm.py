@@ -202,3 +202,15 @@ def test_group_norm_large_offset_group_keeps_fp32_accuracy():
     ref_y, ref_g = _ref(x, 1, w, b, 1e-5, False, dy)
     assert_rel_close(y, ref_y, tol=1e-6)
     assert_rel_close(list(grads), list(ref_g), tol=2e-6)
+
+
+def test_group_norm_nchw_fp32_takes_pytorchs_kernel_and_stays_accurate():
+    # Contiguous fp32 input: PyTorch's fused native_group_norm (accurate for NCHW, unlike its channels_last
+    # kernel on groups with a large mean; see the test above).
+    x = -2.3 + 0.5 * torch.randn(3, 64, 20, 24)
+    w, b = torch.rand(64), torch.rand(64)
+    with apex.backend("torch"):
+        y, mean, rstd = GN.group_norm_forward(x, 8, w, b, 1e-5, "silu")
+    ref = F.silu(F.group_norm(x.double(), 8, w.double(), b.double(), 1e-5))
+    assert_rel_close(y, ref, tol=1e-6)
+    assert mean.dtype == torch.float32 and mean.shape == (3 * 8,) and rstd.shape == (3 * 8,)
