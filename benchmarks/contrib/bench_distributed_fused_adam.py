@@ -11,22 +11,17 @@ reduce-scatter of the gradients + one all-gather of the parameters, unpadded).
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import sys
-import weakref
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks._harness import Case
+from benchmarks._ranks import Ranks
 
 BUCKET_MB = 4.0
 CONFIGS = [(512, 4, 32), (128, 24, 32)]  # (width, depth, batch): a few large layers, many small ones
-STOP, OURS, THEIRS = 0, 1, 2
+OURS, THEIRS = 1, 2
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -51,7 +46,6 @@ class _Steps:
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, width, generator=g)
         self.y = torch.randint(0, 10, (batch,), generator=g)
-        self.cmd = torch.zeros(1, dtype=torch.int64)
 
     def run(self, which: int) -> None:
         model, opt = (self.ours_model, self.ours) if which == OURS else (self.theirs_model, self.theirs)
@@ -60,87 +54,34 @@ class _Steps:
         opt.step()
 
 
-def _follower(rank: int, port: int, threads: int, cfg: tuple[int, int, int]) -> None:
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
-    steps = _Steps(1, cfg)
-    while True:
-        dist.broadcast(steps.cmd, 0)
-        which = int(steps.cmd.item())
-        if which == STOP:
-            break
-        steps.run(which)
-    dist.destroy_process_group()
-
-
-class _TwoRanks:
-    def __init__(self, cfg: tuple[int, int, int]):
-        if dist.is_initialized():
-            raise RuntimeError("bench_distributed_fused_adam needs a process without a process group")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.threads = torch.get_num_threads()
-        per_rank = max(1, self.threads // 2)
-        self.ctx = mp.start_processes(_follower, args=(port, per_rank, cfg), nprocs=1, join=False,
-                                      start_method="spawn")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
-        torch.set_num_threads(per_rank)
-        self.steps = _Steps(0, cfg)
-        self.closed = False
-
-    def step(self, which: int) -> None:
-        self.steps.cmd.fill_(which)
-        dist.broadcast(self.steps.cmd, 0)
-        self.steps.run(which)
-
-    def report(self) -> dict:
-        opt = self.steps.ours
-        before = dict(opt.comm_stats)
-        self.step(OURS)
-        moved = {k: opt.comm_stats[k] - before[k] for k in before}
-        n = sum(p.numel() for p in self.steps.ours_model.parameters())
-        minimum = n * torch.finfo(opt.grad_sync_dtype).bits // 8 + n * torch.finfo(opt.param_sync_dtype).bits // 8
-        ours_bytes = sum(b.state_bytes() for b in opt.state["buckets"])
-        theirs_bytes = sum(t.numel() * t.element_size() for s in self.steps.theirs.state.values()
-                           for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        facts = {"params": n, "buckets": len(opt.state["buckets"]),
-                 "state_bytes_per_rank": ours_bytes, "fused_adam_state_bytes": theirs_bytes,
-                 "state_fraction": round(ours_bytes / theirs_bytes, 3),
-                 "comm_bytes_per_step": sum(moved.values()), "zero2_min_bytes": minimum,
-                 "comm_vs_min": round(sum(moved.values()) / minimum, 3), **moved}
-        print(f"bench_distributed_fused_adam: {n} params in {facts['buckets']} bucket(s); optimizer state "
-              f"{ours_bytes} B/rank (m, v, fp32 master shard) vs FusedAdam {theirs_bytes} B (m, v) = "
-              f"{facts['state_fraction']}x; collectives {sum(moved.values())} B/step vs ZeRO-2 minimum {minimum} B "
-              f"= {facts['comm_vs_min']}x", file=sys.stderr, flush=True)
-        return facts
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.steps.cmd.fill_(STOP)
-        dist.broadcast(self.steps.cmd, 0)
-        dist.destroy_process_group()
-        self.ctx.join()
-        torch.set_num_threads(self.threads)
-
-
-class _Handle:
-    def __init__(self, pair):
-        self.pair = pair
+def _report(ranks: Ranks) -> dict:
+    opt = ranks.steps.ours
+    before = dict(opt.comm_stats)
+    ranks.step(OURS)
+    moved = {k: opt.comm_stats[k] - before[k] for k in before}
+    n = sum(p.numel() for p in ranks.steps.ours_model.parameters())
+    minimum = n * torch.finfo(opt.grad_sync_dtype).bits // 8 + n * torch.finfo(opt.param_sync_dtype).bits // 8
+    ours_bytes = sum(b.state_bytes() for b in opt.state["buckets"])
+    theirs_bytes = sum(t.numel() * t.element_size() for s in ranks.steps.theirs.state.values()
+                       for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    facts = {"params": n, "buckets": len(opt.state["buckets"]),
+             "state_bytes_per_rank": ours_bytes, "fused_adam_state_bytes": theirs_bytes,
+             "state_fraction": round(ours_bytes / theirs_bytes, 3),
+             "comm_bytes_per_step": sum(moved.values()), "zero2_min_bytes": minimum,
+             "comm_vs_min": round(sum(moved.values()) / minimum, 3), **moved}
+    print(f"bench_distributed_fused_adam: {n} params in {facts['buckets']} bucket(s); optimizer state "
+          f"{ours_bytes} B/rank (m, v, fp32 master shard) vs FusedAdam {theirs_bytes} B (m, v) = "
+          f"{facts['state_fraction']}x; collectives {sum(moved.values())} B/step vs ZeRO-2 minimum {minimum} B "
+          f"= {facts['comm_vs_min']}x", file=sys.stderr, flush=True)
+    return facts
 
 
 def _timed(cfg):
-    pair = _TwoRanks(cfg)
-    pair.step(OURS)  # the first step builds the buckets
-    pair.step(THEIRS)
-    facts = pair.report()
-    handle = _Handle(pair)
-    weakref.finalize(handle, pair.close)
-    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS)), facts
+    ranks = Ranks("bench_distributed_fused_adam", 2, _Steps, cfg)
+    ranks.step(OURS)  # the first step builds the buckets
+    ranks.step(THEIRS)
+    facts = _report(ranks)
+    return (*ranks.timed(OURS, THEIRS), facts)
 
 
 def cases():

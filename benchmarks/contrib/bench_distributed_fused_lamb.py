@@ -13,22 +13,17 @@ padding of the flat buffer and two small all-reduces (the global norm and the pe
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import sys
-import weakref
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks._harness import Case
+from benchmarks._ranks import Ranks
 
 # (width, depth, batch)
 CONFIGS = [(512, 4, 64), (128, 24, 64)]
-STOP, OURS, THEIRS = 0, 1, 2
+OURS, THEIRS = 1, 2
 LAMB = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 
 
@@ -53,7 +48,6 @@ class _Steps:
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, width, generator=g)
         self.y = torch.randint(0, 10, (batch,), generator=g)
-        self.cmd = torch.zeros(1, dtype=torch.int64)
 
     def run(self, which: int) -> None:
         model, opt = (self.ours_model, self.ours) if which == OURS else (self.theirs_model, self.theirs)
@@ -79,67 +73,13 @@ class _Steps:
                 "ddp_bytes_sent_per_rank": int(2 * ring * 4 * n)}  # one all-reduce
 
 
-def _follower(rank: int, port: int, threads: int, cfg) -> None:
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
-    steps = _Steps(1, cfg)
-    while True:
-        dist.broadcast(steps.cmd, 0)
-        which = int(steps.cmd.item())
-        if which == STOP:
-            break
-        steps.run(which)
-    dist.destroy_process_group()
-
-
-class _TwoRanks:
-    def __init__(self, cfg):
-        if dist.is_initialized():
-            raise RuntimeError("bench_distributed_fused_lamb needs a process without a process group")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.threads = torch.get_num_threads()
-        per_rank = max(1, self.threads // 2)
-        self.ctx = mp.start_processes(_follower, args=(port, per_rank, cfg), nprocs=1, join=False,
-                                      start_method="spawn")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
-        torch.set_num_threads(per_rank)
-        self.steps = _Steps(0, cfg)
-        self.closed = False
-
-    def step(self, which: int) -> None:
-        self.steps.cmd.fill_(which)
-        dist.broadcast(self.steps.cmd, 0)
-        self.steps.run(which)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.steps.cmd.fill_(STOP)
-        dist.broadcast(self.steps.cmd, 0)
-        dist.destroy_process_group()
-        self.ctx.join()
-        torch.set_num_threads(self.threads)
-
-
-class _Handle:
-    def __init__(self, pair):
-        self.pair = pair
-
-
 def _timed(cfg):
-    pair = _TwoRanks(cfg)
-    pair.step(OURS)
-    pair.step(THEIRS)  # FusedLAMB creates its state on the first step
-    facts = pair.steps.facts()
+    ranks = Ranks("bench_distributed_fused_lamb", 2, _Steps, cfg)
+    ranks.step(OURS)
+    ranks.step(THEIRS)  # FusedLAMB creates its state on the first step
+    facts = ranks.steps.facts()
     print(f"bench_distributed_fused_lamb: {facts}", file=sys.stderr, flush=True)
-    handle = _Handle(pair)
-    weakref.finalize(handle, pair.close)  # rank 1 stops once the harness drops both callables
-    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS)), facts
+    return (*ranks.timed(OURS, THEIRS), facts)
 
 
 def cases():

@@ -16,26 +16,22 @@ against the theoretical ``(PP - 1) / (m + PP - 1)`` of 1F1B with ``m`` microbatc
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import sys
 import time
-import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks._harness import Case
+from benchmarks._ranks import Ranks
 
 PP = 4
 # (hidden, sequence, micro-batch size, microbatches)
 CONFIGS = [(256, 64, 4, 8)]
 BLOCKS_PER_STAGE = 2
-STOP, OURS, THEIRS, MEASURE = 0, 1, 2, 3
+OURS, THEIRS, MEASURE = 1, 2, 3
 MEASURED_STEPS = 3
 _P2P = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
         "send_backward_recv_forward")
@@ -91,7 +87,8 @@ class _Steps:
         # The batch is [microbatches x micro-batch, ...] along dim 0 for get_kth_microbatch; each microbatch
         # is then viewed as [sequence, micro-batch, hidden] by the stage (the rows are independent).
         self.batch = [torch.randn(m * mbs, seq, hidden, generator=g)]
-        self.cmd = torch.zeros(1, dtype=torch.int64)
+        self.rank = rank
+        self.gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(PP)]
         self.timers: dict[str, float] = defaultdict(float)
 
     def _fwd(self, batch, model):
@@ -158,95 +155,35 @@ class _Steps:
         elif which == MEASURE:
             mine = self.measure()
             dist.all_gather(self.gathered, mine)
-        elif which == THEIRS:
+        elif which == THEIRS and self.rank == 0:  # the one-process baseline runs on rank 0 only
             self.theirs()
 
-
-def _follower(rank: int, port: int, threads: int, cfg) -> None:
-    rank += 1  # mp.start_processes numbers the followers from 0
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=120))
-    steps = _Steps(rank, cfg)
-    steps.gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(PP)]
-    while True:
-        dist.broadcast(steps.cmd, 0)
-        which = int(steps.cmd.item())
-        if which == STOP:
-            break
-        if which != THEIRS:
-            steps.run(which)
-    from apex.transformer import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-class _Pipeline:
-    def __init__(self, cfg):
-        if dist.is_initialized():
-            raise RuntimeError("bench_pipeline needs a process without a process group")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.cfg = cfg
-        self.threads = torch.get_num_threads()
-        per_rank = max(1, self.threads // PP)
-        self.ctx = mp.start_processes(_follower, args=(port, per_rank, cfg), nprocs=PP - 1, join=False,
-                                      start_method="spawn")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=PP, timeout=datetime.timedelta(seconds=120))
-        torch.set_num_threads(per_rank)
-        self.steps = _Steps(0, cfg)
-        self.steps.gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(PP)]
-        self.closed = False
-
-    def step(self, which: int) -> None:
-        self.steps.cmd.fill_(which)
-        dist.broadcast(self.steps.cmd, 0)
-        self.steps.run(which)
-
-    def bubble(self) -> dict:
-        self.step(OURS)  # warm-up
-        self.step(MEASURE)
-        m = self.cfg[3]
-        rows = [t.tolist() for t in self.steps.gathered]
-        idle = [1.0 - compute / step for step, compute, _ in rows]
-        comm = [c / step for step, _, c in rows]
-        facts = {"microbatches": m, "stages": PP, "bubble_theory": (PP - 1) / (m + PP - 1),
-                 "bubble_measured_per_stage": [round(x, 4) for x in idle],
-                 "bubble_measured_mean": sum(idle) / PP, "p2p_fraction_per_stage": [round(x, 4) for x in comm],
-                 "threads_per_rank": max(1, self.threads // PP)}
-        print(f"bench_pipeline: PP={PP}, m={m}: bubble {facts['bubble_measured_mean']:.1%} measured (per stage "
-              f"{', '.join(f'{x:.1%}' for x in idle)}) vs {facts['bubble_theory']:.1%} theoretical",
-              file=sys.stderr, flush=True)
-        return facts
-
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
         from apex.transformer import parallel_state
 
-        self.steps.cmd.fill_(STOP)
-        dist.broadcast(self.steps.cmd, 0)
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        self.ctx.join()
-        torch.set_num_threads(self.threads)
 
 
-class _Handle:
-    def __init__(self, pipe):
-        self.pipe = pipe
+def _bubble(ranks: Ranks, m: int) -> dict:
+    ranks.step(OURS)  # warm-up
+    ranks.step(MEASURE)
+    rows = [t.tolist() for t in ranks.steps.gathered]
+    idle = [1.0 - compute / step for step, compute, _ in rows]
+    comm = [c / step for step, _, c in rows]
+    facts = {"microbatches": m, "stages": PP, "bubble_theory": (PP - 1) / (m + PP - 1),
+             "bubble_measured_per_stage": [round(x, 4) for x in idle],
+             "bubble_measured_mean": sum(idle) / PP, "p2p_fraction_per_stage": [round(x, 4) for x in comm],
+             "threads_per_rank": max(1, ranks.threads // PP)}
+    print(f"bench_pipeline: PP={PP}, m={m}: bubble {facts['bubble_measured_mean']:.1%} measured (per stage "
+          f"{', '.join(f'{x:.1%}' for x in idle)}) vs {facts['bubble_theory']:.1%} theoretical",
+          file=sys.stderr, flush=True)
+    return facts
 
 
 def _timed(cfg):
-    pipe = _Pipeline(cfg)
-    facts = pipe.bubble()
-    handle = _Handle(pipe)
-    weakref.finalize(handle, pipe.close)  # the followers stop once the harness drops both callables
-    return (lambda: handle.pipe.step(OURS)), (lambda: handle.pipe.step(THEIRS)), facts
+    ranks = Ranks("bench_pipeline", PP, _Steps, cfg)
+    facts = _bubble(ranks, cfg[3])
+    return (*ranks.timed(OURS, THEIRS), facts)
 
 
 def cases():

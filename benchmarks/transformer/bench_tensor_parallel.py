@@ -13,23 +13,19 @@ parallelism an all-gather and a reduce-scatter each way).
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import sys
-import weakref
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks._harness import Case
+from benchmarks._ranks import Ranks
 
 # (hidden, sequence, batch, sequence_parallel)
 CONFIGS = [(256, 128, 4, False), (256, 128, 4, True)]
-STOP, OURS, THEIRS = 0, 1, 2
+OURS, THEIRS = 1, 2
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
@@ -50,7 +46,18 @@ class _Steps:
         x = torch.randn(seq, batch, hidden, generator=g)
         self.x_tp = x.chunk(2, 0)[rank].clone() if sp else x
         self.x = x
-        self.cmd = torch.zeros(1, dtype=torch.int64)
+        self.rank = rank
+
+    def run(self, which: int) -> None:
+        if which == OURS:
+            self.ours()
+        elif self.rank == 0:  # the one-process baseline runs on rank 0 only
+            self.theirs()
+
+    def close(self) -> None:
+        from apex.transformer import parallel_state
+
+        parallel_state.destroy_model_parallel()
 
     def ours(self) -> None:
         for p in (*self.col.parameters(), *self.row.parameters()):
@@ -65,97 +72,37 @@ class _Steps:
         self.ref2(F.gelu(self.ref1(self.x.requires_grad_()))).sum().backward()
 
 
-def _follower(rank: int, port: int, threads: int, cfg) -> None:
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
-    steps = _Steps(1, cfg)
-    while True:
-        dist.broadcast(steps.cmd, 0)
-        which = int(steps.cmd.item())
-        if which == STOP:
-            break
-        if which == OURS:
-            steps.ours()
-    dist.destroy_process_group()
+def _count(ranks: Ranks, sp: bool) -> dict:
+    """Collectives issued by one tensor-parallel step, by kind."""
+    ranks.announce(OURS)
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
 
+    def wrap(name):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return counted
 
-class _TwoRanks:
-    def __init__(self, cfg):
-        if dist.is_initialized():
-            raise RuntimeError("bench_tensor_parallel needs a process without a process group")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.cfg = cfg
-        self.threads = torch.get_num_threads()
-        per_rank = max(1, self.threads // 2)
-        self.ctx = mp.start_processes(_follower, args=(port, per_rank, cfg), nprocs=1, join=False,
-                                      start_method="spawn")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
-        torch.set_num_threads(per_rank)
-        self.steps = _Steps(0, cfg)
-        self.closed = False
-
-    def step(self, which: int) -> None:
-        self.steps.cmd.fill_(which)
-        dist.broadcast(self.steps.cmd, 0)
-        (self.steps.ours if which == OURS else self.steps.theirs)()
-
-    def count(self) -> dict:
-        """Collectives issued by one tensor-parallel step, by kind."""
-        self.steps.cmd.fill_(OURS)
-        dist.broadcast(self.steps.cmd, 0)
-        counts: Counter = Counter()
-        originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-        def wrap(name):
-            def counted(*args, **kwargs):
-                counts[name] += 1
-                return originals[name](*args, **kwargs)
-            return counted
-
-        try:
-            for name in _COLLECTIVES:
-                setattr(dist, name, wrap(name))
-            self.steps.ours()
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-        sp = self.cfg[3]
-        minimum = 4 if sp else 2
-        facts = {"collectives_per_step": sum(counts.values()), "collectives_min": minimum,
-                 "collectives_by_kind": dict(counts)}
-        print(f"bench_tensor_parallel: {facts['collectives_per_step']} collectives per step "
-              f"(minimum {minimum}): {dict(counts)}", file=sys.stderr, flush=True)
-        return facts
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        from apex.transformer import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        self.steps.cmd.fill_(STOP)
-        dist.broadcast(self.steps.cmd, 0)
-        dist.destroy_process_group()
-        self.ctx.join()
-        torch.set_num_threads(self.threads)
-
-
-class _Handle:
-    def __init__(self, pair):
-        self.pair = pair
+    try:
+        for name in _COLLECTIVES:
+            setattr(dist, name, wrap(name))
+        ranks.steps.ours()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    minimum = 4 if sp else 2
+    facts = {"collectives_per_step": sum(counts.values()), "collectives_min": minimum,
+             "collectives_by_kind": dict(counts)}
+    print(f"bench_tensor_parallel: {facts['collectives_per_step']} collectives per step "
+          f"(minimum {minimum}): {dict(counts)}", file=sys.stderr, flush=True)
+    return facts
 
 
 def _timed(cfg):
-    pair = _TwoRanks(cfg)
-    facts = pair.count()
-    handle = _Handle(pair)
-    weakref.finalize(handle, pair.close)  # rank 1 stops once the harness drops both callables
-    return (lambda: handle.pair.step(OURS)), (lambda: handle.pair.step(THEIRS)), facts
+    ranks = Ranks("bench_tensor_parallel", 2, _Steps, cfg)
+    facts = _count(ranks, cfg[3])
+    return (*ranks.timed(OURS, THEIRS), facts)
 
 
 def cases():
