@@ -50,3 +50,18 @@ def test_axpby_rejects_bad_arg_to_check():
     xs = ragged(torch.float32, sizes=(3,))
     with pytest.raises(ValueError, match="arg_to_check"):
         amp_C.multi_tensor_axpby(2048, flag(), [xs, xs, xs], 1.0, 1.0, 2)
+
+
+def test_largest_finite_values_do_not_set_the_flag(backend_name):
+    # The non-finite check must see inf/NaN only: values near fp32's maximum (whose squares overflow fp32)
+    # are finite, and so is their result here.
+    x = [torch.full((300,), 3.0e38), torch.full((7,), -3.3e38)]
+    y = [torch.full((300,), 1.0e38), torch.ones(7)]
+    out = [torch.empty(300), torch.empty(7)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    amp_C.multi_tensor_axpby(2048 * 32, flag, [x, y, out], 0.5, 0.25, -1)
+    assert flag.item() == 0
+    assert torch.equal(out[0], torch.full((300,), 0.5 * 3.0e38 + 0.25 * 1.0e38))
+    y[1][3] = float("nan")
+    amp_C.multi_tensor_axpby(2048 * 32, flag, [x, y, out], 0.5, 0.25, 1)
+    assert flag.item() == 1
