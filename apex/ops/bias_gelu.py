@@ -14,16 +14,9 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
-from apex.ops.bias_swiglu import _check_grad, _contig, bias_grad, check_args
+from apex.ops.bias_swiglu import _check_grad, _contig, _h, bias_grad, check_args, register_bias_act_ops
 
 Tensor = torch.Tensor
-
-
-def _h(x: Tensor, bias: Tensor | None) -> tuple[Tensor, bool]:
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if bias is not None:
-        return torch.add(x, bias.to(cd)), True
-    return (x, False) if x.dtype == cd else (x.to(cd), True)
 
 
 # ----------------------------------------------------------------------------- dispatch (no autograd)
@@ -73,51 +66,11 @@ def bias_gelu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: 
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("apex::bias_gelu_fwd", mutates_args=())
-def _fwd_op(input: Tensor, bias: Tensor | None) -> Tensor:
-    return bias_gelu_forward(input, bias)
-
-
-@_fwd_op.register_fake
-def _(input, bias):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("apex::bias_gelu_bwd", mutates_args=())
-def _bwd_op(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
-    return bias_gelu_backward(grad_output, input, bias)
-
-
-@_bwd_op.register_fake
-def _(grad_output, input, bias):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-@torch.library.custom_op("apex::bias_gelu_bwd_dbias", mutates_args=())
-def _bwd_db_op(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    return bias_gelu_backward_with_bias_grad(grad_output, input, bias)
-
-
-@_bwd_db_op.register_fake
-def _(grad_output, input, bias):
-    return torch.empty_like(input, memory_format=torch.contiguous_format), torch.empty_like(bias)
-
-
-def _backward(ctx, grad):
-    input, bias = ctx.saved_tensors
-    if bias is not None and ctx.needs_input_grad[1]:
-        return torch.ops.apex.bias_gelu_bwd_dbias(grad, input, bias)
-    return torch.ops.apex.bias_gelu_bwd(grad, input, bias), None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup)
+_fwd_op = register_bias_act_ops("bias_gelu", bias_gelu_forward, bias_gelu_backward, bias_gelu_backward_with_bias_grad,
+                                lambda shape: shape)
 
 
 def bias_gelu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable tanh-approximate GELU of ``input + bias``."""
     check_args(input, bias, glu=False)
-    return torch.ops.apex.bias_gelu_fwd(input, bias)
+    return _fwd_op(input, bias)

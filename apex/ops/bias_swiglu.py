@@ -14,6 +14,8 @@ way (``apex._kernels.bias_swiglu``); CPU tensors PyTorch's ``silu`` / ``silu_bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -132,60 +134,63 @@ def bias_swiglu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("apex::bias_swiglu_fwd", mutates_args=())
-def _fwd_op(input: Tensor, bias: Tensor | None) -> Tensor:
-    return bias_swiglu_forward(input, bias)
-
-
-@_fwd_op.register_fake
-def _(input, bias):
-    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
-
-
-@torch.library.custom_op("apex::bias_swiglu_bwd", mutates_args=())
-def _bwd_op(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
-    return bias_swiglu_backward(grad_output, input, bias)
-
-
-@_bwd_op.register_fake
-def _(grad_output, input, bias):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
 def bias_grad(dx: Tensor, bias: Tensor) -> Tensor:
     """The gradient of a bias added along the last dim: ``dx`` summed over the leading dims in fp32."""
     return torch.sum(dx.reshape(-1, dx.shape[-1]), 0, dtype=torch.float32).to(bias.dtype)
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def register_bias_act_ops(name: str, forward: Callable, backward: Callable, backward_with_bias_grad: Callable,
+                          out_shape: Callable) -> Callable:
+    """The custom ops ``apex::<name>_fwd``, ``_bwd`` and ``_bwd_dbias`` over a bias + activation's dispatch
+    functions, with fake implementations (``torch.compile``) and the autograd formula, which takes the bias
+    gradient from the backward's own launch when the bias needs one. Returns the forward op."""
+
+    @torch.library.custom_op(f"apex::{name}_fwd", mutates_args=())
+    def fwd(input: Tensor, bias: Tensor | None) -> Tensor:
+        return forward(input, bias)
+
+    @fwd.register_fake
+    def _(input, bias):
+        return input.new_empty(out_shape(input.shape))
+
+    @torch.library.custom_op(f"apex::{name}_bwd", mutates_args=())
+    def bwd(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+        return backward(grad_output, input, bias)
+
+    @bwd.register_fake
+    def _(grad_output, input, bias):
+        return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op(f"apex::{name}_bwd_dbias", mutates_args=())
+    def bwd_dbias(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        return backward_with_bias_grad(grad_output, input, bias)
+
+    @bwd_dbias.register_fake
+    def _(grad_output, input, bias):
+        return torch.empty_like(input, memory_format=torch.contiguous_format), torch.empty_like(bias)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def autograd_backward(ctx, grad):
+        input, bias = ctx.saved_tensors
+        if bias is not None and ctx.needs_input_grad[1]:
+            return bwd_dbias(grad, input, bias)
+        return bwd(grad, input, bias), None
+
+    fwd.register_autograd(autograd_backward, setup_context=setup)
+    return fwd
 
 
-@torch.library.custom_op("apex::bias_swiglu_bwd_dbias", mutates_args=())
-def _bwd_db_op(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    return bias_swiglu_backward_with_bias_grad(grad_output, input, bias)
-
-
-@_bwd_db_op.register_fake
-def _(grad_output, input, bias):
-    return torch.empty_like(input, memory_format=torch.contiguous_format), torch.empty_like(bias)
-
-
-def _backward(ctx, grad):
-    input, bias = ctx.saved_tensors
-    if bias is not None and ctx.needs_input_grad[1]:
-        return torch.ops.apex.bias_swiglu_bwd_dbias(grad, input, bias)
-    return torch.ops.apex.bias_swiglu_bwd(grad, input, bias), None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup)
+_fwd_op = register_bias_act_ops("bias_swiglu", bias_swiglu_forward, bias_swiglu_backward,
+                                bias_swiglu_backward_with_bias_grad, lambda shape: (*shape[:-1], shape[-1] // 2))
 
 
 # ------------------------------------------------------------------------------------- autograd entry
 def bias_swiglu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable ``silu(x₁ + b₁)·(x₂ + b₂)`` over the halves of ``input``'s last dim."""
     check_args(input, bias)
-    return torch.ops.apex.bias_swiglu_fwd(input, bias)
+    return _fwd_op(input, bias)
 
 
 def swiglu(input: Tensor) -> Tensor:
