@@ -243,3 +243,23 @@ def backward_step(
     ):
         input_tensor_grad[-1].add_(output_tensor_grad[1])
     return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
+
+
+class GradSync:
+    """Gradient synchronisation off until the last backward: ``custom_sync_context_handler`` (or a null
+    context) entered by :meth:`disable` and left by :meth:`enable`, each idempotent."""
+
+    def __init__(self, custom_sync_context_handler: Callable | None) -> None:
+        no_handler = custom_sync_context_handler is None
+        self._handler = contextlib.nullcontext if no_handler else custom_sync_context_handler
+        self._context = None
+
+    def disable(self) -> None:
+        if self._context is None:
+            self._context = self._handler()
+            self._context.__enter__()
+
+    def enable(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None

@@ -7,7 +7,6 @@ microbatches to be a multiple of ``P`` (checked by :func:`get_forward_backward_f
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from apex.transformer.pipeline_parallel import p2p_communication
 from apex.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
+    GradSync,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -80,22 +80,8 @@ def _forward_backward_pipelining_with_interleaving(
             raise ValueError(f"sequence length {seq} is not divisible by the tensor parallel size {tp}")
         tensor_shape = (seq // tp, mbs, hidden)
 
-    handler = custom_sync_context_handler if custom_sync_context_handler is not None else contextlib.nullcontext
-    sync_context = None
-
-    def disable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is None:
-            sync_context = handler()
-            sync_context.__enter__()
-
-    def enable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is not None:
-            sync_context.__exit__(None, None, None)
-            sync_context = None
-
-    disable_grad_sync()
+    grad_sync = GradSync(custom_sync_context_handler)
+    grad_sync.disable()
     comm = dict(tensor_shape=tensor_shape, dtype=dtype, async_comm=async_comm,
                 sequence_parallel_enabled=sequence_parallel_enabled, sync_batch_comm=sync_batch_comm,
                 batch_p2p_comm=batch_p2p_comm)
@@ -149,16 +135,16 @@ def _forward_backward_pipelining_with_interleaving(
         c = chunk_id(k, forward=False)
         parallel_state.set_virtual_pipeline_model_parallel_rank(c)
         if custom_grad_sync_func is None and is_last_microbatch_for_chunk(k):
-            enable_grad_sync()
+            grad_sync.enable()
         if parallel_state.is_pipeline_last_stage() and not output_tensor_grads[c]:
             output_tensor_grads[c].append(None)
         grad = backward_step(input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0),
                              model_type=get_model_type(model[c]), grad_scaler=grad_scaler,
                              deallocate_pipeline_outputs=deallocate_pipeline_outputs)
         if custom_grad_sync_func is not None and is_last_microbatch_for_chunk(k):
-            enable_grad_sync()
+            grad_sync.enable()
             custom_grad_sync_func(model[c].parameters())
-        disable_grad_sync()
+        grad_sync.disable()
         return grad
 
     parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -236,6 +222,6 @@ def _forward_backward_pipelining_with_interleaving(
                 input_tensor_grad = None
             output_tensor_grads[next_bc].append(
                 p2p_communication.send_backward_recv_backward(input_tensor_grad, recv_next=recv_next, **comm))
-    enable_grad_sync()
+    grad_sync.enable()
     parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return losses_reduced

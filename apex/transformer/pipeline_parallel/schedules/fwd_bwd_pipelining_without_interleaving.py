@@ -6,7 +6,6 @@ outstanding backwards, so at most ``P - r`` microbatches' activations are alive 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from apex.transformer.pipeline_parallel import p2p_communication
 from apex.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
+    GradSync,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -127,22 +127,8 @@ def forward_backward_pipelining_without_interleaving(
         raise RuntimeError(f"`model` is expected be a `nn.Module`, but got a list of {len(model)} modules")
     model = model[0]
 
-    handler = custom_sync_context_handler if custom_sync_context_handler is not None else contextlib.nullcontext
-    sync_context = None
-
-    def disable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is None:
-            sync_context = handler()
-            sync_context.__enter__()
-
-    def enable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is not None:
-            sync_context.__exit__(None, None, None)
-            sync_context = None
-
-    disable_grad_sync()
+    grad_sync = GradSync(custom_sync_context_handler)
+    grad_sync.disable()
     num_microbatches = get_num_microbatches()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     num_warmup = min(parallel_state.get_pipeline_model_parallel_world_size() - rank - 1, num_microbatches)
@@ -203,7 +189,7 @@ def forward_backward_pipelining_without_interleaving(
         free_output_tensor(output_tensor, deallocate_pipeline_outputs)
         input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
         if num_warmup == 0 and last:
-            enable_grad_sync()
+            grad_sync.enable()
         input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
         if last:
             input_tensor = None
@@ -215,12 +201,12 @@ def forward_backward_pipelining_without_interleaving(
     if not forward_only:
         for i in range(num_warmup):
             if i == num_warmup - 1 and (custom_grad_sync_func is None or rank == 0):
-                enable_grad_sync()
+                grad_sync.enable()
             input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
             output_tensor_grad = recv_backward(send_shapes, **comm)
             input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
             send_backward(input_tensor_grad, recv_shapes, **comm)
-    enable_grad_sync()
+    grad_sync.enable()
     if custom_grad_sync_func is not None and not forward_only:
         custom_grad_sync_func()
     return losses_reduced
