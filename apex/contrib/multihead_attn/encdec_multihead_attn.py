@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn import Parameter
 
 from apex.contrib.multihead_attn._functional import attention, check_inputs, merge_heads, split_heads
-from apex.normalization.fused_layer_norm import FusedLayerNorm
+from apex.contrib.multihead_attn._norm_add import NormAdd
 
 
-class EncdecMultiheadAttn(nn.Module):
+class EncdecMultiheadAttn(NormAdd, nn.Module):
     """Multi-headed attention of decoder states ``query`` over encoder states ``key`` (``[seq, batch, embed]``).
 
     Parameter names match Apex's (``in_proj_weight_q``, ``in_proj_weight_kv`` with per-head [k, v] rows,
@@ -41,15 +41,7 @@ class EncdecMultiheadAttn(nn.Module):
         for name, size in (("in_proj_bias_q", embed_dim), ("in_proj_bias_kv", 2 * embed_dim),
                            ("out_proj_bias", embed_dim)):
             self.register_parameter(name, Parameter(torch.empty(size)) if bias else None)
-        self.lyr_nrm = None
-        if include_norm_add and impl == "fast":
-            self.lyr_nrm_gamma_weights = Parameter(torch.empty(embed_dim))
-            self.lyr_nrm_beta_weights = Parameter(torch.empty(embed_dim))
-        else:
-            self.lyr_nrm_gamma_weights = None
-            self.lyr_nrm_beta_weights = None
-            if include_norm_add:
-                self.lyr_nrm = FusedLayerNorm(embed_dim)
+        self._init_norm_add(embed_dim, include_norm_add, impl)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -59,12 +51,7 @@ class EncdecMultiheadAttn(nn.Module):
         if self.bias:
             for b in (self.in_proj_bias_q, self.in_proj_bias_kv, self.out_proj_bias):
                 nn.init.zeros_(b)
-        if self.include_norm_add:
-            if self.lyr_nrm is None:
-                nn.init.ones_(self.lyr_nrm_gamma_weights)
-                nn.init.zeros_(self.lyr_nrm_beta_weights)
-            else:
-                self.lyr_nrm.reset_parameters()
+        self._reset_norm_add()
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
                 is_training=True):
@@ -76,10 +63,7 @@ class EncdecMultiheadAttn(nn.Module):
         if key_padding_mask is not None and attn_mask is not None:
             raise ValueError("attn_mask and key_padding_mask cannot both be given")
         mask = key_padding_mask if key_padding_mask is not None else attn_mask
-        x = query
-        if self.include_norm_add:
-            x = (F.layer_norm(query, (self.embed_dim,), self.lyr_nrm_gamma_weights, self.lyr_nrm_beta_weights)
-                 if self.lyr_nrm is None else self.lyr_nrm(query))
+        x = self._pre_norm(query)
         (q,) = split_heads(F.linear(x, self.in_proj_weight_q, self.in_proj_bias_q), self.num_heads, 1)
         k, v = split_heads(F.linear(key, self.in_proj_weight_kv, self.in_proj_bias_kv), self.num_heads, 2)
         ctx = attention(q, k, v, mask, attn_mask is not None, False, self.scaling, self.dropout, is_training,

@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn import Parameter
 
 from apex.contrib.multihead_attn._functional import attention, check_inputs, merge_heads, split_heads
-from apex.normalization.fused_layer_norm import FusedLayerNorm
+from apex.contrib.multihead_attn._norm_add import NormAdd
 
 
-class SelfMultiheadAttn(nn.Module):
+class SelfMultiheadAttn(NormAdd, nn.Module):
     """Multi-headed self-attention on ``[seq, batch, embed]`` inputs ("Attention Is All You Need").
 
     ``include_norm_add=True`` computes ``query + dropout(attn(layer_norm(query)))``. ``impl="fast"`` runs
@@ -53,15 +53,7 @@ class SelfMultiheadAttn(nn.Module):
             size = embed_dim if separate_qkv_params else 3 * embed_dim
             self.register_parameter(name, Parameter(torch.empty(size)) if bias else None)
         self.register_parameter("out_proj_bias", Parameter(torch.empty(embed_dim)) if bias else None)
-        self.lyr_nrm = None
-        if include_norm_add and impl == "fast":
-            self.lyr_nrm_gamma_weights = Parameter(torch.empty(embed_dim))
-            self.lyr_nrm_beta_weights = Parameter(torch.empty(embed_dim))
-        else:
-            self.lyr_nrm_gamma_weights = None
-            self.lyr_nrm_beta_weights = None
-            if include_norm_add:
-                self.lyr_nrm = FusedLayerNorm(embed_dim)
+        self._init_norm_add(embed_dim, include_norm_add, impl)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -76,12 +68,7 @@ class SelfMultiheadAttn(nn.Module):
             for b in self._input_biases():
                 nn.init.zeros_(b)
             nn.init.zeros_(self.out_proj_bias)
-        if self.include_norm_add:
-            if self.lyr_nrm is None:
-                nn.init.ones_(self.lyr_nrm_gamma_weights)
-                nn.init.zeros_(self.lyr_nrm_beta_weights)
-            else:
-                self.lyr_nrm.reset_parameters()
+        self._reset_norm_add()
 
     def _input_biases(self):
         return (self.q_bias, self.k_bias, self.v_bias) if self.separate_qkv_params else (self.in_proj_bias,)
@@ -106,10 +93,7 @@ class SelfMultiheadAttn(nn.Module):
         if attn_mask is not None and self.mask_additive:
             raise ValueError("an additive mask is supported for key_padding_mask only, not attn_mask")
         mask = key_padding_mask if key_padding_mask is not None else attn_mask
-        x = query
-        if self.include_norm_add:
-            x = (F.layer_norm(query, (self.embed_dim,), self.lyr_nrm_gamma_weights, self.lyr_nrm_beta_weights)
-                 if self.lyr_nrm is None else self.lyr_nrm(query))
+        x = self._pre_norm(query)
         w, b = self._input_projection()
         q, k, v = split_heads(F.linear(x, w, b), self.num_heads, 3)
         ctx = attention(q, k, v, mask, attn_mask is not None, self.mask_additive, self.scaling, self.dropout,
