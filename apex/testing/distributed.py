@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,3 +54,35 @@ def run_distributed(fn: Callable, world_size: int = 2, *args, timeout_s: float =
             # it. That fails in init_process_group, before fn runs, so the whole spawn can be retried.
             if "EADDRINUSE" not in str(e) or attempt == _PORT_ATTEMPTS - 1:
                 raise
+
+
+_OUTCOME = "outcome.txt"
+
+
+def stall_rank_one(rank: int, out_dir: str, call: Callable[[], object]) -> None:
+    """Body of a dead-rank test, run inside ``run_distributed``: rank 1 never joins ``call``'s collectives
+    (it waits until rank 0 has its outcome, then leaves); rank 0 runs ``call`` and records how long it took
+    and what happened ("returned", or the exception) for :func:`stalled_outcome`. Both leave the process
+    at once, so neither waits on the stalled group."""
+    path = os.path.join(out_dir, _OUTCOME)
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        call()
+        outcome = "returned"
+    except Exception as e:  # noqa: BLE001 - the error is the outcome under test
+        outcome = f"{type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+    os._exit(0)
+
+
+def stalled_outcome(out_dir) -> tuple[float, str]:
+    """``(seconds, outcome)`` recorded by :func:`stall_rank_one` on rank 0."""
+    with open(os.path.join(out_dir, _OUTCOME)) as f:
+        elapsed, outcome = f.read().split("\n", 1)
+    return float(elapsed), outcome

@@ -5,7 +5,6 @@ that never joins gives the process group's timeout error, not a hang."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import nccl_p2p_cuda
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from apex.contrib.peer_memory import PeerHaloExchanger1d, PeerMemoryPool
 from apex.testing import run_distributed
+from apex.testing.distributed import stall_rank_one, stalled_outcome
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -118,27 +118,14 @@ def test_halo_exchange_on_gloo_ranks(world):
 
 def _stalled_neighbour(rank, world, out_dir):
     ex = PeerHaloExchanger1d([0, 1], rank, None, 1)
-    if rank == 1:  # never exchanges; leaves once rank 0 has its outcome
-        deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(out_dir, "outcome.txt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os._exit(0)
-    start = time.monotonic()
-    try:
-        ex(torch.randn(1, 2, 5, 3))
-        outcome = "returned"
-    except Exception as e:  # noqa: BLE001 - the error is the outcome under test
-        outcome = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, "outcome.txt"), "w") as f:
-        f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
-    os._exit(0)
+    stall_rank_one(rank, out_dir, lambda: ex(torch.randn(1, 2, 5, 3)))
 
 
 def test_stalled_neighbour_times_out(tmp_path):
     run_distributed(_stalled_neighbour, 2, str(tmp_path), timeout_s=4.0)
-    elapsed, outcome = (tmp_path / "outcome.txt").read_text().split("\n", 1)
+    elapsed, outcome = stalled_outcome(tmp_path)
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
-    assert float(elapsed) < 12.0  # the group's 4 s timeout, not torch's 30-minute default
+    assert elapsed < 12.0  # the group's 4 s timeout, not torch's 30-minute default
 
 
 # --------------------------------------------------------------------------- one process

@@ -4,15 +4,14 @@ Gloo ranks for TP x PP in {1, 2, 4}^2; errors; a stalled rank gives the process 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from apex.testing import run_distributed
+from apex.testing.distributed import stall_rank_one, stalled_outcome
 from apex.transformer import parallel_state as ps
 from tests.transformer import _dist
 
@@ -175,26 +174,12 @@ def test_distributed(check, world_size):
 # --------------------------------------------------------------------------- a stalled rank
 def _stalled_rank(rank, world, out_dir):
     ps.initialize_model_parallel(world)
-    if rank == 1:
-        deadline = time.monotonic() + 30  # never joins the collective; leaves once rank 0 has its outcome
-        while not os.path.exists(os.path.join(out_dir, "outcome.txt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os._exit(0)
-    start = time.monotonic()
-    try:
-        t = torch.ones(3)
-        dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
-        outcome = "returned"
-    except Exception as e:  # noqa: BLE001 - the error is the outcome under test
-        outcome = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, "outcome.txt"), "w") as f:
-        f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
-    os._exit(0)
+    stall_rank_one(rank, out_dir, lambda: dist.all_reduce(torch.ones(3), group=ps.get_tensor_model_parallel_group()))
 
 
 def test_stalled_rank_times_out(tmp_path):
     # 6 s: short, yet long enough for the group set-up on a loaded machine
     run_distributed(_stalled_rank, 2, str(tmp_path), timeout_s=6.0)
-    elapsed, outcome = (tmp_path / "outcome.txt").read_text().split("\n", 1)
+    elapsed, outcome = stalled_outcome(tmp_path)
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
-    assert float(elapsed) < 15.0  # the group's 6 s timeout, not torch's 30-minute default
+    assert elapsed < 15.0  # the group's 6 s timeout, not torch's 30-minute default
