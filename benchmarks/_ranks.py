@@ -94,6 +94,16 @@ class Ranks:
         return (lambda: handle.ranks.step(ours)), (lambda: handle.ranks.step(theirs))
 
 
+def mlp(width: int, depth: int) -> torch.nn.Module:
+    """The data-parallel cases' model: ``depth`` Linear+ReLU layers of ``width``, then 10 outputs (seed 0,
+    so every rank starts from the same weights)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
 class _Handle:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks

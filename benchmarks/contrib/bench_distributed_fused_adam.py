@@ -17,19 +17,11 @@ import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks
+from benchmarks._ranks import Ranks, mlp
 
 BUCKET_MB = 4.0
 CONFIGS = [(512, 4, 32), (128, 24, 32)]  # (width, depth, batch): a few large layers, many small ones
 OURS, THEIRS = 1, 2
-
-
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class _Steps:
@@ -38,10 +30,10 @@ class _Steps:
         from apex.optimizers import FusedAdam
 
         width, depth, batch = cfg
-        self.ours_model = _model(width, depth)
+        self.ours_model = mlp(width, depth)
         self.ours = DistributedFusedAdam(self.ours_model.parameters(), lr=1e-4, bucket_cap_mb=BUCKET_MB,
                                          overlap_grad_sync=True)
-        self.theirs_model = nn.parallel.DistributedDataParallel(_model(width, depth), bucket_cap_mb=BUCKET_MB)
+        self.theirs_model = nn.parallel.DistributedDataParallel(mlp(width, depth), bucket_cap_mb=BUCKET_MB)
         self.theirs = FusedAdam(self.theirs_model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, width, generator=g)

@@ -19,20 +19,12 @@ import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks
+from benchmarks._ranks import Ranks, mlp
 
 # (width, depth, batch)
 CONFIGS = [(512, 4, 64), (128, 24, 64)]
 OURS, THEIRS = 1, 2
 LAMB = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
-
-
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class _Steps:
@@ -41,9 +33,9 @@ class _Steps:
         from apex.optimizers import FusedLAMB
 
         width, depth, batch = cfg
-        self.ours_model = _model(width, depth)
+        self.ours_model = mlp(width, depth)
         self.ours = DistributedFusedLAMB(self.ours_model.parameters(), dwu_num_blocks=4, dwu_num_chunks=1, **LAMB)
-        self.theirs_model = nn.parallel.DistributedDataParallel(_model(width, depth))
+        self.theirs_model = nn.parallel.DistributedDataParallel(mlp(width, depth))
         self.theirs = FusedLAMB(self.theirs_model.parameters(), **LAMB)
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, width, generator=g)

@@ -15,20 +15,12 @@ import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks
+from benchmarks._ranks import Ranks, mlp
 
 BUCKET_MB = 10
 # (width, depth, batch): a few large layers (bandwidth-bound all-reduce) and many small ones (per-hook cost).
 CONFIGS = [(1024, 6, 64), (128, 48, 64)]
 OURS, THEIRS = 1, 2
-
-
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class _Steps:
@@ -38,8 +30,8 @@ class _Steps:
         from apex.parallel import DistributedDataParallel as ApexDDP
 
         width, depth, batch = cfg
-        self.ours = ApexDDP(_model(width, depth), message_size=BUCKET_MB * 2**20 // 4)
-        self.theirs = nn.parallel.DistributedDataParallel(_model(width, depth), bucket_cap_mb=BUCKET_MB)
+        self.ours = ApexDDP(mlp(width, depth), message_size=BUCKET_MB * 2**20 // 4)
+        self.theirs = nn.parallel.DistributedDataParallel(mlp(width, depth), bucket_cap_mb=BUCKET_MB)
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, width, generator=g)
         self.y = torch.randint(0, 10, (batch,), generator=g)
