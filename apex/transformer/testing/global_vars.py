@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from apex.transformer.pipeline_parallel.utils import _ensure_var_is_initialized, _ensure_var_is_not_initialized
 from apex.transformer.testing.arguments import parse_args
 
 
@@ -21,16 +22,6 @@ class _Globals:
 
 
 _GLOBALS = _Globals()
-
-
-def _ensure_var_is_initialized(var, name: str) -> None:
-    if var is None:
-        raise RuntimeError(f"{name} is not initialized.")
-
-
-def _ensure_var_is_not_initialized(var, name: str) -> None:
-    if var is not None:
-        raise RuntimeError(f"{name} is already initialized.")
 
 
 def get_args():
