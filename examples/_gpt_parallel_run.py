@@ -11,7 +11,6 @@ that step and split among the ``D`` data-parallel replicas, so a run equals the 
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from _common import DistInfo, param_checksum
 from _gpt_model import attention_kind, batch_seed, get_batch, lr_at, make_model, norm_class, param_groups
 from _gpt_parallel import GPTStage, check_layout, load_from_full, stage_layers
-from _gpt_run import choose_precision
+from _gpt_run import choose_precision, finish_step, state_mib
 
 from apex.optimizers import FusedAdam
 from apex.transformer import parallel_state
@@ -176,16 +175,7 @@ class ParallelRun:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = loss.item()
-        if self.info.device.type == "cuda":
-            torch.cuda.synchronize(self.info.device)
-        if timed:
-            self.train_time += time.perf_counter() - t0
-            self.timed_steps += 1
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{self.impl}: training diverged at step {step} (loss {value})")
-        self.history["train"].append((step, value))
-        return value
+        return finish_step(self, step, loss.item(), t0, timed)
 
     @torch.no_grad()
     def evaluate(self, val: torch.Tensor) -> float:
@@ -204,10 +194,7 @@ class ParallelRun:
 
     def state_mib(self) -> float:
         """This rank's parameters and optimizer state, in MiB."""
-        tensors = {id(p): p for p in self.params}
-        for st in self.optimizer.state.values():
-            tensors.update((id(t), t) for t in st.values() if torch.is_tensor(t))
-        return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+        return state_mib(self.params, self.optimizer)
 
     def result(self, done: int) -> dict:
         """As ``Run.result``, with the layout; ``checksums`` are per rank (each rank holds a different shard),

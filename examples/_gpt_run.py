@@ -52,6 +52,30 @@ def choose_precision(args, device: torch.device) -> tuple[torch.dtype, str, str]
     return torch.float32, "O0", f"--dtype auto: {cap.reason}"
 
 
+def finish_step(run, step: int, value: float, t0: float, timed: bool) -> float:
+    """The end of a training step of ``run`` (one-process or parallel): wait for the device, book the step's
+    time, stop on divergence, log the loss."""
+    if run.info.device.type == "cuda":
+        torch.cuda.synchronize(run.info.device)
+    if timed:
+        run.train_time += time.perf_counter() - t0
+        run.timed_steps += 1
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{run.impl}: training diverged at step {step} (loss {value})")
+    run.history["train"].append((step, value))
+    return value
+
+
+def state_mib(params, optimizer) -> float:
+    """``params``, the optimizer's own parameters (amp's masters) and its state, each tensor once, in MiB."""
+    tensors = {id(p): p for p in params}
+    for group in optimizer.param_groups:
+        tensors.update((id(p), p) for p in group["params"])
+    for st in optimizer.state.values():
+        tensors.update((id(t), t) for t in st.values() if torch.is_tensor(t))
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+
+
 class Run:
     """One model with its optimizer, trained step by step: apex (amp + FusedAdam + fused norm) or the plain
     PyTorch fp32 baseline. ``--compare`` trains one of each on the same batches, step for step, so that the
@@ -126,16 +150,7 @@ class Run:
         if info.distributed:
             dist.all_reduce(loss_t)
             loss_t /= info.world_size
-        value = loss_t.item()  # waits for the step to finish, so the timing is honest
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        if timed:
-            self.train_time += time.perf_counter() - t0
-            self.timed_steps += 1
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{self.impl}: training diverged at step {step} (loss {value})")
-        self.history["train"].append((step, value))
-        return value
+        return finish_step(self, step, loss_t.item(), t0, timed)  # .item() waits for the step: honest timing
 
     @torch.no_grad()
     def evaluate(self, val: torch.Tensor) -> float:
@@ -160,12 +175,7 @@ class Run:
 
     def state_mib(self) -> float:
         """Parameters (and amp's master copies, if any) plus optimizer state, in MiB."""
-        tensors = {id(p): p for p in self.raw.parameters()}
-        for group in self.optimizer.param_groups:
-            tensors.update((id(p), p) for p in group["params"])
-        for st in self.optimizer.state.values():
-            tensors.update((id(t), t) for t in st.values() if torch.is_tensor(t))
-        return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+        return state_mib(self.raw.parameters(), self.optimizer)
 
     def result(self, done: int) -> dict:
         h = self.history
