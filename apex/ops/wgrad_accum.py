@@ -5,12 +5,16 @@
 ``wgrad_gemm_accum_fp32`` needs an fp32 ``main_grad``; ``wgrad_gemm_accum_fp16`` an fp16/bf16 one.
 
 Dtype policy: products accumulated in fp32 and added to ``main_grad`` with one rounding to its dtype
-(none for fp32). Inputs may be fp32, fp16 or bf16 (``input`` and ``grad_output`` of one dtype).
+(none for fp32). Inputs may be fp32, fp16 or bf16 (``input`` and ``grad_output`` of one dtype). On the CPU a
+half ``main_grad`` with inputs of its dtype is PyTorch's ``addmm_`` in that dtype (fp32 accumulation inside
+PyTorch's GEMM; the same bits as ``nn.Linear``'s half weight gradient; slow on CPUs without native half
+GEMMs, as every half matmul there is).
 
 Paths, behind the ``apex::wgrad_gemm_accum`` custom op (mutates ``main_grad``): CUDA/ROCm tensors one tiled
 Triton GEMM that reads and writes ``main_grad`` once (``apex._kernels.wgrad_accum``); CPU tensors
-``main_grad.addmm_`` (no copies for fp32 inputs; half inputs are upcast to fp32 first, since PyTorch's CPU
-``addmm`` takes one dtype; a half ``main_grad`` goes through an fp32 copy).
+``main_grad.addmm_`` (no copies for inputs of ``main_grad``'s dtype; half inputs into an fp32 ``main_grad``
+are upcast first, since PyTorch's CPU ``addmm`` takes one dtype; fp32 inputs into a half ``main_grad`` go
+through an fp32 copy).
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ def _accumulate(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
             main_grad.addmm_(g.t(), a)
         else:
             main_grad.addmm_(g.t().float(), a.float())
+    elif a.dtype == main_grad.dtype:
+        # PyTorch's own fused GEMM-accumulate in the half dtype: bit for bit nn.Linear's half weight gradient
+        # when main_grad starts at zero (upstream's tests compare exactly that), no copies.
+        main_grad.addmm_(g.t(), a)
     else:
         main_grad.copy_(main_grad.float().addmm_(g.t().float(), a.float()))
 

@@ -58,6 +58,21 @@ def test_wgrad_half_main_grad(backend_name, dtype):
     assert_rel_close(mg, ref, dtype, baseline=base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_wgrad_half_main_grad_from_zero_is_linear_weight_grad_on_cpu(dtype):
+    """On the CPU a half main_grad accumulated from zero holds exactly nn.Linear's half weight gradient
+    (Megatron's accumulation_in_fp16, which upstream's layer tests compare with an exact tolerance)."""
+    g = torch.Generator().manual_seed(3)
+    inp = torch.randn(4, 33, 40, generator=g).to(dtype)
+    dy = torch.randn(4, 33, 24, generator=g).to(dtype)
+    lin = torch.nn.Linear(40, 24, bias=False).to(dtype)
+    (lin(inp) * dy).sum().backward()
+    mg = torch.zeros(24, 40, dtype=dtype)
+    with apex.backend("torch"):
+        W.wgrad_gemm_accum_fp16(inp, dy, mg)
+    assert torch.equal(mg, lin.weight.grad)
+
+
 def test_wgrad_non_contiguous_operands_and_main_grad(backend_name):
     inp = torch.randn(24, 3, 40)[:, 1, 5:35]  # strided rows
     go = torch.randn(17, 24).t()  # column-major
