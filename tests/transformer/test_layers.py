@@ -127,6 +127,20 @@ def check_tracker_initialisation_differs_per_rank(rank, world):
     assert tp_.layers.param_is_not_tensor_parallel_duplicate(torch.nn.Parameter(torch.ones(1))) == (rank == 0)
 
 
+def check_gpu_init_of_cpu_tensor_uses_cpu_generator(rank, world):
+    """Apex's ``_initialize_affine_weight_gpu`` forks the accelerator's generator only: a CPU tensor given to it
+    draws from the default CPU generator, as on a GPU machine (upstream's test_affine_weight_init_*_gpu)."""
+    ps.initialize_model_parallel(world)
+    tp_.model_parallel_cuda_manual_seed(5)
+    torch.manual_seed(11)
+    w = torch.empty(3, 4)
+    tp_.layers._initialize_affine_weight_gpu(w, torch.nn.init.normal_, 0)
+    torch.manual_seed(11)
+    torch.testing.assert_close(w, torch.nn.init.normal_(torch.empty(3, 4)), rtol=0, atol=0)
+    assert w.tensor_model_parallel and w.partition_dim == 0
+    ps.destroy_model_parallel()
+
+
 def check_bad_input(rank, world):
     ps.initialize_model_parallel(world)
     with pytest.raises(RuntimeError, match="cannot be enabled at the same time"):

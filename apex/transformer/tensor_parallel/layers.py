@@ -84,7 +84,23 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 
 def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1):
-    """Initialise this rank's slice in place, inside the tracker's model-parallel fork."""
+    """Initialise this rank's slice in place, inside the tracker's model-parallel fork of the accelerator's
+    generator. As in Apex, that fork leaves the CPU generator alone: a CPU tensor passed here draws from the
+    default CPU generator (upstream's tests rely on it), also on a machine without an accelerator, where the
+    tracker drives the CPU generator. The layers' own CPU parameters take the fork there:
+    :func:`_initialize_affine_weight_on_device`."""
+    set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+    if weight.device.type == "cpu":
+        init_method(weight)
+        return
+    with get_cuda_rng_tracker().fork():
+        init_method(weight)
+
+
+def _initialize_affine_weight_on_device(weight, init_method, partition_dim, stride=1):
+    """The layers' ``use_cpu_initialization=False`` path: the slice drawn inside the tracker's fork on any
+    device, so that on a machine without an accelerator (parameters on the CPU, the tracker forking the CPU
+    generator) every tensor-parallel rank still draws its own slice, as on GPUs."""
     set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
     with get_cuda_rng_tracker().fork():
         init_method(weight)
@@ -131,7 +147,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             _initialize_affine_weight_cpu(self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition,
                                           0, init_method, params_dtype=params_dtype)
         else:
-            _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
+            _initialize_affine_weight_on_device(self.weight, init_method, partition_dim=0, stride=1)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tensor_model_parallel_size > 1:
@@ -190,7 +206,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 self.weight, output_size, input_size, self.output_size_per_partition, 0, init_method, stride=stride,
                 return_master_weight=keep_master_weight_for_test, params_dtype=params_dtype)
         else:
-            _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride)
+            _initialize_affine_weight_on_device(self.weight, init_method, partition_dim=0, stride=stride)
         if bias:
             self.bias = _new_param((self.output_size_per_partition,), params_dtype, use_cpu_initialization)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -244,7 +260,7 @@ class RowParallelLinear(torch.nn.Module):
                 self.weight, output_size, input_size, self.input_size_per_partition, 1, init_method, stride=stride,
                 return_master_weight=keep_master_weight_for_test, params_dtype=params_dtype)
         else:
-            _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride)
+            _initialize_affine_weight_on_device(self.weight, init_method, partition_dim=1, stride=stride)
         if bias:
             self.bias = _new_param((output_size,), params_dtype, use_cpu_initialization)
             with torch.no_grad():
