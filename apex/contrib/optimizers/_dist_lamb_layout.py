@@ -82,6 +82,22 @@ class Layout:
                 j += 1
         return out
 
+    def gather_segments(self) -> list[tuple[int, int, int, int]]:
+        """``(param, param_offset, gathered_offset, length)`` runs that cover every parameter once, where
+        the all-gather's output is rank after rank (``[rank][piece][slice]``): a parameter's flat range,
+        cut at every ``piece`` boundary, is contiguous in that output piece by piece, so the parameters
+        are written straight from it without first reordering the whole buffer."""
+        out = []
+        for i in self.order:
+            at, end = self.offsets[i], self.offsets[i] + self.sizes[i]
+            while at < end:
+                k, within = divmod(at, self.piece_span)
+                r, s = divmod(within, self.piece)
+                n = min(end - at, self.piece - s)
+                out.append((i, at - self.offsets[i], r * self.shard_numel + k * self.piece + s, n))
+                at += n
+        return out
+
     def piece_range(self, k: int) -> tuple[int, int]:
         """Flat range of piece ``k`` (the input of its reduce-scatter)."""
         return k * self.piece_span, (k + 1) * self.piece_span

@@ -189,6 +189,8 @@ def _fp32_to_bf16_rem(fp32: torch.Tensor, bf16: torch.Tensor, rem: torch.Tensor)
 
 
 def _scaled_grads(grads, grad_scale: torch.Tensor):
+    if grad_scale.device.type == "cpu" and float(grad_scale) == 1.0 and all(g.dtype == torch.float32 for g in grads):
+        return list(grads)  # the common unscaled step: no pass over the gradients (reading 1.0 costs no sync)
     scale = grad_scale.to(device=grads[0].device, dtype=torch.float32).reshape(())
     return torch._foreach_mul([g.float() for g in grads], scale)
 

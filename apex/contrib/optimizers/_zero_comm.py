@@ -1,6 +1,6 @@
-"""Gradient reduce-scatter, sharded Adam step and parameter all-gather of ``DistributedFusedAdam``.
+"""Gradient reduce-scatter and parameter all-gather of ``DistributedFusedAdam`` (its step: ``_zero_step``).
 
-Collectives are asynchronous ``torch.distributed`` works (Gloo threads on CPUs, NCCL's stream on GPUs);
+Collectives are asynchronous ``torch.distributed`` works (on Gloo through ``_gloo_collectives``, NCCL on GPUs);
 a bucket's work is waited for when its result is first needed. Every rank issues the same collectives in
 the same order because buckets become full in the same (backward) order on every rank.
 """
@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from apex.contrib.optimizers import _zero_buckets as zb
+from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
+from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _PENDING_CLASSES: dict = {}
 
 
@@ -35,6 +35,16 @@ def _pending_class(cls: type) -> type:
 
 
 class ZeroCommMixin:
+    def _comm_buffer(self, purpose: str, bucket_id: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer kept for one bucket and purpose across steps. The bucket buffers live from backward to
+        step (gradients) or from step to the next forward (parameters), never two generations at once, and
+        allocating them afresh every step costs page faults on the CPU (measured: ~550 per step at 1M
+        parameters) and allocator traffic on GPUs."""
+        buf = self._comm_buffers.get((purpose, bucket_id))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._comm_buffers[(purpose, bucket_id)] = torch.empty([numel], dtype=dtype, device=self.device)
+        return buf
+
     # -- gradients -----------------------------------------------------------------------------------------
 
     def _grad_copy(self, param: torch.nn.Parameter) -> None:
@@ -55,7 +65,8 @@ class ZeroCommMixin:
                     gb.grads_bucket = self._grad_buffers[sb.dtypes()][start:start + sb.bucket_size]
                     gb.grads_bucket.zero_()
                 else:
-                    gb.grads_bucket = torch.zeros([sb.bucket_size], dtype=sb.grad_sync_dtype, device=self.device)
+                    gb.grads_bucket = self._comm_buffer("grads", frag.bucket_id, sb.bucket_size,
+                                                        sb.grad_sync_dtype).zero_()
             if param.grad is not None:
                 src = zb._flat(param.grad)[slice(*frag.param_range)]
                 dst = gb.grads_bucket[slice(*frag.bucket_range)]
@@ -81,9 +92,13 @@ class ZeroCommMixin:
         """Reduce-scatter (then all-reduce over the redundant group) the buckets, asynchronously."""
         op = dist.ReduceOp.SUM
         average = self.average_grad_sync
-        if average and dist.get_backend(self.distributed_process_group) == "nccl":
+        backend = dist.get_backend(self.distributed_process_group)
+        if average and (backend == "nccl" or backend == "gloo" and self.redundant_size == 1):
+            # NCCL averages in its kernel, Gloo's reduce-scatter (_gloo_collectives) divides only the shard.
             op, average = dist.ReduceOp.AVG, False
+        bucket_ids = {id(gb): i for i, gb in self._grads_buckets.items()}
         for gb in buckets:
+            bucket_id = bucket_ids[id(gb)]
             if gb.status == zb.GradientStatus.SYNCING:
                 self._finish_bucket_grad_sync()
             gb.status = zb.GradientStatus.SYNCING
@@ -97,20 +112,14 @@ class ZeroCommMixin:
                 gb.sync_grads_shard = gb.grads_bucket
             else:
                 nbytes = gb.grads_bucket.numel() * gb.grads_bucket.element_size()
-                if self._grad_sync_all_reduce:
-                    # Gloo's reduce-scatter is slower than its all-reduce (twice the traffic, half the time):
-                    # reduce the whole bucket in place and keep this rank's shard.
-                    works.append(dist.all_reduce(gb.grads_bucket, op=op, group=self.distributed_process_group,
-                                                 async_op=True))
-                    shard = gb.grads_bucket.numel() // self.distributed_size
-                    gb.sync_grads_shard = gb.grads_bucket[self.distributed_rank * shard:][:shard]
-                    self.comm_stats["all_reduce_bytes"] += nbytes
-                else:
-                    gb.sync_grads_shard = torch.empty([gb.grads_bucket.numel() // self.distributed_size],
-                                                      dtype=gb.grads_bucket.dtype, device=self.device)
-                    works.append(_reduce_scatter(gb.sync_grads_shard, gb.grads_bucket, op=op,
-                                                 group=self.distributed_process_group, async_op=True))
-                    self.comm_stats["reduce_scatter_bytes"] += nbytes
+                gb.sync_grads_shard = torch.empty([gb.grads_bucket.numel() // self.distributed_size],
+                                                  dtype=gb.grads_bucket.dtype, device=self.device)
+                scratch = None if backend != "gloo" else self._comm_buffer(
+                    "reduce_scatter", bucket_id, gb.grads_bucket.numel(), gb.grads_bucket.dtype)
+                works.append(_reduce_scatter(gb.sync_grads_shard, gb.grads_bucket, op=op,
+                                             group=self.distributed_process_group, async_op=True,
+                                             scratch=scratch))
+                self.comm_stats["reduce_scatter_bytes"] += nbytes
             if self.redundant_size > 1:
                 # The all-reduce must follow the reduce-scatter; Gloo/NCCL order works of one rank per group
                 # only, so wait here (the redundant group is rare and small).
@@ -130,8 +139,7 @@ class ZeroCommMixin:
                 w.wait()
             gb.work = None
             if gb.grads_shard is None:
-                aliases_buffer = self.contiguous_grad_buffer and (self.distributed_size == 1
-                                                                  or self._grad_sync_all_reduce)
+                aliases_buffer = self.contiguous_grad_buffer and self.distributed_size == 1
                 gb.grads_shard = gb.sync_grads_shard.clone() if aliases_buffer else gb.sync_grads_shard
             else:
                 gb.grads_shard.add_(gb.sync_grads_shard)
@@ -264,13 +272,12 @@ class ZeroCommMixin:
             self._finish_bucket_param_sync()
         self._param_copy_fragments(frags)
         for f in frags:
-            pb = self._params_buckets.get(f.bucket_id)
-            if pb is None:
-                continue
-            pb.params_updated.add((f.param_group_id, f.param_id))
+            buckets[f.bucket_id].params_updated.add((f.param_group_id, f.param_id))
+        for bucket_id, pb in buckets.items():
+            # A bucket is released once every parameter with a fragment in it has been written.
             if len(pb.params_updated) >= len({(g.param_group_id, g.param_id)
-                                              for g in self.state["buckets"][f.bucket_id].fragments}):
-                del self._params_buckets[f.bucket_id]
+                                              for g in self.state["buckets"][bucket_id].fragments}):
+                del self._params_buckets[bucket_id]
 
     def param_sync(self) -> None:
         """Finish every pending parameter all-gather and write the parameters."""
@@ -306,106 +313,3 @@ class ZeroCommMixin:
             p._pre_forward_hook_is_enabled = False
         if type(p) in _PENDING_CLASSES.values():
             p.__class__ = type(p).__mro__[1]
-
-    # -- step ----------------------------------------------------------------------------------------------
-
-    def step(self, closure=None, *, grad_scaler=None):
-        """One Adam step on this rank's shard, then the parameter all-gather. With a ``GradScaler`` whose
-        gradients hold an inf/NaN the step is skipped and nothing changes."""
-        from torch.amp.grad_scaler import OptState
-
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.init_params()
-        self.param_sync()
-        self.grad_sync()
-        if grad_scaler is not None and grad_scaler._enabled:
-            st = grad_scaler._per_optimizer_states[id(self)]
-            if st["stage"] is OptState.READY:
-                self.unscale_grads(grad_scaler=grad_scaler)
-            found_inf = st["found_inf_per_device"][self.device]
-            if self.capturable:
-                self._dummy_overflow_buf.copy_(found_inf.reshape([1]))
-            elif found_inf.item():
-                return loss
-        with self._lock, torch.no_grad():
-            self._prepare_param_buckets()
-            if self.capturable:
-                self.state["step"] += (self._dummy_overflow_buf != 1).to(torch.int32)
-            else:
-                self.state["step"] += 1
-            self._local_step(list(range(len(self.state["buckets"]))))
-            self._start_bucket_param_sync(list(self._params_buckets.values()))
-        if self.overlap_param_sync and self.distributed_size > 1:
-            self._arm_pre_forward_hooks()
-        else:
-            self.param_sync()
-        return loss
-
-    def _prepare_param_buckets(self) -> None:
-        for bucket_id in reversed(range(len(self.state["buckets"]))):
-            sb = self.state["buckets"][bucket_id]
-            pb = self._params_buckets[bucket_id] = self.ParameterBucket()
-            if self.contiguous_param_buffer:
-                if not self._param_buffers:
-                    self.init_param_buffer()
-                start = sb.contiguous_buffer_offset
-                pb.params_bucket = self._param_buffers[sb.dtypes()][start:start + sb.bucket_size]
-                r = self.distributed_rank * sb.shard_size
-                pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
-            if not sb.param_sync_dtype.is_floating_point:  # Adam writes floats; cast in _check_params_shard_dtypes
-                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.dtype, device=self.device)
-            elif pb.params_shard is None:
-                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.param_sync_dtype, device=self.device)
-
-    def _local_step(self, bucket_ids) -> None:
-        """Adam on the local shards, grouped by parameter group, through ``distributed_adam_cuda``'s kernels."""
-        if self.with_scaled_states:
-            self._local_step_with_scaled_states(bucket_ids)
-            return
-        groups: dict = {}
-        for bucket_id in bucket_ids:
-            sb = self.state["buckets"][bucket_id]
-            grads = self._grads_buckets[bucket_id].grads_shard
-            out = self._params_buckets[bucket_id].params_shard
-            for frag in sb.fragments:
-                if not frag.in_local_shard or frag.shard_range[1] <= frag.shard_range[0]:
-                    continue
-                r = slice(*frag.shard_range)
-                rem = sb.param_remainders_shard is not None
-                if sb.params_shard is not None:
-                    p_in = sb.params_shard[r]
-                else:
-                    model = zb._flat(self.parameter(frag))[slice(*frag.shard_param_range)]
-                    p_in = model.to(torch.bfloat16 if rem else sb.dtype, copy=True)
-                key = (frag.param_group_id, rem)
-                lists = groups.setdefault(key, [[] for _ in range(6 if rem else 5)])
-                row = ([p_in, sb.param_remainders_shard[r]] if rem else [p_in]) + [
-                    sb.exp_avg_shard[r], sb.exp_avg_sq_shard[r], grads[r], out[r]]
-                for lst, t in zip(lists, row):
-                    lst.append(t)
-        for (group_id, rem), lists in groups.items():
-            group = self.param_groups[group_id]
-            beta1, beta2 = group["betas"]
-            args = (self._grad_scale, group["lr"], beta1, beta2, group["eps"], self.state["step"],
-                    int(self.adam_w_mode), int(bool(group["bias_correction"])), group["weight_decay"])
-            if rem:
-                zb.multi_tensor_fused_adam_with_param_remainders(2048 * 32, self._dummy_overflow_buf, lists, *args)
-            elif self.capturable:
-                zb.multi_tensor_fused_adam_capturable(2048 * 32, self._dummy_overflow_buf, lists, *args)
-            else:
-                zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
-        self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
-
-    @torch.no_grad()
-    def _check_params_shard_dtypes(self, params_buckets: dict) -> None:
-        """Cast each updated local shard to its bucket's ``param_sync_dtype`` (an integer dtype receives the
-        most significant bytes of the float values, as in Apex)."""
-        for bucket_id, pb in params_buckets.items():
-            dtype = self.state["buckets"][bucket_id].param_sync_dtype
-            if pb.params_shard.dtype != dtype:
-                out = torch.empty_like(pb.params_shard, dtype=dtype)
-                zb._copy_cast(pb.params_shard, out)
-                pb.params_shard = out

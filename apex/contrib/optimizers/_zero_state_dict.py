@@ -238,3 +238,4 @@ class ZeroStateDictMixin:
         self.state["step"] = step.to(self.device) if isinstance(step, torch.Tensor) else step
         self._grads_buckets.clear()
         self._params_buckets.clear()
+        self._comm_buffers.clear()

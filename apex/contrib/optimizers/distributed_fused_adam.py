@@ -23,6 +23,7 @@ from apex.contrib.optimizers._zero_comm import ZeroCommMixin
 from apex.contrib.optimizers._zero_norms import ZeroNormMixin
 from apex.contrib.optimizers._zero_scaled import ZeroScaledStateMixin
 from apex.contrib.optimizers._zero_state_dict import ZeroStateDictMixin
+from apex.contrib.optimizers._zero_step import ZeroStepMixin
 
 
 def _resolve_device(device, params) -> torch.device:
@@ -40,7 +41,7 @@ def _resolve_device(device, params) -> torch.device:
     return dev
 
 
-class DistributedFusedAdam(ZeroCommMixin, ZeroNormMixin, ZeroScaledStateMixin, ZeroStateDictMixin,
+class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScaledStateMixin, ZeroStateDictMixin,
                            torch.optim.Optimizer):
     r"""Adam (``adam_w_mode=False``) / AdamW with the ZeRO-2 algorithm, Apex's ``DistributedFusedAdam``.
 
@@ -147,8 +148,6 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroNormMixin, ZeroScaledStateMixin, Z
         backend = dist.get_backend(self.process_group)
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"process group backend 'nccl' cannot communicate {self.device} parameters")
-        # On Gloo an all-reduce of the bucket beats a reduce-scatter (see _start_bucket_grad_sync).
-        self._grad_sync_all_reduce = dist.get_backend(self.distributed_process_group) == "gloo"
         self.process_group_size = dist.get_world_size(self.process_group)
         self.distributed_rank = dist.get_rank(self.distributed_process_group)
         self.distributed_size = dist.get_world_size(self.distributed_process_group)
@@ -186,6 +185,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroNormMixin, ZeroScaledStateMixin, Z
         self.contiguous_grad_buffer = bool(contiguous_grad_buffer)
         self._param_buffers: dict = {}
         self._grad_buffers: dict = {}
+        self._comm_buffers: dict = {}  # (purpose, bucket id) -> a buffer reused every step (see _comm_buffer)
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int32, device=self.device)

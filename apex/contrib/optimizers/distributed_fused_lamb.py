@@ -32,14 +32,15 @@ import torch.distributed as dist
 
 from apex.contrib.optimizers import _dist_lamb_checkpoint
 from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
+from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
+from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
+from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
 from apex.optimizers._base import _number, check_betas, check_non_negative
 
 _CHUNK = 2048 * 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DistributedFusedLAMB(torch.optim.Optimizer):
@@ -158,6 +159,11 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._fp32_g = torch.zeros_like(self._fp32_p)  # unscaled, clipped gradient (scratch)
         self._fp16_p = torch.zeros(lay.shard_numel, dtype=self._flat_dtype, **kw)  # all-gather input
         self._new_params = torch.zeros(lay.padded, dtype=self._flat_dtype, **kw)  # all-gather output
+        # Gloo's reduce-scatter (_gloo_collectives) receives the peers' chunks here rather than in a fresh
+        # buffer every step (page faults on the CPU); NCCL reduces in place and needs none.
+        self._gather_segments = lay.gather_segments()
+        self._rs_scratch = (torch.empty(lay.padded, dtype=self._flat_dtype, **kw)
+                            if str(dist.get_backend(self._rs_pg)) == "gloo" else None)
         self._frag_group = []
         n = len(params)
         for f in lay.fragments:
@@ -172,6 +178,9 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                      for t in (self._fp32_g, self._fp32_p, self._fp32_m, self._fp32_v, self._fp32_u)]
             self._group_frags.append((torch.tensor([f.param for f in sel], dtype=torch.long, device=device),
                                       views))
+        # the CPU LAMB path's buffers, reused every step (building them per step allocates a shard's worth)
+        self._lamb_workspaces = [Workspace([t.shape for t in views[4]]) if device.type == "cpu" and views[4]
+                                 else None for _, views in self._group_frags]
         idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
         self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
         self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
@@ -231,7 +240,9 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         for k in lay.block_pieces(b):
             lo, hi = lay.piece_range(k)
             out = self._fp16_g[k * lay.piece:(k + 1) * lay.piece]
-            self._works.append(_reduce_scatter(out, self._flat_grads[lo:hi], group=self._rs_pg, async_op=True))
+            scratch = None if self._rs_scratch is None else self._rs_scratch[lo:hi]
+            self._works.append(_reduce_scatter(out, self._flat_grads[lo:hi], group=self._rs_pg, async_op=True,
+                                               scratch=scratch))
 
     @torch.no_grad()
     def complete_reductions(self) -> None:
@@ -316,7 +327,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         torch.div(self._fp16_g, scale * clip, out=self._fp32_g)
         self._fp32_u.zero_()
         zero_norm = torch.zeros(1, device=self._device)
-        for group, (_, (g, p, m, v, u)) in zip(self.param_groups, self._group_frags):
+        for group, (_, (g, p, m, v, u)), ws in zip(self.param_groups, self._group_frags, self._lamb_workspaces):
             if not g:
                 continue
             beta1, beta2 = group["betas"]
@@ -327,7 +338,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             # u = 0 - (-1) * m̂ / (sqrt(v̂) + eps)
             multi_tensor_lamb(_CHUNK, self._overflow_buf, [g, u, m, v], -1.0, beta1, beta2, group["eps"],
                               self._step, 1 if group["bias_correction"] else 0, 0.0,
-                              1 if group["grad_averaging"] else 0, 1, zero_norm, 1.0, False, validate=False)
+                              1 if group["grad_averaging"] else 0, 1, zero_norm, 1.0, False, validate=False,
+                              workspace=ws)
             if self._adam_w_mode and wd != 0:
                 torch._foreach_add_(u, p, alpha=wd)
         # trust ratios of whole parameters: the fragments' squared norms summed over the shards
@@ -353,10 +365,17 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         lay = self._layout
         self._fp16_p.copy_(self._fp32_p)
         _all_gather(self._new_params, self._fp16_p, group=self._rs_pg)
-        # gathered: [rank][piece][slice]; flat order: [piece][rank][slice]
+        params = [p.data for p in self._model_params]
+        if all(p.is_contiguous() for p in params):
+            # gathered: [rank][piece][slice]; each segment is contiguous there and in its parameter
+            flat = [p.view(-1) for p in params]
+            segs = self._gather_segments
+            torch._foreach_copy_([flat[i][o:o + n] for i, o, _, n in segs],
+                                 [self._new_params[g:g + n] for _, _, g, n in segs])
+            return
+        # flat order: [piece][rank][slice]
         flat = self._new_params.view(lay.world, lay.pieces, lay.piece).transpose(0, 1).reshape(-1)
-        torch._foreach_copy_([p.data for p in self._model_params],
-                             [flat[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, self._model_params)])
+        torch._foreach_copy_(params, [flat[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, params)])
 
     # -- upstream's small public API --------------------------------------------------------------------------
     def set_global_scale(self, global_scale) -> None:

@@ -1,0 +1,140 @@
+"""Reduce-scatter and all-gather for the ZeRO optimizers on Gloo, from Gloo's faster primitives.
+
+Gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` take longer than the data they move needs.
+Measured on 2 ranks of a 2-core machine, 4 MB of fp32: ``reduce_scatter_tensor`` 4.6 ms, ``all_reduce``
+2.8 ms, ``all_to_all_single`` of the same buffer 1.2 ms; ``all_gather_into_tensor`` 2.3 ms, one batch of
+point-to-point transfers 1.1 ms. So here:
+
+* reduce-scatter = one ``all_to_all_single`` (row ``r`` of the result is rank ``r``'s copy of this rank's
+  chunk; Gloo runs it on its worker thread, so posting it from a backward hook never blocks) and the sum of
+  the rows in rank order, divided by the world size for an average (which Gloo's collectives lack);
+* all-gather = every rank sends its shard to every peer and receives each peer's shard straight into its
+  place in the output (``batch_isend_irecv``).
+
+Each moves ``(world - 1) / world`` of the buffer out of and into every rank, the minimum for both.
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` take ``torch.distributed``'s arguments and choose:
+the above on a Gloo group, the backend's own collective elsewhere (NCCL). Every rank of ``group`` must call
+them in the same order, as for any collective: transfers between a pair of ranks match in posting order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Point-to-point tag of these transfers, so they never match a caller's own send/recv on the same group.
+_TAG = 0x5A45  # "ZE"
+
+
+class PendingCollective:
+    """An asynchronous collective: ``wait()`` waits for its transfers, then finishes the local part."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._finish = finish
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None and not self._works
+
+
+def _peers(group) -> tuple[int, int, list[int]]:
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    global_ranks = [dist.get_global_rank(group, r) if group is not None and group is not dist.group.WORLD
+                    else r for r in range(world)]
+    return world, rank, global_ranks
+
+
+def _check(name: str, big: torch.Tensor, small: torch.Tensor, world: int) -> None:
+    if not (big.is_contiguous() and small.is_contiguous()):
+        raise ValueError(f"{name} needs contiguous tensors")
+    if big.dtype != small.dtype or big.numel() != small.numel() * world:
+        raise ValueError(f"{name}: the large tensor must hold world_size ({world}) times the "
+                         f"{small.numel()} elements of the small one in its dtype {small.dtype}, "
+                         f"got {big.numel()} {big.dtype}")
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, average: bool = False,
+                   scratch: torch.Tensor | None = None) -> PendingCollective:
+    """``output = sum over ranks r of input_r[rank * n:(rank + 1) * n]`` with ``n = output.numel()``, divided
+    by the world size when ``average``.
+
+    The sum runs in rank order (the same order whichever rank owns the chunk), in ``input``'s dtype.
+    ``input`` must stay unchanged until ``wait()`` returns; ``scratch`` (``input``'s size and dtype) receives
+    the peers' chunks (a fresh buffer when not given).
+    """
+    world, rank, ranks = _peers(group)
+    _check("reduce_scatter", input, output, world)
+    chunks = input.view(world, -1)
+    if world == 1:
+        output.copy_(chunks[0])
+        return PendingCollective([])
+    # One all-to-all (Gloo runs it on its worker thread, so posting never blocks the caller): row r of
+    # ``received`` is rank r's copy of this rank's chunk.
+    if scratch is None:
+        scratch = torch.empty_like(input)
+    _check("reduce_scatter", scratch, output, world)
+    received = scratch.view(world, -1)
+    works = [dist.all_to_all_single(received.view(-1), input, group=group, async_op=True)]
+
+    def finish() -> None:
+        torch.add(received[0], received[1], out=output)
+        for part in received[2:]:
+            output.add_(part)
+        if average:
+            output.div_(world)
+
+    return PendingCollective(works, finish)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> PendingCollective:
+    """``output[r * n:(r + 1) * n] = input_r`` for every rank ``r`` of ``group``, ``n = input.numel()``."""
+    world, rank, ranks = _peers(group)
+    _check("all_gather", output, input, world)
+    chunks = output.view(world, -1)
+    if chunks[rank].data_ptr() != input.data_ptr():
+        chunks[rank].copy_(input)
+    ops = []
+    for step in range(1, world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        ops.append(dist.P2POp(dist.isend, input, ranks[dst], group, _TAG))
+        ops.append(dist.P2POp(dist.irecv, chunks[src], ranks[src], group, _TAG))
+    return PendingCollective(dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _finished(work: PendingCollective, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False, *, scratch: torch.Tensor | None = None):
+    """``torch.distributed.reduce_scatter_tensor``; on a Gloo group a sum or an average (which Gloo lacks)
+    runs as ``reduce_scatter`` (with ``scratch``, unused elsewhere)."""
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
+        return _dist_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    return _finished(reduce_scatter(output, input, group, average=op == dist.ReduceOp.AVG, scratch=scratch),
+                     async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``torch.distributed.all_gather_into_tensor``; on a Gloo group it runs as ``all_gather``."""
+    if dist.get_backend(group) != "gloo":
+        return _dist_all_gather(output, input, group=group, async_op=async_op)
+    return _finished(all_gather(output, input, group), async_op)

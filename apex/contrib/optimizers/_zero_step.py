@@ -1,0 +1,131 @@
+"""The optimizer step of ``DistributedFusedAdam``: Adam on this rank's shards of every bucket, then the
+parameter all-gather (``_zero_comm``) that writes the updated values back into the model."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.contrib.optimizers import _zero_buckets as zb
+
+
+class ZeroStepMixin:
+    def step(self, closure=None, *, grad_scaler=None):
+        """One Adam step on this rank's shard, then the parameter all-gather. With a ``GradScaler`` whose
+        gradients hold an inf/NaN the step is skipped and nothing changes."""
+        from torch.amp.grad_scaler import OptState
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.init_params()
+        self.param_sync()
+        self.grad_sync()
+        if grad_scaler is not None and grad_scaler._enabled:
+            st = grad_scaler._per_optimizer_states[id(self)]
+            if st["stage"] is OptState.READY:
+                self.unscale_grads(grad_scaler=grad_scaler)
+            found_inf = st["found_inf_per_device"][self.device]
+            if self.capturable:
+                self._dummy_overflow_buf.copy_(found_inf.reshape([1]))
+            elif found_inf.item():
+                return loss
+        with self._lock, torch.no_grad():
+            self._prepare_param_buckets()
+            if self.capturable:
+                self.state["step"] += (self._dummy_overflow_buf != 1).to(torch.int32)
+            else:
+                self.state["step"] += 1
+            self._local_step(list(range(len(self.state["buckets"]))))
+            self._start_bucket_param_sync(list(self._params_buckets.values()))
+        if self.overlap_param_sync and self.distributed_size > 1:
+            self._arm_pre_forward_hooks()
+        else:
+            self.param_sync()
+        return loss
+
+    def _prepare_param_buckets(self) -> None:
+        for bucket_id in reversed(range(len(self.state["buckets"]))):
+            sb = self.state["buckets"][bucket_id]
+            pb = self._params_buckets[bucket_id] = self.ParameterBucket()
+            if self.contiguous_param_buffer:
+                if not self._param_buffers:
+                    self.init_param_buffer()
+                start = sb.contiguous_buffer_offset
+                pb.params_bucket = self._param_buffers[sb.dtypes()][start:start + sb.bucket_size]
+                r = self.distributed_rank * sb.shard_size
+                pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
+            elif sb.param_sync_dtype.is_floating_point and self.distributed_size > 1:
+                # Adam writes this rank's part of the bucket: the all-gather then copies nothing locally.
+                pb.params_bucket = self._comm_buffer("params", bucket_id, sb.bucket_size, sb.param_sync_dtype)
+                r = self.distributed_rank * sb.shard_size
+                pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
+            if not sb.param_sync_dtype.is_floating_point:  # Adam writes floats; cast in _check_params_shard_dtypes
+                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.dtype, device=self.device)
+            elif pb.params_shard is None:
+                pb.params_shard = torch.empty([sb.shard_size], dtype=sb.param_sync_dtype, device=self.device)
+
+    def _local_step(self, bucket_ids) -> None:
+        """Adam on the local shards, grouped by parameter group, through ``distributed_adam_cuda``'s kernels."""
+        if self.with_scaled_states:
+            self._local_step_with_scaled_states(bucket_ids)
+            return
+        groups: dict = {}
+        for bucket_id in bucket_ids:
+            sb = self.state["buckets"][bucket_id]
+            grads = self._grads_buckets[bucket_id].grads_shard
+            out = self._params_buckets[bucket_id].params_shard
+            rem = sb.param_remainders_shard is not None
+            for group_id, r, frag in self._local_runs(sb):
+                if sb.params_shard is not None:
+                    p_in = sb.params_shard[r]
+                else:
+                    model = zb._flat(self.parameter(frag))[slice(*frag.shard_param_range)]
+                    p_in = model.to(torch.bfloat16 if rem else sb.dtype, copy=True)
+                key = (group_id, rem)
+                lists = groups.setdefault(key, [[] for _ in range(6 if rem else 5)])
+                row = ([p_in, sb.param_remainders_shard[r]] if rem else [p_in]) + [
+                    sb.exp_avg_shard[r], sb.exp_avg_sq_shard[r], grads[r], out[r]]
+                for lst, t in zip(lists, row):
+                    lst.append(t)
+        for (group_id, rem), lists in groups.items():
+            group = self.param_groups[group_id]
+            beta1, beta2 = group["betas"]
+            args = (self._grad_scale, group["lr"], beta1, beta2, group["eps"], self.state["step"],
+                    int(self.adam_w_mode), int(bool(group["bias_correction"])), group["weight_decay"])
+            if rem:
+                zb.multi_tensor_fused_adam_with_param_remainders(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            elif self.capturable:
+                zb.multi_tensor_fused_adam_capturable(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            else:
+                zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
+        self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
+
+    @staticmethod
+    def _local_runs(sb: zb.StateBucket) -> list:
+        """``(param_group_id, shard slice, fragment)`` for the local fragments of a bucket. With fp32 master
+        shards, neighbouring fragments of one parameter group merge into one slice (fragment None): Adam is
+        elementwise and the alignment padding between them is zero in every state, gradient and parameter,
+        so it stays zero, and a model of many small parameters then costs a few tensors per step."""
+        frags = sorted((f for f in sb.fragments if f.in_local_shard and f.shard_range[1] > f.shard_range[0]),
+                       key=lambda f: f.shard_range[0])
+        if sb.params_shard is None or sb.param_remainders_shard is not None:
+            return [(f.param_group_id, slice(*f.shard_range), f) for f in frags]
+        runs: list = []
+        for f in frags:
+            if runs and runs[-1][0] == f.param_group_id:
+                runs[-1][2] = f.shard_range[1]
+            else:
+                runs.append([f.param_group_id, f.shard_range[0], f.shard_range[1]])
+        return [(g, slice(a, b), None) for g, a, b in runs]
+
+    @torch.no_grad()
+    def _check_params_shard_dtypes(self, params_buckets: dict) -> None:
+        """Cast each updated local shard to its bucket's ``param_sync_dtype`` (an integer dtype receives the
+        most significant bytes of the float values, as in Apex)."""
+        for bucket_id, pb in params_buckets.items():
+            dtype = self.state["buckets"][bucket_id].param_sync_dtype
+            if pb.params_shard.dtype != dtype:
+                out = torch.empty_like(pb.params_shard, dtype=dtype)
+                zb._copy_cast(pb.params_shard, out)
+                pb.params_shard = out
