@@ -288,3 +288,27 @@ def test_layout_shards_cover_every_element_once(world, blocks, chunks):
             assert flat == k * lay.piece_span + rank * lay.piece + f.shard_offset % lay.piece
         assert int(used.max()) <= 1
     assert all(bool((s == 1).all()) for s in seen)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("blocks,chunks", [(1, 1), (4, 4), (3, 2)])
+def test_gather_segments_write_each_parameter_from_the_gathered_shards(world, blocks, chunks):
+    """The all-gather's output is rank after rank; the segments must read every parameter element from the
+    place its owner's shard put it, each exactly once."""
+    from apex.contrib.optimizers._dist_lamb_layout import Layout
+
+    sizes = [91, 13, 0, 65, 5, 1, 300]
+    params = [torch.randn(n) for n in sizes]
+    shards = []
+    for rank in range(world):
+        lay = Layout(sizes, world, rank, blocks, chunks)
+        shard = torch.full((lay.shard_numel,), float("nan"))
+        for f in lay.fragments:
+            shard[f.shard_offset:f.shard_offset + f.length] = params[f.param][f.param_offset:f.param_offset + f.length]
+        shards.append(shard)
+    gathered = torch.cat(shards)
+    out = [torch.full((n,), float("nan")) for n in sizes]
+    for i, o, g, n in Layout(sizes, world, 0, blocks, chunks).gather_segments():
+        assert bool(out[i][o:o + n].isnan().all()), "an element written twice"
+        out[i][o:o + n] = gathered[g:g + n]
+    assert all(torch.equal(a, b) for a, b in zip(out, params))
