@@ -51,6 +51,7 @@ class ZeroCommMixin:
         """Add ``param.grad`` into its buckets and drop it."""
         if "fragments" not in self.state[param]:
             self.init_params([param])
+        grad = None if param.grad is None else zb._flat(param.grad)
         for frag in self.state[param]["fragments"]:
             gb = self._grads_buckets[frag.bucket_id]
             sb = self.state["buckets"][frag.bucket_id]
@@ -67,8 +68,8 @@ class ZeroCommMixin:
                 else:
                     gb.grads_bucket = self._comm_buffer("grads", frag.bucket_id, sb.bucket_size,
                                                         sb.grad_sync_dtype).zero_()
-            if param.grad is not None:
-                src = zb._flat(param.grad)[slice(*frag.param_range)]
+            if grad is not None:
+                src = grad[slice(*frag.param_range)]
                 dst = gb.grads_bucket[slice(*frag.bucket_range)]
                 if src.data_ptr() != dst.data_ptr() or src.numel() == 0:
                     dst.add_(src)
@@ -251,13 +252,19 @@ class ZeroCommMixin:
                 pb.status = zb.ParameterStatus.READY
 
     def _param_copy_fragments(self, fragments) -> None:
-        ins, outs = [], []
-        for frag in fragments:
-            if frag.param_range[1] <= frag.param_range[0] or frag.bucket_id not in self._params_buckets:
-                continue
-            ins.append(self._params_buckets[frag.bucket_id].params_bucket[slice(*frag.bucket_range)])
-            outs.append(zb._flat(self.parameter(frag))[slice(*frag.param_range)])
-        zb._multi_tensor_copy(ins, outs, self._dummy_overflow_buf)
+        frags = [f for f in fragments if f.param_range[1] > f.param_range[0] and f.bucket_id in self._params_buckets]
+        params = [self.parameter(f) for f in frags]
+        buffers = [self._params_buckets[f.bucket_id].params_bucket for f in frags]
+        # The views are rebuilt only when a fragment, a parameter's storage or a bucket buffer changed: the
+        # buffers are reused every step (_comm_buffer), so a model of many small parameters saves the per-view
+        # Python work of every step.
+        key = tuple(map(id, frags)), tuple(p.data_ptr() for p in params), tuple(b.data_ptr() for b in buffers)
+        cached = self._param_copy_cache
+        if cached is None or cached[0] != key:
+            ins = [b[slice(*f.bucket_range)] for f, b in zip(frags, buffers)]
+            outs = [zb._flat(p)[slice(*f.param_range)] for f, p in zip(frags, params)]
+            cached = self._param_copy_cache = (key, ins, outs)
+        zb._multi_tensor_copy(cached[1], cached[2], self._dummy_overflow_buf)
 
     def _param_copy(self, params) -> None:
         """Write the gathered values of ``params`` into them, waiting for their buckets if needed."""
