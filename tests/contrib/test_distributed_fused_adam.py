@@ -324,3 +324,21 @@ def test_distributed_adam_cuda_kernels_match_fused_adam_math():
         back = torch.empty_like(w)
         _bf16_rem_to_fp32(b, r, back)
         assert torch.equal(back, w)
+
+
+def _shards_and_replicas(rank, world):
+    """4 ranks = 2 shards x 2 replicas: gradients reduce-scattered within {0,1} / {2,3}, then all-reduced
+    within {0,2} / {1,3}; the result must still be FusedAdam on the gradients averaged over all 4 ranks."""
+    import torch.distributed as dist
+
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    for overlap in (True, False):
+        opt = _run_config(rank, world, dict(distributed_process_group=shards[rank // 2],
+                                            redundant_process_group=replicas[rank % 2],
+                                            overlap_grad_sync=overlap))
+        assert opt.distributed_size == 2 and opt.redundant_size == 2
+
+
+def test_four_ranks_two_shards_two_replicas():
+    run_distributed(_shards_and_replicas, 4, timeout_s=90)
