@@ -116,6 +116,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> Pending
     return PendingCollective(dist.batch_isend_irecv(ops) if ops else [])
 
 
+def takes_gloo_path(group=None, op=dist.ReduceOp.SUM) -> bool:
+    """Whether ``reduce_scatter_tensor`` with ``op`` (and ``all_gather_into_tensor``) on ``group`` run the
+    transfers above (and so use a reduce-scatter's ``scratch``) rather than the backend's own collective."""
+    return op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and dist.get_backend(group) == "gloo"
+
+
 def _finished(work: PendingCollective, async_op: bool):
     if async_op:
         return work
@@ -127,7 +133,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
                           async_op: bool = False, *, scratch: torch.Tensor | None = None):
     """``torch.distributed.reduce_scatter_tensor``; on a Gloo group a sum or an average (which Gloo lacks)
     runs as ``reduce_scatter`` (with ``scratch``, unused elsewhere)."""
-    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
+    if not takes_gloo_path(group, op):
         return _dist_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
     return _finished(reduce_scatter(output, input, group, average=op == dist.ReduceOp.AVG, scratch=scratch),
                      async_op)
@@ -135,6 +141,6 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """``torch.distributed.all_gather_into_tensor``; on a Gloo group it runs as ``all_gather``."""
-    if dist.get_backend(group) != "gloo":
+    if not takes_gloo_path(group):
         return _dist_all_gather(output, input, group=group, async_op=async_op)
     return _finished(all_gather(output, input, group), async_op)

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from apex.contrib.optimizers import _zero_buckets as zb
 from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
 from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
+from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
 
 _PENDING_CLASSES: dict = {}
 
@@ -93,8 +94,9 @@ class ZeroCommMixin:
         """Reduce-scatter (then all-reduce over the redundant group) the buckets, asynchronously."""
         op = dist.ReduceOp.SUM
         average = self.average_grad_sync
-        backend = dist.get_backend(self.distributed_process_group)
-        if average and (backend == "nccl" or backend == "gloo" and self.redundant_size == 1):
+        group = self.distributed_process_group
+        if average and (dist.get_backend(group) == "nccl"
+                        or takes_gloo_path(group, dist.ReduceOp.AVG) and self.redundant_size == 1):
             # NCCL averages in its kernel, Gloo's reduce-scatter (_gloo_collectives) divides only the shard.
             op, average = dist.ReduceOp.AVG, False
         bucket_ids = {id(gb): i for i, gb in self._grads_buckets.items()}
@@ -115,7 +117,7 @@ class ZeroCommMixin:
                 nbytes = gb.grads_bucket.numel() * gb.grads_bucket.element_size()
                 gb.sync_grads_shard = torch.empty([gb.grads_bucket.numel() // self.distributed_size],
                                                   dtype=gb.grads_bucket.dtype, device=self.device)
-                scratch = None if backend != "gloo" else self._comm_buffer(
+                scratch = None if not takes_gloo_path(group, op) else self._comm_buffer(
                     "reduce_scatter", bucket_id, gb.grads_bucket.numel(), gb.grads_bucket.dtype)
                 works.append(_reduce_scatter(gb.sync_grads_shard, gb.grads_bucket, op=op,
                                              group=self.distributed_process_group, async_op=True,

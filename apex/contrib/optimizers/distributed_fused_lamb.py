@@ -34,6 +34,7 @@ from apex.contrib.optimizers import _dist_lamb_checkpoint
 from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
 from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
 from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
+from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
 from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
@@ -163,7 +164,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         # buffer every step (page faults on the CPU); NCCL reduces in place and needs none.
         self._gather_segments = lay.gather_segments()
         self._rs_scratch = (torch.empty(lay.padded, dtype=self._flat_dtype, **kw)
-                            if str(dist.get_backend(self._rs_pg)) == "gloo" else None)
+                            if takes_gloo_path(self._rs_pg) else None)
         self._frag_group = []
         n = len(params)
         for f in lay.fragments:
