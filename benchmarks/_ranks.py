@@ -104,6 +104,21 @@ def mlp(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
 
+def mlp_batch(rank: int, width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's own inputs and class labels for :func:`mlp` (seeded by the rank: data differs per rank)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def mlp_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer=None) -> None:
+    """One data-parallel step of :func:`mlp`: gradients cleared (``set_to_none``), cross-entropy forward and
+    backward, then ``optimizer.step()`` (without an optimizer, the model's own gradients are cleared)."""
+    (optimizer or model).zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if optimizer is not None:
+        optimizer.step()
+
+
 class _Handle:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks, mlp
+from benchmarks._ranks import Ranks, mlp, mlp_batch, mlp_step
 
 BUCKET_MB = 4.0
 CONFIGS = [(512, 4, 32), (128, 24, 32)]  # (width, depth, batch): a few large layers, many small ones
@@ -35,15 +35,13 @@ class _Steps:
                                          overlap_grad_sync=True)
         self.theirs_model = nn.parallel.DistributedDataParallel(mlp(width, depth), bucket_cap_mb=BUCKET_MB)
         self.theirs = FusedAdam(self.theirs_model.parameters(), lr=1e-4)
-        g = torch.Generator().manual_seed(rank)
-        self.x = torch.randn(batch, width, generator=g)
-        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.x, self.y = mlp_batch(rank, width, batch)
 
     def run(self, which: int) -> None:
-        model, opt = (self.ours_model, self.ours) if which == OURS else (self.theirs_model, self.theirs)
-        opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(self.x), self.y).backward()
-        opt.step()
+        if which == OURS:
+            mlp_step(self.ours_model, self.x, self.y, self.ours)
+        else:
+            mlp_step(self.theirs_model, self.x, self.y, self.theirs)
 
 
 def _report(ranks: Ranks) -> dict:

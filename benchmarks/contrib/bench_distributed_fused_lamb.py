@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks, mlp
+from benchmarks._ranks import Ranks, mlp, mlp_batch, mlp_step
 
 # (width, depth, batch)
 CONFIGS = [(512, 4, 64), (128, 24, 64)]
@@ -37,15 +37,14 @@ class _Steps:
         self.ours = DistributedFusedLAMB(self.ours_model.parameters(), dwu_num_blocks=4, dwu_num_chunks=1, **LAMB)
         self.theirs_model = nn.parallel.DistributedDataParallel(mlp(width, depth))
         self.theirs = FusedLAMB(self.theirs_model.parameters(), **LAMB)
-        g = torch.Generator().manual_seed(rank)
-        self.x = torch.randn(batch, width, generator=g)
-        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.x, self.y = mlp_batch(rank, width, batch)
 
     def run(self, which: int) -> None:
-        model, opt = (self.ours_model, self.ours) if which == OURS else (self.theirs_model, self.theirs)
-        opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(self.x), self.y).backward()
-        opt.step()  # DistributedFusedLAMB completes its reductions itself
+        # DistributedFusedLAMB completes its reductions itself in step()
+        if which == OURS:
+            mlp_step(self.ours_model, self.x, self.y, self.ours)
+        else:
+            mlp_step(self.theirs_model, self.x, self.y, self.theirs)
 
     def facts(self) -> dict:
         lay = self.ours._layout

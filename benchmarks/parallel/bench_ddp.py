@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch import nn
 
 from benchmarks._harness import Case
-from benchmarks._ranks import Ranks, mlp
+from benchmarks._ranks import Ranks, mlp, mlp_batch, mlp_step
 
 BUCKET_MB = 10
 # (width, depth, batch): a few large layers (bandwidth-bound all-reduce) and many small ones (per-hook cost).
@@ -32,14 +31,10 @@ class _Steps:
         width, depth, batch = cfg
         self.ours = ApexDDP(mlp(width, depth), message_size=BUCKET_MB * 2**20 // 4)
         self.theirs = nn.parallel.DistributedDataParallel(mlp(width, depth), bucket_cap_mb=BUCKET_MB)
-        g = torch.Generator().manual_seed(rank)
-        self.x = torch.randn(batch, width, generator=g)
-        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.x, self.y = mlp_batch(rank, width, batch)
 
     def run(self, which: int) -> None:
-        model = self.ours if which == OURS else self.theirs
-        model.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(self.x), self.y).backward()
+        mlp_step(self.ours if which == OURS else self.theirs, self.x, self.y)
 
 
 def _report(ranks: Ranks) -> dict:
