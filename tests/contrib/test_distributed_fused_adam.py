@@ -140,6 +140,8 @@ def _worker_main(rank, world, tmp):
     ]
     for cfg in configs:
         _run_config(rank, world, dict(cfg))
+    for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True)):
+        _sometimes_unused(rank, world, cfg)
     _state_bytes(rank, world)
     _grad_scaler(rank, world)
     if world == 2:
@@ -178,6 +180,42 @@ def _grad_scaler(rank, world):
         else:
             _ref_step(ref, ref_opt, world, step, 1)
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()], tol=1e-6)
+
+
+def _sometimes_unused(rank, world, cfg):
+    """A layer that takes part only in even steps: in odd steps its gradient is zero (as in Apex), not the
+    previous step's values left in the reused bucket buffer, and a bucket none of whose parameters got a
+    gradient is reduced as zeros too."""
+    from apex.optimizers import FusedAdam
+
+    def build():
+        torch.manual_seed(1)
+        return nn.ModuleList([_model(), nn.Linear(5, 3)])
+
+    def loss(m, step, r):
+        x, dy = _data(step, 0, r)
+        out = m[0](x) + (m[1](x) if step % 2 == 0 else 0)
+        return (out * dy).sum()
+
+    model, ref = build(), build()
+    opt = _dfa(model, **cfg)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss(model, step, rank).backward()
+        opt.step()
+        total = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            ref.zero_grad(set_to_none=True)
+            loss(ref, step, r).backward()
+            for t, p in zip(total, ref.parameters()):
+                if p.grad is not None:
+                    t += p.grad / world
+        for t, p in zip(total, ref.parameters()):
+            p.grad = t
+        ref_opt.step()
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                     tol=1e-6, name=f"sometimes-unused layer {cfg}")
 
 
 def _train(model, opt, rank, steps):

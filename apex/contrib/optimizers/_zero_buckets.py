@@ -91,6 +91,9 @@ class GradientBucket:
     status: GradientStatus = GradientStatus.READY
     grads_generated: set = field(default_factory=set)
     work: object = None
+    # (param_group_id, param_id) of the fragments written into ``grads_bucket`` since it was handed out, when
+    # it was handed out unzeroed (see ``ZeroCommMixin._grads_bucket_for``); None: it starts zeroed.
+    written: set | None = None
 
 
 @dataclass(eq=False)

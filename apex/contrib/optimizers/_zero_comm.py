@@ -48,43 +48,89 @@ class ZeroCommMixin:
 
     # -- gradients -----------------------------------------------------------------------------------------
 
+    def _grads_bucket_for(self, bucket_id: int, gb) -> torch.Tensor:
+        """Hand out the bucket's gradient buffer. The reused communication buffer is not zeroed: only the
+        gaps between fragments are, and each fragment's first gradient is copied in rather than added
+        (``gb.written``), which saves a write and a read of the whole bucket per step; fragments that got no
+        gradient are zeroed before the reduction (``_zero_unwritten``)."""
+        sb = self.state["buckets"][bucket_id]
+        if self.contiguous_grad_buffer:
+            if not self._grad_buffers:
+                self._init_grad_buffer()
+            start = sb.contiguous_buffer_offset
+            gb.grads_bucket = self._grad_buffers[sb.dtypes()][start:start + sb.bucket_size]
+            gb.grads_bucket.zero_()
+            gb.written = None
+            return gb.grads_bucket
+        buf = gb.grads_bucket = self._comm_buffer("grads", bucket_id, sb.bucket_size, sb.grad_sync_dtype)
+        end = 0
+        for a, b in sorted(f.bucket_range for f in sb.fragments if f.bucket_range[1] > f.bucket_range[0]):
+            if a > end:
+                buf[end:a].zero_()
+            end = max(end, b)
+        buf[end:].zero_()
+        gb.written = set()
+        return buf
+
+    def _zero_unwritten(self, bucket_id: int, gb) -> None:
+        """Zero the regions of fragments that received no gradient in this bucket (see _grads_bucket_for)."""
+        if gb.written is None:
+            return
+        for f in self.state["buckets"][bucket_id].fragments:
+            if f.bucket_range[1] > f.bucket_range[0] and (f.param_group_id, f.param_id) not in gb.written:
+                gb.grads_bucket[slice(*f.bucket_range)].zero_()
+        gb.written = None
+
     def _grad_copy(self, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its buckets and drop it."""
-        if "fragments" not in self.state[param]:
+        state = self.state[param]
+        if "fragments" not in state:
             self.init_params([param])
-        grad = None if param.grad is None else zb._flat(param.grad)
-        for frag in self.state[param]["fragments"]:
+        grad = param.grad
+        flat = None
+        for frag in state["fragments"]:
             gb = self._grads_buckets[frag.bucket_id]
-            sb = self.state["buckets"][frag.bucket_id]
-            if gb.status == zb.GradientStatus.SYNCING:
+            if gb.status is zb.GradientStatus.SYNCING:
                 self._finish_bucket_grad_sync()
             gb.status = zb.GradientStatus.PARTIALLY_FILLED
-            if gb.grads_bucket is None:
-                if self.contiguous_grad_buffer:
-                    if not self._grad_buffers:
-                        self._init_grad_buffer()
-                    start = sb.contiguous_buffer_offset
-                    gb.grads_bucket = self._grad_buffers[sb.dtypes()][start:start + sb.bucket_size]
-                    gb.grads_bucket.zero_()
-                else:
-                    gb.grads_bucket = self._comm_buffer("grads", frag.bucket_id, sb.bucket_size,
-                                                        sb.grad_sync_dtype).zero_()
-            if grad is not None:
-                src = grad[slice(*frag.param_range)]
-                dst = gb.grads_bucket[slice(*frag.bucket_range)]
-                if src.data_ptr() != dst.data_ptr() or src.numel() == 0:
-                    dst.add_(src)
+            buf = gb.grads_bucket
+            if buf is None:
+                buf = self._grads_bucket_for(frag.bucket_id, gb)
+            if grad is None or frag.bucket_range[1] <= frag.bucket_range[0]:
+                continue
+            # A whole contiguous gradient goes into a cached view of the reused bucket buffer shaped like
+            # it: the hook then builds no tensors (it runs once per parameter per backward, in Python).
+            whole = frag.param_range == (0, grad.numel()) and grad.is_contiguous()
+            key = (frag.bucket_id, frag.param_group_id, frag.param_id)
+            cached = self._grad_views.get(key)
+            if whole and cached is not None and cached[0] is buf and cached[1].shape == grad.shape:
+                src, dst = grad, cached[1]
+            elif whole:
+                src, dst = grad, buf[slice(*frag.bucket_range)].view(grad.shape)
+                self._grad_views[key] = (buf, dst)
+            else:
+                flat = zb._flat(grad) if flat is None else flat
+                src, dst = flat[slice(*frag.param_range)], buf[slice(*frag.bucket_range)]
+            written = gb.written
+            if written is not None and (frag.param_group_id, frag.param_id) not in written:
+                written.add((frag.param_group_id, frag.param_id))
+                dst.copy_(src)
+            elif src.data_ptr() != dst.data_ptr():
+                dst.add_(src)
         param.grad = None
 
     def _try_start_bucket_grad_sync(self, params=None, ignore_last_bucket: bool = False) -> None:
         """Start reducing every bucket all of whose parameters have produced a gradient."""
+        buckets = self.state["buckets"]
         for p in params or []:
             for frag in self.state[p]["fragments"]:
                 gb = self._grads_buckets[frag.bucket_id]
                 gb.grads_generated.add((frag.param_group_id, frag.param_id))
-                if len(gb.grads_generated) == len(self.state["buckets"][frag.bucket_id].fragments):
+                if len(gb.grads_generated) == len(buckets[frag.bucket_id].fragments):
                     gb.status = zb.GradientStatus.FULLY_FILLED
-        last = len(self.state["buckets"]) - 1
+        if not any(gb.status is zb.GradientStatus.FULLY_FILLED for gb in self._grads_buckets.values()):
+            return
+        last = len(buckets) - 1
         full = [gb for i, gb in sorted(self._grads_buckets.items())
                 if gb.status == zb.GradientStatus.FULLY_FILLED and not (ignore_last_bucket and i == last)]
         if full:
@@ -92,6 +138,10 @@ class ZeroCommMixin:
 
     def _start_bucket_grad_sync(self, buckets) -> None:
         """Reduce-scatter (then all-reduce over the redundant group) the buckets, asynchronously."""
+        if not self._buckets_shrunk:
+            # Parameters placed before backward (init_params, contiguous buffers) start the last bucket's
+            # reduction inside backward, before grad_sync would have cut it to its contents.
+            self._shrink_last_buckets()
         op = dist.ReduceOp.SUM
         average = self.average_grad_sync
         group = self.distributed_process_group
@@ -108,6 +158,7 @@ class ZeroCommMixin:
             gb.grads_generated.clear()
             if gb.grads_bucket is None:
                 raise AssertionError("bucket without gradients started a reduction")
+            self._zero_unwritten(bucket_id, gb)
             if average and self.distributed_size * self.redundant_size > 1:
                 gb.grads_bucket.div_(self.distributed_size * self.redundant_size)
             works = []

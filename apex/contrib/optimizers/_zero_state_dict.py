@@ -239,3 +239,4 @@ class ZeroStateDictMixin:
         self._grads_buckets.clear()
         self._params_buckets.clear()
         self._comm_buffers.clear()
+        self._grad_views.clear()
