@@ -1,6 +1,7 @@
-"""The ZeRO optimizers' Gloo reduce-scatter (one all-to-all, then the sum in rank order) and all-gather (one
-batch of point-to-point transfers) against ``torch.distributed``'s own collectives, on 2, 3 and 4 Gloo ranks
-and on a subgroup, with several collectives in flight at once."""
+"""The ZeRO optimizers' Gloo reduce-scatter (one all-to-all, then the sum in rank order), all-gather (one
+batch of point-to-point transfers, or one all-to-all on two ranks) and small all-reduce (gathered, reduced
+locally) against ``torch.distributed``'s own collectives, on 2, 3 and 4 Gloo ranks and on a subgroup, with
+several collectives in flight at once."""
 
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def _collectives(rank: int, world: int) -> None:
     sub = dist.new_group(members)
     if rank in members and len(members) > 1:
         m = len(members)
+        norm = torch.tensor([float(rank)])
+        pc.all_reduce(norm, group=sub)
+        assert norm.item() == sum(members)
         x = torch.arange(4 * m, dtype=torch.float32) + 100 * rank
         out = torch.empty(4)
         pc.reduce_scatter_tensor(out, x, group=sub)
@@ -88,6 +92,21 @@ def _collectives(rank: int, world: int) -> None:
         pc.all_gather_into_tensor(full, torch.full((2,), float(rank)), group=sub)
         assert torch.equal(full, torch.tensor([float(r) for r in members for _ in range(2)]))
     dist.barrier()
+
+    # Small all-reduces (gathered, reduced locally): torch.distributed's result, the same bits on every rank.
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+        for t in (_inputs(rank, 15, torch.float32, salt=30).view(3, 5), torch.tensor([rank + 1], dtype=torch.int32)):
+            ours, theirs = t.clone(), t.clone()
+            pc.all_reduce(ours, op=op)
+            dist.all_reduce(theirs, op=op)
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+            everyone = torch.empty([world * ours.numel()], dtype=ours.dtype)
+            dist.all_gather_into_tensor(everyone, ours.reshape(-1))
+            assert all(torch.equal(row, ours.reshape(-1)) for row in everyone.view(world, -1))
+    big = _inputs(rank, pc._SMALL + 3, torch.float32, salt=31)  # beyond the gathered size: Gloo's own
+    expected = sum(_inputs(r, pc._SMALL + 3, torch.float32, salt=31) for r in range(world))
+    pc.all_reduce(big)
+    torch.testing.assert_close(big, expected, rtol=1e-5, atol=1e-5)
 
     # Bad sizes: a clear error before anything is sent, on every rank alike.
     with pytest.raises(ValueError, match="world_size"):

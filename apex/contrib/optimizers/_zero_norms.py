@@ -4,7 +4,8 @@ gradient scale that the sharded Adam step multiplies the gradients by."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from apex.contrib.optimizers._gloo_collectives import all_reduce
 
 
 class ZeroNormMixin:
@@ -36,7 +37,7 @@ class ZeroNormMixin:
             raise ValueError(f"only norm_type=2 is supported, got {norm_type}")
         if force or self._grad_norm is None:
             sq = self._local_grad_norm(parameters=parameters)
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.distributed_process_group)
+            all_reduce(sq, group=self.distributed_process_group)
             self._grad_norm = sq.sqrt()
         return (self._grad_norm * self._grad_scale).detach()
 

@@ -411,6 +411,9 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
                 buf = self._grad_buffers[b.dtypes()]
                 self._grads_buckets[bucket_id].grads_bucket = buf[start:start + b.bucket_size]
         for p in self.parameters():
+            if set_to_none and not getattr(p, "_pre_forward_hook_is_enabled", False):
+                p.grad = None  # the common case, without the context manager's cost per parameter
+                continue
             with _disable_pre_forward_hook(p):
                 if set_to_none:
                     p.grad = None

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from apex.contrib.optimizers import _dist_lamb_checkpoint
 from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
 from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
+from apex.contrib.optimizers._gloo_collectives import all_reduce as _all_reduce
 from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
 from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
 from apex.ops._cpu_blocks import Workspace
@@ -163,6 +164,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         # Gloo's reduce-scatter (_gloo_collectives) receives the peers' chunks here rather than in a fresh
         # buffer every step (page faults on the CPU); NCCL reduces in place and needs none.
         self._gather_segments = lay.gather_segments()
+        self._segment_views = None  # (params' data pointers, their segment views, the gathered ones)
         self._rs_scratch = (torch.empty(lay.padded, dtype=self._flat_dtype, **kw)
                             if takes_gloo_path(self._rs_pg) else None)
         self._frag_group = []
@@ -278,7 +280,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             dist.all_reduce(self._fp16_g, group=self._ar_pg)
         if self._clip_after_ar:
             sq = torch.linalg.vector_norm(self._fp16_g, dtype=torch.float32).square().reshape(1)
-            dist.all_reduce(sq, group=self._rs_pg)
+            _all_reduce(sq, group=self._rs_pg)
             self._L2_grad_norm = sq.sqrt()
         self._reduced = True
 
@@ -306,7 +308,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         norm = self._L2_grad_norm
         finite = torch.isfinite(norm).to(torch.int32)
         if not self._clip_after_ar:  # local norms differ: skip everywhere if any rank overflowed
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            _all_reduce(finite, op=dist.ReduceOp.MIN)
         self._has_overflow = not bool(finite.item())
         self._overflow_buf.fill_(int(self._has_overflow))
         if grad_scaler is not None:
@@ -351,7 +353,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if frags_p:
             per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [frags_p + frags_u], True)[1]
             sq.index_add_(0, self._norm_index, per.float().square())
-        dist.all_reduce(sq, group=self._rs_pg)
+        _all_reduce(sq, group=self._rs_pg)
         norms = sq.sqrt_()
         for group, (idx, (_, p, _, _, u)) in zip(self.param_groups, self._group_frags):
             if not p:
@@ -364,15 +366,23 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if self._skip_ag:
             return
         lay = self._layout
-        self._fp16_p.copy_(self._fp32_p)
-        _all_gather(self._new_params, self._fp16_p, group=self._rs_pg)
+        if self._fp16_p.dtype == self._fp32_p.dtype:
+            shard = self._fp32_p  # fp32 parameters: the master shard is what every rank receives
+        else:
+            shard = self._fp16_p
+            shard.copy_(self._fp32_p)
+        _all_gather(self._new_params, shard, group=self._rs_pg)
         params = [p.data for p in self._model_params]
         if all(p.is_contiguous() for p in params):
-            # gathered: [rank][piece][slice]; each segment is contiguous there and in its parameter
-            flat = [p.view(-1) for p in params]
-            segs = self._gather_segments
-            torch._foreach_copy_([flat[i][o:o + n] for i, o, _, n in segs],
-                                 [self._new_params[g:g + n] for _, _, g, n in segs])
+            # gathered: [rank][piece][slice]; each segment is contiguous there and in its parameter. The
+            # views are built again only when a parameter's storage changed (a few per parameter per step).
+            key = tuple(p.data_ptr() for p in params)
+            if self._segment_views is None or self._segment_views[0] != key:
+                flat = [p.view(-1) for p in params]
+                segs = self._gather_segments
+                self._segment_views = (key, [flat[i][o:o + n] for i, o, _, n in segs],
+                                       [self._new_params[g:g + n] for _, _, g, n in segs])
+            torch._foreach_copy_(self._segment_views[1], self._segment_views[2])
             return
         # flat order: [piece][rank][slice]
         flat = self._new_params.view(lay.world, lay.pieces, lay.piece).transpose(0, 1).reshape(-1)
