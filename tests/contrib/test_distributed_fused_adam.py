@@ -143,6 +143,7 @@ def _worker_main(rank, world, tmp):
     for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True)):
         _sometimes_unused(rank, world, cfg)
     _state_bytes(rank, world)
+    _last_bucket_fits(rank, world)
     _grad_scaler(rank, world)
     if world == 2:
         _checkpoint_save(rank, world, tmp)
@@ -216,6 +217,23 @@ def _sometimes_unused(rank, world, cfg):
         ref_opt.step()
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
                      tol=1e-6, name=f"sometimes-unused layer {cfg}")
+
+
+def _last_bucket_fits(rank, world):
+    """The last bucket is cut to its contents before its first reduction also when the parameters were placed
+    before backward (the contiguous buffers place them in zero_grad), so it communicates no padding."""
+    capacity = 4096
+    for cfg in (dict(), dict(contiguous_grad_buffer=True, contiguous_param_buffer=True)):
+        model = _model()
+        opt = _dfa(model, bucket_cap_mb=capacity * 4 / 2**20, **cfg)
+        _train(model, opt, rank, range(2))
+        (bucket,) = opt.state["buckets"]
+        assert bucket.filled_size <= bucket.bucket_size < min(capacity, bucket.filled_size + opt.alignment * world), \
+            (cfg, bucket.filled_size, bucket.bucket_size)
+        before = dict(opt.comm_stats)
+        _train(model, opt, rank, range(2, 3))
+        sent = opt.comm_stats["reduce_scatter_bytes"] - before["reduce_scatter_bytes"]
+        assert sent == bucket.bucket_size * 4, (cfg, sent)
 
 
 def _train(model, opt, rank, steps):
