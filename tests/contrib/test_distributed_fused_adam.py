@@ -144,6 +144,7 @@ def _worker_main(rank, world, tmp):
         _sometimes_unused(rank, world, cfg)
     _state_bytes(rank, world)
     _last_bucket_fits(rank, world)
+    _accumulate_across_reductions(rank, world)
     _grad_scaler(rank, world)
     if world == 2:
         _checkpoint_save(rank, world, tmp)
@@ -324,6 +325,32 @@ def _bad_input(rank, world):
     assert all(torch.equal(after["state"][i][k], sd["state"][i][k]) for i in range(4)
                for k in ("param", "exp_avg", "exp_avg_sq"))
     assert after["param_groups"][0]["lr"] == sd["param_groups"][0]["lr"]
+
+
+def _accumulate_across_reductions(rank, world):
+    """Two backwards per step, the first one's buckets reduced before the second (its hooks find them full):
+    the second adds to the reduced shard. On one rank that shard is the bucket buffer itself, so the second
+    backward must not write into it again."""
+    from apex.optimizers import FusedAdam
+
+    for cfg in (dict(), dict(contiguous_grad_buffer=True)):
+        model, ref = _model(), _model()
+        opt = _dfa(model, **cfg)
+        ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            _loss(model, *_data(step, 0, rank)).backward()
+            if step == 2:
+                opt.grad_sync()  # an explicit reduction between the two backwards
+            _loss(model, *_data(step, 1, rank)).backward()
+            opt.step()
+            _ref_step(ref, ref_opt, world, step, 2)
+        assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                         tol=1e-6, name=f"two backwards per step {cfg}")
+
+
+def test_one_rank_accumulates_across_reductions():
+    run_distributed(_accumulate_across_reductions, 1, timeout_s=60)
 
 
 def test_bf16_remainder_split_is_exact():

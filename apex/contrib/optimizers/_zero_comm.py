@@ -186,15 +186,22 @@ class ZeroCommMixin:
 
     def _finish_bucket_grad_sync(self) -> None:
         """Wait for the reductions in flight and accumulate them into the local gradient shards."""
-        for _, gb in sorted(self._grads_buckets.items()):
+        for bucket_id, gb in sorted(self._grads_buckets.items()):
             if gb.status != zb.GradientStatus.SYNCING:
                 continue
             for w in gb.work or []:
                 w.wait()
             gb.work = None
             if gb.grads_shard is None:
-                aliases_buffer = self.contiguous_grad_buffer and self.distributed_size == 1
-                gb.grads_shard = gb.sync_grads_shard.clone() if aliases_buffer else gb.sync_grads_shard
+                # On one rank the reduced shard is the bucket buffer itself, which the next backward would
+                # write again: the contiguous buffer's part is copied, a reused buffer leaves the pool.
+                shard = gb.sync_grads_shard
+                if self.distributed_size == 1 and self.contiguous_grad_buffer:
+                    shard = shard.clone()
+                elif self.distributed_size == 1 and self._comm_buffers.get(("grads", bucket_id)) is not None \
+                        and self._comm_buffers[("grads", bucket_id)].data_ptr() == shard.data_ptr():
+                    del self._comm_buffers[("grads", bucket_id)]
+                gb.grads_shard = shard
             else:
                 gb.grads_shard.add_(gb.sync_grads_shard)
             gb.sync_grads_shard = None
