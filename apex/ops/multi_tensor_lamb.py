@@ -259,11 +259,16 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
 @torch.no_grad()
 def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                   per_tensor_param_norm: torch.Tensor, per_tensor_update_norm: torch.Tensor,
-                                  lr: float, weight_decay: float, use_nvlamb: bool | None = False) -> None:
+                                  lr: float, weight_decay: float, use_nvlamb: bool | None = False, *,
+                                  validate: bool = True) -> None:
     """Stage 2 on ``[params, updates]``: ``p -= ratio_i * update`` with the trust ratio of stage 1's norms
-    (applied when ``use_nvlamb`` or ``weight_decay != 0`` and both norms are non-zero, else ``lr``)."""
-    device = check_tensor_lists(tensor_lists, 2)
-    check_noop_flag(noop_flag, device)
+    (applied when ``use_nvlamb`` or ``weight_decay != 0`` and both norms are non-zero, else ``lr``).
+    ``validate=False`` skips the per-tensor checks (for apex's optimizers, which built the lists)."""
+    if validate:
+        device = check_tensor_lists(tensor_lists, 2)
+        check_noop_flag(noop_flag, device)
+    else:
+        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
     p, upd = [list(x) for x in tensor_lists]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from apex.contrib.optimizers import _gloo_collectives as pc
 from apex.testing.distributed import run_distributed
+from apex.testing.numerics import assert_rel_close
 
 
 def _inputs(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -43,7 +44,9 @@ def _collectives(rank: int, world: int) -> None:
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
             avg = torch.empty(n, dtype=dtype)
             pc.reduce_scatter_tensor(avg, x, op=dist.ReduceOp.AVG)
-            torch.testing.assert_close(avg, ours / world, rtol=1e-6, atol=0)
+            exact = sum(_inputs(r, n * world, torch.float64).view(world, n)[rank] for r in range(world)) / world
+            assert_rel_close(avg, exact, tol=1e-7, name="average")
+            assert (avg - ours / world).abs().max() <= 1e-6 * ours.abs().max()
 
         shard = _inputs(rank, n, dtype, salt=7)
         gathered = torch.full((n * world,), float("nan"), dtype=dtype)
