@@ -87,6 +87,7 @@ class ZeroCommMixin:
         if "fragments" not in state:
             self.init_params([param])
         grad = param.grad
+        views = self._grad_views
         flat = None
         for frag in state["fragments"]:
             gb = self._grads_buckets[frag.bucket_id]
@@ -96,24 +97,28 @@ class ZeroCommMixin:
             buf = gb.grads_bucket
             if buf is None:
                 buf = self._grads_bucket_for(frag.bucket_id, gb)
-            if grad is None or frag.bucket_range[1] <= frag.bucket_range[0]:
+            if grad is None:
                 continue
-            # A whole contiguous gradient goes into a cached view of the reused bucket buffer shaped like
-            # it: the hook then builds no tensors (it runs once per parameter per backward, in Python).
-            whole = frag.param_range == (0, grad.numel()) and grad.is_contiguous()
-            key = (frag.bucket_id, frag.param_group_id, frag.param_id)
-            cached = self._grad_views.get(key)
-            if whole and cached is not None and cached[0] is buf and cached[1].shape == grad.shape:
-                src, dst = grad, cached[1]
-            elif whole:
-                src, dst = grad, buf[slice(*frag.bucket_range)].view(grad.shape)
-                self._grad_views[key] = (buf, dst)
+            # The hook runs once per parameter per backward, in Python: what a fragment needs (its key, its
+            # view of the reused bucket buffer, shaped like the gradient when it covers the whole
+            # parameter) is kept from step to step, so a whole contiguous gradient builds no tensors.
+            cached = views.get(id(frag))
+            if cached is None or cached[0] is not frag or cached[1] is not buf:
+                b0, b1 = frag.bucket_range
+                if b1 <= b0:
+                    continue
+                whole = frag.param_range == (0, grad.numel())
+                dst = buf[b0:b1].view(grad.shape) if whole and grad.is_contiguous() else buf[b0:b1]
+                cached = views[id(frag)] = (frag, buf, dst, (frag.param_group_id, frag.param_id), whole)
+            dst = cached[2]
+            if cached[4] and grad.is_contiguous() and dst.shape == grad.shape:
+                src = grad
             else:
                 flat = zb._flat(grad) if flat is None else flat
                 src, dst = flat[slice(*frag.param_range)], buf[slice(*frag.bucket_range)]
             written = gb.written
-            if written is not None and (frag.param_group_id, frag.param_id) not in written:
-                written.add((frag.param_group_id, frag.param_id))
+            if written is not None and cached[3] not in written:
+                written.add(cached[3])
                 dst.copy_(src)
             elif src.data_ptr() != dst.data_ptr():
                 dst.add_(src)
@@ -128,7 +133,10 @@ class ZeroCommMixin:
                 gb.grads_generated.add((frag.param_group_id, frag.param_id))
                 if len(gb.grads_generated) == len(buckets[frag.bucket_id].fragments):
                     gb.status = zb.GradientStatus.FULLY_FILLED
-        if not any(gb.status is zb.GradientStatus.FULLY_FILLED for gb in self._grads_buckets.values()):
+        for gb in self._grads_buckets.values():
+            if gb.status is zb.GradientStatus.FULLY_FILLED:
+                break
+        else:
             return
         last = len(buckets) - 1
         full = [gb for i, gb in sorted(self._grads_buckets.items())

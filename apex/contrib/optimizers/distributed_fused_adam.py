@@ -187,7 +187,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
         self._grad_buffers: dict = {}
         self._comm_buffers: dict = {}  # (purpose, bucket id) -> a buffer reused every step (see _comm_buffer)
         self._param_copy_cache = None  # views of the last _param_copy_fragments call (see there)
-        self._grad_views: dict = {}  # (bucket id, group id, param id) -> (bucket buffer, view) (_grad_copy)
+        self._grad_views: dict = {}  # id(fragment) -> what _grad_copy keeps for it between steps
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int32, device=self.device)
