@@ -93,6 +93,8 @@ def _run_config(rank, world, cfg):
                 _fp32_to_bf16_rem(w, p.data, torch.empty(w.shape, dtype=torch.int16))
         if cfg.get("overlap_param_sync") and step == 0:
             assert opt._params_buckets, "overlap_param_sync should leave the all-gathers pending"
+            opt.zero_grad()
+            assert opt._params_buckets, "zero_grad is no use of the parameters: the all-gathers stay pending"
     if bf16:
         sd = opt.state_dict()
         got = [sd["state"][i]["param"] for i in range(len(masters))]

@@ -106,6 +106,7 @@ class ParameterBucket:
     status: ParameterStatus = ParameterStatus.SHARDED
     params_updated: set = field(default_factory=set)
     work: object = None
+    params_needed: int | None = None  # parameters with a fragment in the bucket (counted at first use)
 
 
 def _round_to_multiple(number: int, multiple: int, round_up: bool = True) -> int:
@@ -137,6 +138,9 @@ def _copy_cast(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _multi_tensor_copy(buffers_in, buffers_out, dummy_overflow_buf: torch.Tensor | None = None) -> None:
     """Copy ``buffers_in[i]`` into ``buffers_out[i]`` (casting), one foreach copy per (dtype, dtype) pair."""
+    if len(buffers_in) == 1 and len(buffers_out) == 1:  # one parameter's pre-forward hook: no grouping
+        _copy_cast(buffers_in[0], buffers_out[0])
+        return
     groups: dict = {}
     for a, b in zip(buffers_in, buffers_out):
         if a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype):

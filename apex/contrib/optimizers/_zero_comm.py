@@ -19,15 +19,32 @@ from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
 _PENDING_CLASSES: dict = {}
 
 
+def _pending_args(args: tuple, kwargs: dict) -> list:
+    """The arguments of a torch call that are parameters with an armed pre-forward hook. Torch operations
+    take tensors directly or in lists (``cat``, the foreach ops), so those are scanned without building a
+    pytree (measured: tree_flatten was most of the cost of every first use of a parameter); anything else
+    nested goes through tree_flatten."""
+    found = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                if getattr(a, "_pre_forward_hook_is_enabled", False) and type(a) in _PENDING_CLASSES.values():
+                    found.append(a)
+            elif isinstance(a, (list, tuple, dict)):
+                found.extend(t for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor)
+                             and getattr(t, "_pre_forward_hook_is_enabled", False)
+                             and type(t) in _PENDING_CLASSES.values())
+    return found
+
+
 def _pending_class(cls: type) -> type:
     """A subclass of ``cls`` whose torch operations first finish the parameter's pending all-gather."""
     if cls not in _PENDING_CLASSES:
         def __torch_function__(sub, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            for a in tree_flatten((args, kwargs))[0]:
-                if type(a) in _PENDING_CLASSES.values() and getattr(a, "_pre_forward_hook_is_enabled", False):
-                    a._pre_forward_hook_is_enabled = False
-                    a._pre_forward_hook()
+            for a in _pending_args(args, kwargs):
+                a._pre_forward_hook_is_enabled = False
+                a._pre_forward_hook()
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         _PENDING_CLASSES[cls] = type(f"_PendingSync{cls.__name__}", (cls,),
@@ -326,23 +343,29 @@ class ZeroCommMixin:
         # The views are rebuilt only when a fragment, a parameter's storage or a bucket buffer changed: the
         # buffers are reused every step (_comm_buffer), so a model of many small parameters saves the per-view
         # Python work of every step.
-        key = tuple(map(id, frags)), tuple(p.data_ptr() for p in params), tuple(b.data_ptr() for b in buffers)
-        cached = self._param_copy_cache
-        if cached is None or cached[0] != key:
+        # One entry per set of fragments asked for: all parameters at once, or (overlap_param_sync) one
+        # parameter per pre-forward hook.
+        ids = tuple(map(id, frags))
+        ptrs = tuple(p.data_ptr() for p in params), tuple(b.data_ptr() for b in buffers)
+        cached = self._param_copy_cache.get(ids)
+        if cached is None or cached[0] != ptrs:
+            if len(self._param_copy_cache) > 2 * sum(len(g["params"]) for g in self.param_groups) + 2:
+                self._param_copy_cache.clear()  # stale entries of replaced fragments or buffers
             ins = [b[slice(*f.bucket_range)] for f, b in zip(frags, buffers)]
             outs = [zb._flat(p)[slice(*f.param_range)] for f, p in zip(frags, params)]
-            cached = self._param_copy_cache = (key, ins, outs)
+            # The entry holds the fragments, so their ids cannot be reused by other fragments while it lives.
+            cached = self._param_copy_cache[ids] = (ptrs, ins, outs, frags)
         zb._multi_tensor_copy(cached[1], cached[2], self._dummy_overflow_buf)
 
     def _param_copy(self, params) -> None:
         """Write the gathered values of ``params`` into them, waiting for their buckets if needed."""
         params = [params] if isinstance(params, torch.Tensor) else params
-        frags = [f for p in params if "fragments" in self.state[p] for f in self.state[p]["fragments"]
-                 if f.bucket_id in self._params_buckets]
+        pending = self._params_buckets
+        frags = [f for p in params for f in self.state[p].get("fragments", ()) if f.bucket_id in pending]
         if not frags:
             return
-        buckets = {f.bucket_id: self._params_buckets[f.bucket_id] for f in frags}
-        if any(b.status != zb.ParameterStatus.READY for b in buckets.values()):
+        buckets = {f.bucket_id: pending[f.bucket_id] for f in frags}
+        if any(b.status is not zb.ParameterStatus.READY for b in buckets.values()):
             self._start_bucket_param_sync(list(buckets.values()))
             self._finish_bucket_param_sync()
         self._param_copy_fragments(frags)
@@ -350,8 +373,10 @@ class ZeroCommMixin:
             buckets[f.bucket_id].params_updated.add((f.param_group_id, f.param_id))
         for bucket_id, pb in buckets.items():
             # A bucket is released once every parameter with a fragment in it has been written.
-            if len(pb.params_updated) >= len({(g.param_group_id, g.param_id)
-                                              for g in self.state["buckets"][bucket_id].fragments}):
+            if pb.params_needed is None:
+                pb.params_needed = len({(g.param_group_id, g.param_id)
+                                        for g in self.state["buckets"][bucket_id].fragments})
+            if len(pb.params_updated) >= pb.params_needed:
                 del self._params_buckets[bucket_id]
 
     def param_sync(self) -> None:

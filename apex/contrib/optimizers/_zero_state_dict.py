@@ -240,3 +240,4 @@ class ZeroStateDictMixin:
         self._params_buckets.clear()
         self._comm_buffers.clear()
         self._grad_views.clear()
+        self._param_copy_cache.clear()

@@ -186,7 +186,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
         self._param_buffers: dict = {}
         self._grad_buffers: dict = {}
         self._comm_buffers: dict = {}  # (purpose, bucket id) -> a buffer reused every step (see _comm_buffer)
-        self._param_copy_cache = None  # views of the last _param_copy_fragments call (see there)
+        self._param_copy_cache: dict = {}  # fragment ids -> the views _param_copy_fragments copies between
         self._grad_views: dict = {}  # id(fragment) -> what _grad_copy keeps for it between steps
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
@@ -410,11 +410,10 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
                 start = b.contiguous_buffer_offset
                 buf = self._grad_buffers[b.dtypes()]
                 self._grads_buckets[bucket_id].grads_bucket = buf[start:start + b.bucket_size]
-        for p in self.parameters():
-            if set_to_none and not getattr(p, "_pre_forward_hook_is_enabled", False):
-                p.grad = None  # the common case, without the context manager's cost per parameter
-                continue
-            with _disable_pre_forward_hook(p):
+        # Touching .grad is not a use of the parameter: no pending parameter sync (overlap_param_sync) may
+        # run for it, and none of its per-parameter Python (__torch_function__) is paid.
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in self.parameters():
                 if set_to_none:
                     p.grad = None
                     continue
