@@ -25,14 +25,14 @@ OURS, THEIRS = 1, 2
 
 
 class _Steps:
-    def __init__(self, rank: int, cfg: tuple[int, int, int]):
+    def __init__(self, rank: int, cfg: tuple[int, int, int, bool]):
         from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
         from apex.optimizers import FusedAdam
 
-        width, depth, batch = cfg
+        width, depth, batch, overlap_param_sync = cfg
         self.ours_model = mlp(width, depth)
         self.ours = DistributedFusedAdam(self.ours_model.parameters(), lr=1e-4, bucket_cap_mb=BUCKET_MB,
-                                         overlap_grad_sync=True)
+                                         overlap_grad_sync=True, overlap_param_sync=overlap_param_sync)
         self.theirs_model = nn.parallel.DistributedDataParallel(mlp(width, depth), bucket_cap_mb=BUCKET_MB)
         self.theirs = FusedAdam(self.theirs_model.parameters(), lr=1e-4)
         self.x, self.y = mlp_batch(rank, width, batch)
@@ -75,7 +75,10 @@ def _timed(cfg):
 
 
 def cases():
-    return [Case(f"distributed_fused_adam step 2 ranks MLP {depth}x{width} batch {batch}",
-                 timed=lambda cfg=(width, depth, batch): _timed(cfg), torch_label="torch DDP + FusedAdam",
+    # overlap_param_sync (NeMo's usual setting): each parameter's all-gathered value is written at its first
+    # use in the next forward instead of at the end of step().
+    return [Case(f"distributed_fused_adam step 2 ranks MLP {depth}x{width} batch {batch}"
+                 + (" overlap_param_sync" if overlap else ""),
+                 timed=lambda cfg=(width, depth, batch, overlap): _timed(cfg), torch_label="torch DDP + FusedAdam",
                  repeats=15, warmup=3)
-            for width, depth, batch in CONFIGS]
+            for overlap in (False, True) for width, depth, batch in CONFIGS]
