@@ -130,7 +130,8 @@ def test_gloo_reduce_scatter_and_all_gather(world):
 
 
 def test_other_ops_and_backends_use_torch_distributed(monkeypatch):
-    """A max (which the Gloo path does not do) goes to torch.distributed, as does any non-Gloo group."""
+    """A max reduce-scatter or a product all-reduce (which the Gloo paths do not do) goes to
+    torch.distributed, as does any non-Gloo group."""
     calls = []
     monkeypatch.setattr(pc, "_dist_reduce_scatter", lambda *a, **k: calls.append(("rs", k["op"])))
     monkeypatch.setattr(pc, "_dist_all_gather", lambda *a, **k: calls.append(("ag", None)))
@@ -140,3 +141,9 @@ def test_other_ops_and_backends_use_torch_distributed(monkeypatch):
     monkeypatch.setattr(pc.dist, "get_backend", lambda group=None: "gloo")
     pc.reduce_scatter_tensor(torch.empty(2), torch.empty(4), op=dist.ReduceOp.MAX)
     assert calls == [("rs", dist.ReduceOp.SUM), ("ag", None), ("rs", dist.ReduceOp.MAX)]
+    # all_reduce: Gloo's own for an op it cannot gather (a product), and on any other backend.
+    monkeypatch.setattr(pc.dist, "all_reduce", lambda t, op=None, group=None: calls.append(("ar", op)))
+    pc.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT)
+    monkeypatch.setattr(pc.dist, "get_backend", lambda group=None: "nccl")
+    pc.all_reduce(torch.ones(3))
+    assert calls[3:] == [("ar", dist.ReduceOp.PRODUCT), ("ar", dist.ReduceOp.SUM)]
