@@ -382,13 +382,15 @@ class ZeroCommMixin:
     def param_sync(self) -> None:
         """Finish every pending parameter all-gather and write the parameters."""
         with self._lock:
+            # Every parameter is written here, so the pre-forward hooks go first: a subclass's
+            # _param_copy_fragments that touches the parameters must not re-enter the copy through them.
+            for p in self.parameters():
+                self._restore_param_class(p)
             if self._params_buckets:
                 self._start_bucket_param_sync(list(self._params_buckets.values()))
                 self._finish_bucket_param_sync()
                 self._param_copy(list(self.parameters()))
             self._params_buckets.clear()
-            for p in self.parameters():
-                self._restore_param_class(p)
 
     def _make_pre_forward_hook(self, param, param_group_id: int, param_id: int):
         def pre_forward_hook(*unused) -> None:
