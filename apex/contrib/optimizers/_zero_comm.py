@@ -395,10 +395,25 @@ class ZeroCommMixin:
     def _make_pre_forward_hook(self, param, param_group_id: int, param_id: int):
         def pre_forward_hook(*unused) -> None:
             with self._lock:
-                self._restore_param_class(param)
-                if "fragments" in self.state[param]:
-                    self._param_copy(param)
+                # The first use of any parameter of a bucket waits for the bucket's all-gather anyway, so every
+                # parameter in it is written now, in one copy, and disarmed: a model of many small parameters
+                # then pays one hook per bucket instead of one per parameter.
+                mates = self._bucket_mates(param)
+                for p in mates:
+                    self._restore_param_class(p)
+                self._param_copy(mates)
         return pre_forward_hook
+
+    def _bucket_mates(self, param) -> list:
+        """``param`` and the parameters that share a pending parameter bucket with it."""
+        frags = self.state[param].get("fragments", ())
+        buckets = {f.bucket_id for f in frags if f.bucket_id in self._params_buckets}
+        mates = {id(param): param}
+        for bucket_id in sorted(buckets):
+            for f in self.state["buckets"][bucket_id].fragments:
+                p = self.parameter(f)
+                mates.setdefault(id(p), p)
+        return list(mates.values())
 
     def _arm_pre_forward_hooks(self) -> None:
         """Defer each parameter's write until a torch operation first uses it (``overlap_param_sync``)."""
