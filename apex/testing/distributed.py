@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import time
@@ -34,6 +35,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ti
         fn(rank, world_size, *args)
         dist.barrier()
     finally:
+        # Objects of the test kept alive only by reference cycles (optimizers and their hooks) may hold
+        # Gloo works and their tensors; freed at interpreter shutdown, a tensor's release takes the GIL from
+        # a Gloo thread and aborts the process. Collect them while the interpreter and the group are alive.
+        gc.collect()
         dist.destroy_process_group()
 
 
