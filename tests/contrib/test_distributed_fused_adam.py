@@ -137,15 +137,20 @@ def _worker_main(rank, world, tmp):
         dict(store_param_remainders=True),
         dict(clip=0.5, store_params=False),
         dict(param_sync_dtype=torch.int64),
+        # whole parameters in one bucket: the hook's fast path queues them (see _deferred_grad_copy)
+        dict(bucket_cap_mb=1.0),
+        dict(bucket_cap_mb=1.0, micro=3),
         # fp16 master and moments with per-fragment scales: fp16 rounding of the state (2**-11) bounds it
         dict(with_scaled_states=True, dtype=torch.float16, param_sync_dtype=torch.float16, tol=2e-3),
     ]
     for cfg in configs:
         _run_config(rank, world, dict(cfg))
-    for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True)):
+    for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True), dict(bucket_cap_mb=1.0)):
         _sometimes_unused(rank, world, cfg)
+    _deferred_grad_copy(rank, world)
     _state_bytes(rank, world)
     _last_bucket_fits(rank, world)
+    _master_in_gather_buffer(rank, world)
     _accumulate_across_reductions(rank, world)
     _grad_scaler(rank, world)
     if world == 2:
@@ -237,6 +242,100 @@ def _last_bucket_fits(rank, world):
         _train(model, opt, rank, range(2, 3))
         sent = opt.comm_stats["reduce_scatter_bytes"] - before["reduce_scatter_bytes"]
         assert sent == bucket.bucket_size * 4, (cfg, sent)
+
+
+def _deferred_grad_copy(rank, world):
+    """Once the buckets have their final size, a parameter that is one whole fragment takes the hook's fast
+    path: only the first gradient of each bucket goes through _grad_copy, the others are queued and copied
+    together when the bucket's reduction starts or backward ends, so after backward no parameter holds a
+    gradient, also when a layer got none and its bucket never filled. A backward that fails leaves nothing
+    behind."""
+    from apex.optimizers import FusedAdam
+
+    def build():
+        torch.manual_seed(2)
+        return nn.ModuleList([_model(), nn.Linear(5, 3), nn.Linear(5, 3)])
+
+    def loss(m, step, r):
+        x, dy = _data(step, 0, r)
+        out = m[0](x) + m[1](x) + (m[2](x) if step % 2 == 0 else 0)
+        return (out * dy).sum()
+
+    model, ref = build(), build()
+    opt = _dfa(model, bucket_cap_mb=1.0)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    general = []
+    copy = opt._grad_copy
+    opt._grad_copy = lambda p: (general.append(p), copy(p))
+    for step in range(5):
+        opt.zero_grad()
+        general.clear()
+        loss(model, step, rank).backward()
+        assert all(p.grad is None for p in model.parameters()), f"gradients left after backward {step}"
+        if step >= 3:  # the first step cuts the last bucket to size: its buffer and views change once
+            assert len(general) == len(opt.state["buckets"]), (step, len(general))
+        opt.step()
+        total = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            ref.zero_grad(set_to_none=True)
+            loss(ref, step, r).backward()
+            for t, p in zip(total, ref.parameters()):
+                if p.grad is not None:
+                    t += p.grad / world
+        for t, p in zip(total, ref.parameters()):
+            p.grad = t
+        ref_opt.step()
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                     tol=1e-6, name="fast gradient hook")
+    # A backward that raises after some gradients were queued: zero_grad drops them, the next step is clean.
+    opt.zero_grad()
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    x, dy = _data(9, 0, rank)
+    out = model[0](Boom.apply(x.requires_grad_())) + model[1](x)  # model[1]'s gradients arrive before the failure
+    with pytest.raises(RuntimeError, match="boom"):
+        (out * dy).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(gb.deferred for gb in opt._grads_buckets.values())
+
+
+def _master_in_gather_buffer(rank, world):
+    """The fp32 master shard is this rank's part of the reused all-gather buffer (Adam updates what is sent,
+    nothing is copied between them); a checkpoint loaded into an optimizer that has stepped lands in it, and a
+    format-1 state holds the shard alone, not the whole buffer behind it."""
+    import warnings
+
+    model = _model()
+    opt = _dfa(model)
+    _train(model, opt, rank, range(2))
+    for i, b in enumerate(opt.state["buckets"]):
+        own = opt._comm_buffers[("params", i)][rank * b.shard_size:(rank + 1) * b.shard_size]
+        assert b.params_shard.data_ptr() == own.data_ptr(), i
+    sd = opt.state_dict()
+    weights = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, rank, range(2, 4))
+    expected = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    opt.load_state_dict(sd)
+    _train(model, opt, rank, range(2, 4))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(expected, model.parameters())), "resume after load"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        local = opt.state_dict(state_dict_format=1, gather_on_root=False)
+    for b, live in zip(local["state"]["buckets"], opt.state["buckets"]):
+        assert torch.equal(b.params_shard, live.params_shard)
+        assert b.params_shard.untyped_storage().nbytes() == b.params_shard.numel() * 4
 
 
 def _train(model, opt, rank, steps):

@@ -94,6 +94,8 @@ class GradientBucket:
     # (param_group_id, param_id) of the fragments written into ``grads_bucket`` since it was handed out, when
     # it was handed out unzeroed (see ``ZeroCommMixin._grads_bucket_for``); None: it starts zeroed.
     written: set | None = None
+    # (parameter, view of its place in ``grads_bucket``) queued by the hook's fast path (``_zero_deferred``).
+    deferred: list = field(default_factory=list)
 
 
 @dataclass(eq=False)

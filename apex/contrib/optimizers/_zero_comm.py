@@ -100,6 +100,8 @@ class ZeroCommMixin:
 
     def _grad_copy(self, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its buckets and drop it."""
+        if self._has_deferred:
+            self._flush_deferred_grads()
         state = self.state[param]
         if "fragments" not in state:
             self.init_params([param])
@@ -183,6 +185,7 @@ class ZeroCommMixin:
             gb.grads_generated.clear()
             if gb.grads_bucket is None:
                 raise AssertionError("bucket without gradients started a reduction")
+            self._flush_deferred_grads([gb])
             self._zero_unwritten(bucket_id, gb)
             if average and self.distributed_size * self.redundant_size > 1:
                 gb.grads_bucket.div_(self.distributed_size * self.redundant_size)
@@ -301,6 +304,7 @@ class ZeroCommMixin:
     def grad_sync(self) -> None:
         """Copy any gradients still on the parameters into buckets and finish every reduction."""
         with self._lock:
+            self._flush_deferred_grads()
             self._shrink_last_buckets()
             for sb in self.state["buckets"]:
                 for frag in sb.fragments:

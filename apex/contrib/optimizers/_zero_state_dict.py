@@ -12,6 +12,7 @@ into the same distributed size.
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -177,11 +178,22 @@ class ZeroStateDictMixin:
 
     def _local_state_v1(self) -> dict:
         index = {p: i for i, p in enumerate(self.parameters())}
-        state = {"step": self.state["step"], "buckets": self.state["buckets"]}
+        state = {"step": self.state["step"], "buckets": [self._own_storage_bucket(b) for b in self.state["buckets"]]}
         for p, i in index.items():
             if "fragments" in self.state[p]:
                 state[i] = {"fragments": self.state[p]["fragments"]}
         return {"state": state, "param_groups": self._packed_groups(), "distributed_size": self.distributed_size}
+
+    @staticmethod
+    def _own_storage_bucket(b: zb.StateBucket) -> zb.StateBucket:
+        """``b`` itself, or a shallow copy whose master shard has its own storage when the live one is a view
+        of the all-gather buffer (``_alias_master_shard``): pickling a view saves its whole storage."""
+        t = b.params_shard
+        if t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return b
+        b = copy.copy(b)
+        b.params_shard = t.clone()
+        return b
 
     def _state_dict_v1(self, gather_on_root: bool) -> dict | None:
         if self.with_scaled_states:
@@ -240,4 +252,5 @@ class ZeroStateDictMixin:
         self._params_buckets.clear()
         self._comm_buffers.clear()
         self._grad_views.clear()
+        self._deferred_plans.clear()
         self._param_copy_cache.clear()

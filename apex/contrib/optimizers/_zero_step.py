@@ -60,10 +60,23 @@ class ZeroStepMixin:
                 pb.params_bucket = self._comm_buffer("params", bucket_id, sb.bucket_size, sb.param_sync_dtype)
                 r = self.distributed_rank * sb.shard_size
                 pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
+                self._alias_master_shard(sb, pb.params_shard)
             if not sb.param_sync_dtype.is_floating_point:  # Adam writes floats; cast in _check_params_shard_dtypes
                 pb.params_shard = torch.empty([sb.shard_size], dtype=sb.dtype, device=self.device)
             elif pb.params_shard is None:
                 pb.params_shard = torch.empty([sb.shard_size], dtype=sb.param_sync_dtype, device=self.device)
+
+    def _alias_master_shard(self, sb: zb.StateBucket, own: torch.Tensor) -> None:
+        """Keep the fp32 master shard in this rank's part of the reused all-gather buffer when the two have
+        one dtype: Adam then updates the values the all-gather sends in place, instead of writing the master
+        and copying it into the buffer (a read and a write of the shard per step, and a shard less memory).
+        The all-gather writes only the other ranks' parts, so the master survives it. Anything that replaced
+        the buffer or the master (a checkpoint load, a new buffer) is caught here: the values move once."""
+        if (sb.params_shard is None or sb.param_remainders_shard is not None or self.with_scaled_states
+                or sb.params_shard.dtype != own.dtype or sb.params_shard.data_ptr() == own.data_ptr()):
+            return
+        own.copy_(sb.params_shard)
+        sb.params_shard = own
 
     def _local_step(self, bucket_ids) -> None:
         """Adam on the local shards, grouped by parameter group, through ``distributed_adam_cuda``'s kernels."""

@@ -20,6 +20,7 @@ from apex.contrib.optimizers._zero_buckets import (  # noqa: F401  (Apex's modul
     _round_to_multiple,
 )
 from apex.contrib.optimizers._zero_comm import ZeroCommMixin
+from apex.contrib.optimizers._zero_deferred import ZeroDeferredGradMixin
 from apex.contrib.optimizers._zero_norms import ZeroNormMixin
 from apex.contrib.optimizers._zero_scaled import ZeroScaledStateMixin
 from apex.contrib.optimizers._zero_state_dict import ZeroStateDictMixin
@@ -41,8 +42,8 @@ def _resolve_device(device, params) -> torch.device:
     return dev
 
 
-class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScaledStateMixin, ZeroStateDictMixin,
-                           torch.optim.Optimizer):
+class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, ZeroNormMixin, ZeroScaledStateMixin,
+                           ZeroStateDictMixin, torch.optim.Optimizer):
     r"""Adam (``adam_w_mode=False``) / AdamW with the ZeRO-2 algorithm, Apex's ``DistributedFusedAdam``.
 
     Parameters are packed into buckets (``bucket_cap_mb``); each of the ``distributed_size`` ranks of
@@ -188,6 +189,9 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
         self._comm_buffers: dict = {}  # (purpose, bucket id) -> a buffer reused every step (see _comm_buffer)
         self._param_copy_cache: dict = {}  # fragment ids -> the views _param_copy_fragments copies between
         self._grad_views: dict = {}  # id(fragment) -> what _grad_copy keeps for it between steps
+        self._deferred_plans: dict = {}  # id(param) -> where the hook's fast path queues its gradient
+        self._deferred_flush_queued = False  # a flush is registered for the end of the running backward
+        self._has_deferred = False  # some bucket may hold queued gradients
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int32, device=self.device)
@@ -237,6 +241,8 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
     def _make_post_backward_hook(self, param, param_group_id: int, param_id: int):
         def post_backward_hook(*unused) -> None:
             with self._lock:
+                if self._defer_grad_copy(param):  # the usual case from the second step on (_zero_deferred)
+                    return
                 new = "fragments" not in self.state[param]
                 if new:
                     self._init_param_state(param, param_group_id, param_id)
@@ -244,6 +250,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
                     self._grad_copy(param)
                     if self.overlap_grad_sync:
                         self._try_start_bucket_grad_sync(params=[param], ignore_last_bucket=new)
+                        self._plan_deferred_grad_copy(param)
         return post_backward_hook
 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
@@ -400,6 +407,10 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroStepMixin, ZeroNormMixin, ZeroScal
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Clear gradients, the gradient buckets, the cached norm and the gradient scale."""
         self._finish_bucket_grad_sync()
+        for gb in self._grads_buckets.values():  # gradients queued by a backward that did not finish
+            for q, _ in gb.deferred:
+                q.grad = None
+        self._has_deferred = self._deferred_flush_queued = False
         self._grads_buckets.clear()
         if self.contiguous_grad_buffer:
             if not self._grad_buffers:
