@@ -143,15 +143,26 @@ def _multi_tensor_copy(buffers_in, buffers_out, dummy_overflow_buf: torch.Tensor
     if len(buffers_in) == 1 and len(buffers_out) == 1:  # one parameter's pre-forward hook: no grouping
         _copy_cast(buffers_in[0], buffers_out[0])
         return
+    _run_copy_plan(_copy_plan(buffers_in, buffers_out))
+
+
+def _copy_plan(buffers_in, buffers_out) -> list:
+    """The pairs of :func:`_multi_tensor_copy` grouped by (dtypes, devices), without empty and self copies:
+    ``[(floating, ins, outs)]``. Worth keeping when the same views are copied every step."""
     groups: dict = {}
     for a, b in zip(buffers_in, buffers_out):
         if a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype):
             continue
-        groups.setdefault((a.dtype, b.dtype, a.device, b.device), ([], []))
-        groups[(a.dtype, b.dtype, a.device, b.device)][0].append(a)
-        groups[(a.dtype, b.dtype, a.device, b.device)][1].append(b)
-    for (din, dout, _, _), (ins, outs) in groups.items():
-        if din.is_floating_point and dout.is_floating_point:
+        ins, outs = groups.setdefault((a.dtype, b.dtype, a.device, b.device), ([], []))
+        ins.append(a)
+        outs.append(b)
+    return [(din.is_floating_point and dout.is_floating_point, ins, outs)
+            for (din, dout, _, _), (ins, outs) in groups.items()]
+
+
+def _run_copy_plan(plan: list) -> None:
+    for floating, ins, outs in plan:
+        if floating:
             torch._foreach_copy_(outs, ins)
         else:
             for a, b in zip(ins, outs):

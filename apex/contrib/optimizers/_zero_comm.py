@@ -358,8 +358,12 @@ class ZeroCommMixin:
             ins = [b[slice(*f.bucket_range)] for f, b in zip(frags, buffers)]
             outs = [zb._flat(p)[slice(*f.param_range)] for f, p in zip(frags, params)]
             # The entry holds the fragments, so their ids cannot be reused by other fragments while it lives.
-            cached = self._param_copy_cache[ids] = (ptrs, ins, outs, frags)
-        zb._multi_tensor_copy(cached[1], cached[2], self._dummy_overflow_buf)
+            plan = zb._copy_plan(ins, outs) if len(ins) != 1 else None
+            cached = self._param_copy_cache[ids] = (ptrs, ins, outs, frags, plan)
+        if cached[4] is None:
+            zb._multi_tensor_copy(cached[1], cached[2], self._dummy_overflow_buf)
+        else:
+            zb._run_copy_plan(cached[4])
 
     def _param_copy(self, params) -> None:
         """Write the gathered values of ``params`` into them, waiting for their buckets if needed."""
@@ -388,8 +392,10 @@ class ZeroCommMixin:
         with self._lock:
             # Every parameter is written here, so the pre-forward hooks go first: a subclass's
             # _param_copy_fragments that touches the parameters must not re-enter the copy through them.
-            for p in self.parameters():
-                self._restore_param_class(p)
+            if self._pre_forward_armed:
+                for p in self.parameters():
+                    self._restore_param_class(p)
+                self._pre_forward_armed = False
             if self._params_buckets:
                 self._start_bucket_param_sync(list(self._params_buckets.values()))
                 self._finish_bucket_param_sync()
@@ -422,6 +428,7 @@ class ZeroCommMixin:
     def _arm_pre_forward_hooks(self) -> None:
         """Defer each parameter's write until a torch operation first uses it (``overlap_param_sync``)."""
         ids = self._id_map()
+        self._pre_forward_armed = True
         for p in self.parameters():
             if type(p) not in _PENDING_CLASSES.values():
                 p.__class__ = _pending_class(type(p))

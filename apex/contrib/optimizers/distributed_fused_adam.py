@@ -192,6 +192,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
         self._deferred_plans: dict = {}  # id(param) -> where the hook's fast path queues its gradient
         self._deferred_flush_queued = False  # a flush is registered for the end of the running backward
         self._has_deferred = False  # some bucket may hold queued gradients
+        self._pre_forward_armed = False  # parameters may carry armed pre-forward hooks (overlap_param_sync)
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
         self._dummy_overflow_buf = torch.zeros([1], dtype=torch.int32, device=self.device)
@@ -256,8 +257,11 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
         """Place parameters (default: all) in buckets now instead of at their first gradient."""
         params = self.parameters() if params is None else [params] if isinstance(params, torch.Tensor) else params
+        pending = [p for p in params if "fragments" not in self.state[p]]
+        if not pending:  # every step calls this: no map of all parameters once they are placed
+            return
         ids = self._id_map()
-        for p in [p for p in params if "fragments" not in self.state[p]]:
+        for p in pending:
             if p not in ids:
                 raise ValueError("init_params got a parameter this optimizer does not hold")
             self._init_param_state(p, *ids[p], dtype=dtype, grad_sync_dtype=grad_sync_dtype,
