@@ -191,6 +191,21 @@ def _grad_scaler(rank, world):
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()], tol=1e-6)
 
 
+def _ref_step_of(ref, ref_opt, world, loss):
+    """The reference step for ``loss(model, rank)``: every rank's gradients averaged (a parameter some rank
+    left without a gradient counts zero there), then one step of ``ref_opt``."""
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        loss(ref, r).backward()
+        for t, p in zip(total, ref.parameters()):
+            if p.grad is not None:
+                t += p.grad / world
+    for t, p in zip(total, ref.parameters()):
+        p.grad = t
+    ref_opt.step()
+
+
 def _sometimes_unused(rank, world, cfg):
     """A layer that takes part only in even steps: in odd steps its gradient is zero (as in Apex), not the
     previous step's values left in the reused bucket buffer, and a bucket none of whose parameters got a
@@ -213,16 +228,7 @@ def _sometimes_unused(rank, world, cfg):
         opt.zero_grad()
         loss(model, step, rank).backward()
         opt.step()
-        total = [torch.zeros_like(p) for p in ref.parameters()]
-        for r in range(world):
-            ref.zero_grad(set_to_none=True)
-            loss(ref, step, r).backward()
-            for t, p in zip(total, ref.parameters()):
-                if p.grad is not None:
-                    t += p.grad / world
-        for t, p in zip(total, ref.parameters()):
-            p.grad = t
-        ref_opt.step()
+        _ref_step_of(ref, ref_opt, world, lambda m, r, step=step: loss(m, step, r))
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
                      tol=1e-6, name=f"sometimes-unused layer {cfg}")
 
@@ -275,16 +281,7 @@ def _deferred_grad_copy(rank, world):
         if step >= 3:  # the first step cuts the last bucket to size: its buffer and views change once
             assert len(general) == len(opt.state["buckets"]), (step, len(general))
         opt.step()
-        total = [torch.zeros_like(p) for p in ref.parameters()]
-        for r in range(world):
-            ref.zero_grad(set_to_none=True)
-            loss(ref, step, r).backward()
-            for t, p in zip(total, ref.parameters()):
-                if p.grad is not None:
-                    t += p.grad / world
-        for t, p in zip(total, ref.parameters()):
-            p.grad = t
-        ref_opt.step()
+        _ref_step_of(ref, ref_opt, world, lambda m, r, step=step: loss(m, step, r))
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
                      tol=1e-6, name="fast gradient hook")
     # A backward that raises after some gradients were queued: zero_grad drops them, the next step is clean.
