@@ -186,6 +186,5 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     if world == 1:
         return
     rows = torch.empty([world * tensor.numel()], dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(rows, tensor.reshape(-1), group=group)
+    _dist_all_gather(rows, tensor.reshape(-1), group=group)
     tensor.copy_(_LOCAL_REDUCE[op](rows.view(world, -1)).view(tensor.shape))
-

@@ -97,6 +97,13 @@ class GradientBucket:
     # (parameter, view of its place in ``grads_bucket``) queued by the hook's fast path (``_zero_deferred``).
     deferred: list = field(default_factory=list)
 
+    def note_generated(self, key: tuple[int, int], fragments: int) -> None:
+        """Count fragment ``key`` (param_group_id, param_id) as having its gradient; the bucket is full once
+        all of its ``fragments`` have."""
+        self.grads_generated.add(key)
+        if len(self.grads_generated) == fragments:
+            self.status = GradientStatus.FULLY_FILLED
+
 
 @dataclass(eq=False)
 class ParameterBucket:
@@ -140,7 +147,7 @@ def _copy_cast(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _multi_tensor_copy(buffers_in, buffers_out, dummy_overflow_buf: torch.Tensor | None = None) -> None:
     """Copy ``buffers_in[i]`` into ``buffers_out[i]`` (casting), one foreach copy per (dtype, dtype) pair."""
-    if len(buffers_in) == 1 and len(buffers_out) == 1:  # one parameter's pre-forward hook: no grouping
+    if len(buffers_in) == 1 and len(buffers_out) == 1:  # a single pair (Adam on one run): no grouping
         _copy_cast(buffers_in[0], buffers_out[0])
         return
     _run_copy_plan(_copy_plan(buffers_in, buffers_out))

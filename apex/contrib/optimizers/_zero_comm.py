@@ -148,10 +148,8 @@ class ZeroCommMixin:
         buckets = self.state["buckets"]
         for p in params or []:
             for frag in self.state[p]["fragments"]:
-                gb = self._grads_buckets[frag.bucket_id]
-                gb.grads_generated.add((frag.param_group_id, frag.param_id))
-                if len(gb.grads_generated) == len(buckets[frag.bucket_id].fragments):
-                    gb.status = zb.GradientStatus.FULLY_FILLED
+                self._grads_buckets[frag.bucket_id].note_generated((frag.param_group_id, frag.param_id),
+                                                                   len(buckets[frag.bucket_id].fragments))
         for gb in self._grads_buckets.values():
             if gb.status is zb.GradientStatus.FULLY_FILLED:
                 break
@@ -224,10 +222,10 @@ class ZeroCommMixin:
                 # On one rank the reduced shard is the bucket buffer itself, which the next backward would
                 # write again: the contiguous buffer's part is copied, a reused buffer leaves the pool.
                 shard = gb.sync_grads_shard
+                reused = self._comm_buffers.get(("grads", bucket_id))
                 if self.distributed_size == 1 and self.contiguous_grad_buffer:
                     shard = shard.clone()
-                elif self.distributed_size == 1 and self._comm_buffers.get(("grads", bucket_id)) is not None \
-                        and self._comm_buffers[("grads", bucket_id)].data_ptr() == shard.data_ptr():
+                elif self.distributed_size == 1 and reused is not None and reused.data_ptr() == shard.data_ptr():
                     del self._comm_buffers[("grads", bucket_id)]
                 gb.grads_shard = shard
             else:
@@ -358,12 +356,8 @@ class ZeroCommMixin:
             ins = [b[slice(*f.bucket_range)] for f, b in zip(frags, buffers)]
             outs = [zb._flat(p)[slice(*f.param_range)] for f, p in zip(frags, params)]
             # The entry holds the fragments, so their ids cannot be reused by other fragments while it lives.
-            plan = zb._copy_plan(ins, outs) if len(ins) != 1 else None
-            cached = self._param_copy_cache[ids] = (ptrs, ins, outs, frags, plan)
-        if cached[4] is None:
-            zb._multi_tensor_copy(cached[1], cached[2], self._dummy_overflow_buf)
-        else:
-            zb._run_copy_plan(cached[4])
+            cached = self._param_copy_cache[ids] = (ptrs, zb._copy_plan(ins, outs), frags)
+        zb._run_copy_plan(cached[1])
 
     def _param_copy(self, params) -> None:
         """Write the gathered values of ``params`` into them, waiting for their buckets if needed."""

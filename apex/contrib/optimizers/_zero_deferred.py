@@ -3,8 +3,9 @@ bucket together.
 
 The hook runs once per parameter per backward, in Python. Its general path (``_grad_copy`` and
 ``_try_start_bucket_grad_sync``) costs about 15 us per parameter on a CPU next to a 2-4 us copy, which is
-most of the optimizer's overhead for a model of many small parameters. From the second step on, a
-parameter that is one whole fragment of a bucket (the usual case) takes this path instead: its gradient is
+most of the optimizer's overhead for a model of many small parameters. Once the buckets have their final
+size (the first step cuts the last one), a parameter that is one whole fragment of a bucket (the usual
+case) takes this path instead: its gradient is
 queued on the bucket (after the same bookkeeping: written, generated), and the queue is copied in one
 ``torch._foreach_copy_`` when the bucket's reduction starts, when backward ends (an autograd final
 callback), or before anything else reads or writes the bucket (``_grad_copy``, ``grad_sync``). The
@@ -41,11 +42,10 @@ class ZeroDeferredGradMixin:
                 return False
             self._deferred_flush_queued = True
         gb.written.add(key)
-        gb.grads_generated.add(key)
         gb.deferred.append((param, dst))
         self._has_deferred = True
-        if len(gb.grads_generated) == len(sb.fragments):
-            gb.status = zb.GradientStatus.FULLY_FILLED
+        gb.note_generated(key, len(sb.fragments))
+        if gb.status is zb.GradientStatus.FULLY_FILLED:
             self._try_start_bucket_grad_sync()
         return True
 
