@@ -12,7 +12,7 @@ import fast_multihead_attn
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from apex.testing import assert_rel_close
@@ -355,6 +355,8 @@ def test_bad_arguments_raise():
 @given(s=st.integers(1, 9), sk=st.integers(1, 9), b=st.integers(1, 4), h=st.sampled_from([1, 2, 3]),
        d=st.integers(1, 7), block=st.sampled_from(sorted(BLOCKS)), p=st.sampled_from([0.0, 0.25]))
 @settings(max_examples=12, deadline=None)
+# A width-2 layer norm whose x gradient a hand-written backward got 2.1x PyTorch's own fp32 error
+@example(s=9, sk=7, b=2, h=1, d=2, block="encdec_multihead_attn_norm_add", p=0.0)
 def test_ragged_shapes(s, sk, b, h, d, block, p):
     # LayerNorm over one feature is constant: its exact gamma gradient is 0 and float64 noise is no reference.
     assume(h * d > 1 or not BLOCKS[block][3])

@@ -151,20 +151,21 @@ def _lin_backward(lin_grads: Tensor, inputs: Tensor, weights: Tensor) -> tuple[T
 
 # ------------------------------------------------------------------------------- norm / dropout-add
 def _layer_norm(x: Tensor, gamma: Tensor, beta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    x32 = x.float().reshape(-1, x.shape[-1])
-    var, mean = torch.var_mean(x32, dim=-1, unbiased=False)
-    invvar = torch.rsqrt(var + _EPS)
-    y = (x32 - mean[:, None]) * invvar[:, None] * gamma.float() + beta.float()
-    return y.to(x.dtype).view(x.shape), mean, invvar
+    """PyTorch's fused layer norm in fp32 (``torch.native_layer_norm``); ``mean`` and ``invvar`` are one fp32
+    value per row, as Apex's kernel returns them."""
+    E = x.shape[-1]
+    y, mean, invvar = torch.native_layer_norm(x.float().reshape(-1, E), [E], gamma.float(), beta.float(), _EPS)
+    return y.to(x.dtype).view(x.shape), mean.view(-1), invvar.view(-1)
 
 
 def _layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, invvar: Tensor, gamma: Tensor):
+    """PyTorch's fused layer-norm backward in fp32 (``aten.native_layer_norm_backward``)."""
     E = x.shape[-1]
     dy32 = dy.float().reshape(-1, E)
-    xhat = (x.float().reshape(-1, E) - mean[:, None]) * invvar[:, None]
-    g = dy32 * gamma.float()
-    dx = invvar[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    return dx.view(x.shape), (dy32 * xhat).sum(0).to(gamma.dtype), dy32.sum(0).to(gamma.dtype)
+    dx, dg, _ = torch.ops.aten.native_layer_norm_backward(dy32, x.float().reshape(-1, E), [E], mean.view(-1, 1),
+                                                          invvar.view(-1, 1), gamma.float(), None,
+                                                          [True, True, False])
+    return dx.view(x.shape), dg.to(gamma.dtype), dy32.sum(0).to(gamma.dtype)
 
 
 def _dropout_add(y: Tensor, residual: Tensor, is_training: bool, p: float) -> tuple[Tensor, Tensor]:
