@@ -148,6 +148,7 @@ def _worker_main(rank, world, tmp):
     for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True), dict(bucket_cap_mb=1.0)):
         _sometimes_unused(rank, world, cfg)
     _deferred_grad_copy(rank, world)
+    _deferred_grad_copy(rank, world, copy_now=16)  # some gradients copied at once, some queued
     _state_bytes(rank, world)
     _last_bucket_fits(rank, world)
     _master_in_gather_buffer(rank, world)
@@ -250,13 +251,18 @@ def _last_bucket_fits(rank, world):
         assert sent == bucket.bucket_size * 4, (cfg, sent)
 
 
-def _deferred_grad_copy(rank, world):
+def _deferred_grad_copy(rank, world, copy_now=None):
     """Once the buckets have their final size, a parameter that is one whole fragment takes the hook's fast
     path: only the first gradient of each bucket goes through _grad_copy, the others are queued and copied
-    together when the bucket's reduction starts or backward ends, so after backward no parameter holds a
-    gradient, also when a layer got none and its bucket never filled. A backward that fails leaves nothing
-    behind."""
+    together when the bucket's reduction starts or backward ends (gradients of ``_COPY_NOW`` elements or
+    more are copied at once instead), so after backward no parameter holds a gradient, also when a layer got
+    none and its bucket never filled. A backward that fails leaves nothing behind."""
+    from apex.contrib.optimizers import _zero_deferred
     from apex.optimizers import FusedAdam
+
+    saved = _zero_deferred._COPY_NOW
+    if copy_now is not None:
+        _zero_deferred._COPY_NOW = copy_now
 
     def build():
         torch.manual_seed(2)
@@ -270,9 +276,15 @@ def _deferred_grad_copy(rank, world):
     model, ref = build(), build()
     opt = _dfa(model, bucket_cap_mb=1.0)
     ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    general = []
+    general, queued = [], []
     copy = opt._grad_copy
     opt._grad_copy = lambda p: (general.append(p), copy(p))
+    flush = opt._flush_deferred_grads
+
+    def spy(buckets=None):
+        queued.extend(p for gb in opt._grads_buckets.values() for p, _ in gb.deferred)
+        return flush(buckets)
+    opt._flush_deferred_grads = spy
     for step in range(5):
         opt.zero_grad()
         general.clear()
@@ -280,6 +292,12 @@ def _deferred_grad_copy(rank, world):
         assert all(p.grad is None for p in model.parameters()), f"gradients left after backward {step}"
         if step >= 3:  # the first step cuts the last bucket to size: its buffer and views change once
             assert len(general) == len(opt.state["buckets"]), (step, len(general))
+            limit = _zero_deferred._COPY_NOW
+            assert queued and all(p.numel() < limit for p in queued), [p.numel() for p in queued]
+            if copy_now is not None:  # the large ones were neither queued nor sent the general way
+                large = [p for p in model.parameters() if p.numel() >= limit and all(p is not q for q in general)]
+                assert large and all(p is not q for p in large for q in queued)
+        queued.clear()
         opt.step()
         _ref_step_of(ref, ref_opt, world, lambda m, r, step=step: loss(m, step, r))
     assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
@@ -303,6 +321,7 @@ def _deferred_grad_copy(rank, world):
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert not any(gb.deferred for gb in opt._grads_buckets.values())
+    _zero_deferred._COPY_NOW = saved
 
 
 def _master_in_gather_buffer(rank, world):
@@ -427,8 +446,9 @@ def _bad_input(rank, world):
 
 def _accumulate_across_reductions(rank, world):
     """Two backwards per step, the first one's buckets reduced before the second (its hooks find them full):
-    the second adds to the reduced shard. On one rank that shard is the bucket buffer itself, so the second
-    backward must not write into it again."""
+    the second adds to the reduced shard. That shard lives in the first backward's bucket buffer (on one
+    rank the whole buffer, on several this rank's chunk of it), so the second backward must not write into
+    it again."""
     from apex.optimizers import FusedAdam
 
     for cfg in (dict(), dict(contiguous_grad_buffer=True)):

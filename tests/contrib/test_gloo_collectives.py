@@ -47,6 +47,15 @@ def _collectives(rank: int, world: int) -> None:
             exact = sum(_inputs(r, n * world, torch.float64).view(world, n)[rank] for r in range(world)) / world
             assert_rel_close(avg, exact, tol=1e-7, name="average")
             assert (avg - ours / world).abs().max() <= 1e-6 * ours.abs().max()
+            y = x.clone()
+            pc.reduce_scatter_tensor(y.view(world, n)[rank], y, op=dist.ReduceOp.AVG)
+            assert torch.equal(y.view(world, n)[rank], avg)
+
+        # In place: the output is this rank's own chunk of the input (a rank past the first two adds its own
+        # chunk after the others have been summed into it).
+        y = _inputs(rank, n * world, dtype).clone()
+        pc.reduce_scatter_tensor(y.view(world, n)[rank], y)
+        assert torch.equal(y.view(world, n)[rank], _expected_reduce_scatter(world, rank, n, dtype))
 
         shard = _inputs(rank, n, dtype, salt=7)
         gathered = torch.full((n * world,), float("nan"), dtype=dtype)

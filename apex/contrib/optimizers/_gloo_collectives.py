@@ -78,7 +78,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, ave
     by the world size when ``average``.
 
     The sum runs in rank order (the same order whichever rank owns the chunk), in ``input``'s dtype.
-    ``input`` must stay unchanged until ``wait()`` returns; ``scratch`` (``input``'s size and dtype) receives
+    ``input`` must stay unchanged until ``wait()`` returns, except that ``output`` may be this rank's own chunk
+    of it (in place); ``scratch`` (``input``'s size and dtype) receives
     the peers' chunks (a fresh buffer when not given).
     """
     world, rank, ranks = _peers(group)
@@ -108,6 +109,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, ave
         for r in range(world):  # the contributions in rank order, the same order on every rank
             parts.append(chunks[r] if r == rank else received[offset:offset + n])
             offset += splits[r]
+        if rank >= 2 and output.data_ptr() == chunks[rank].data_ptr():
+            # In place on a rank whose own chunk is added after the first two: keep it from being overwritten.
+            parts[rank] = parts[rank].clone()
         if average and world == 2 and output.dtype == torch.float32:
             # (a + b) / 2 in one pass instead of two; within an ulp of it, and no overflow in fp32's range
             torch.lerp(parts[0], parts[1], 0.5, out=output)

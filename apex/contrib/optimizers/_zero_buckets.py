@@ -116,6 +116,7 @@ class ParameterBucket:
     params_updated: set = field(default_factory=set)
     work: object = None
     params_needed: int | None = None  # parameters with a fragment in the bucket (counted at first use)
+    own_written: bool = False  # this rank's shard of params_bucket is already in the parameters
 
 
 def _round_to_multiple(number: int, multiple: int, round_up: bool = True) -> int:

@@ -19,6 +19,8 @@ import torch
 
 from apex.contrib.optimizers import _zero_buckets as zb
 
+_COPY_NOW = 1 << 16
+
 
 class ZeroDeferredGradMixin:
     def _defer_grad_copy(self, param: torch.nn.Parameter) -> bool:
@@ -35,6 +37,16 @@ class ZeroDeferredGradMixin:
                 or gb.written is None or key in gb.written or param.grad is None
                 or self.state["buckets"][bucket_id] is not sb):
             return False
+        grad = param.grad
+        if grad.numel() >= _COPY_NOW and grad.is_contiguous() and grad.shape == dst.shape and grad.dtype == dst.dtype:
+            # A large gradient is copied while the backward that wrote it still has it in cache.
+            gb.written.add(key)
+            dst.copy_(grad)
+            param.grad = None
+            gb.note_generated(key, len(sb.fragments))
+            if gb.status is zb.GradientStatus.FULLY_FILLED:
+                self._try_start_bucket_grad_sync()
+            return True
         if not self._deferred_flush_queued:
             try:  # copy whatever is still queued when this backward ends
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush_deferred_grads)
