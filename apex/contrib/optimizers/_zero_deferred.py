@@ -10,7 +10,9 @@ queued on the bucket (after the same bookkeeping: written, generated), and the q
 ``torch._foreach_copy_`` when the bucket's reduction starts, when backward ends (an autograd final
 callback), or before anything else reads or writes the bucket (``_grad_copy``, ``grad_sync``). The
 gradients stay on the parameters until then and are dropped after the copy, so after backward every
-``param.grad`` is None, as with the general path.
+``param.grad`` is None, as with the general path. A gradient of ``_COPY_NOW`` elements or more is copied
+at once instead of queued: its per-parameter Python is small next to its copy, and the backward that wrote it
+still has it in cache (measured on 2 CPU ranks, MLP 4x512: backward 4.1 -> 3.8-3.95 ms of CPU per step).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from apex.contrib.optimizers import _zero_buckets as zb
 
-_COPY_NOW = 1 << 16
+_COPY_NOW = 1 << 16  # elements: from here on a whole gradient is copied in the hook rather than queued
 
 
 class ZeroDeferredGradMixin:
