@@ -147,6 +147,7 @@ def _worker_main(rank, world, tmp):
         _run_config(rank, world, dict(cfg))
     for cfg in (dict(), dict(overlap_grad_sync=False), dict(contiguous_grad_buffer=True), dict(bucket_cap_mb=1.0)):
         _sometimes_unused(rank, world, cfg)
+    _tail_bucket(rank, world)
     _deferred_grad_copy(rank, world)
     _deferred_grad_copy(rank, world, copy_now=16)  # some gradients copied at once, some queued
     _state_bytes(rank, world)
@@ -205,6 +206,43 @@ def _ref_step_of(ref, ref_opt, world, loss):
     for t, p in zip(total, ref.parameters()):
         p.grad = t
     ref_opt.step()
+
+
+def _tail_bucket(rank, world):
+    """A bucket that would leave less than 1/16 of a bucket to spill into one more is made large enough for
+    all of it (a last bucket of a few elements would cost a collective per direction every step); a larger
+    overflow starts a bucket, and a model smaller than a bucket keeps the default size. Training equals
+    FusedAdam either way."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+    from apex.optimizers import FusedAdam
+
+    mb = 1024 * 4 / 2**20  # 1024 fp32 elements: buckets of 1024 on 2 ranks (shards of 512), 960 on 3 (320)
+
+    def build(sizes):
+        torch.manual_seed(3)
+        return nn.ParameterList([nn.Parameter(torch.randn(n)) for n in sizes])
+
+    def loss(m, step, r):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return sum(((p - torch.randn(p.shape, generator=g)) ** 2).sum() for p in m)
+
+    # fragments start at multiples of 32 elements: (1000, 40) needs 1024 + 64 = 1088 = 17/16 of 1024
+    # (the last bucket is then cut to its contents rounded to 32 * world, see _shrink_last_buckets)
+    for sizes, buckets in (((1000, 40), [1088] if world == 2 else [960, 192]),
+                           ((1000, 200), [1024, 256] if world == 2 else [960, 288]),
+                           ((1000,), [1024] if world == 2 else [960, 96])):
+        model, ref = build(sizes), build(sizes)
+        opt = DistributedFusedAdam(model.parameters(), lr=0.02, bucket_cap_mb=mb)
+        ref_opt = FusedAdam(ref.parameters(), lr=0.02)
+        for step in range(3):
+            opt.zero_grad()
+            loss(model, step, rank).backward()
+            opt.step()
+            _ref_step_of(ref, ref_opt, world, lambda m, r, step=step: loss(m, step, r))
+        got = [b.bucket_size for b in opt.state["buckets"]]
+        assert got == buckets, (sizes, world, got)
+        assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                         tol=1e-6, name=f"buckets for {sizes}")
 
 
 def _sometimes_unused(rank, world, cfg):

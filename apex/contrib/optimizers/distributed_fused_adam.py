@@ -313,15 +313,23 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
             ids = [i for i, b in enumerate(buckets) if b.dtypes() == dtypes]
             return ids[-1] if ids else -1
 
-        def make_bucket(offset: int) -> None:
+        def make_bucket(offset: int, rest: int) -> None:
+            # A bucket that would leave less than 1/16 of a bucket to spill into one more takes it all: a
+            # last bucket of a few elements costs a whole collective per direction every step (2 Gloo ranks,
+            # MLP 4x512, 0.7 % of the parameters past the first bucket: steps 8-14 % longer).
             shard = self.default_shard_size
+            world, align = self.distributed_size, self.alignment
+            need = rest + sum(_round_to_multiple(p.numel(), align) for p in self.parameters()
+                              if "fragments" not in self.state.get(p, ()))
+            if shard * world < need <= shard * world * 17 // 16:
+                shard = _round_to_multiple(-(-need // world), align)
             buckets.append(self.StateBucket(shard * self.distributed_size, shard, dtype, self.device,
                                             grad_sync_dtype, param_sync_dtype, offset, store_params, store_rem))
 
+        start, size = 0, param.numel()
         if last_bucket_id() < 0:
             make_bucket(max((b.contiguous_buffer_offset + b.bucket_size for b in buckets
-                             if b.dtypes() == dtypes), default=0))
-        start, size = 0, param.numel()
+                             if b.dtypes() == dtypes), default=0), _round_to_multiple(size, self.alignment))
         rank = self.distributed_rank
         while start < size:
             bucket_id = last_bucket_id()
@@ -329,7 +337,8 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
             b_start = _round_to_multiple(bucket.filled_size, self.alignment)
             n = min(size - start, bucket.bucket_size - b_start)
             if n <= 0 or not bucket.able_to_fill:
-                make_bucket(bucket.contiguous_buffer_offset + bucket.bucket_size)
+                make_bucket(bucket.contiguous_buffer_offset + bucket.bucket_size,
+                            _round_to_multiple(size - start, self.alignment))
                 continue
             shard = bucket.shard_size
             s0 = min(max(b_start - shard * rank, 0), shard)
