@@ -320,7 +320,7 @@ class ZeroCommMixin:
             self._shrink_last_buckets()
             for sb in self.state["buckets"]:
                 for frag in sb.fragments:
-                    p = self.parameter(frag)
+                    p = self.param_groups[frag.param_group_id]["params"][frag.param_id]
                     if p.grad is not None:
                         self._grad_copy(p)
                         if not self.contiguous_grad_buffer:
@@ -360,7 +360,8 @@ class ZeroCommMixin:
     def _param_copy_part(self, frags, parts: tuple) -> None:
         """Copy ``frags`` from their gathered buckets into the parameters: per fragment, the whole of it
         (part False), only this rank's own shard of it ("own") or all but that (True)."""
-        params = [self.parameter(f) for f in frags]
+        groups = self.param_groups
+        params = [groups[f.param_group_id]["params"][f.param_id] for f in frags]
         buffers = [self._params_buckets[f.bucket_id].params_bucket for f in frags]
         # The views are rebuilt only when a fragment, a parameter's storage or a bucket buffer changed: the
         # buffers are reused every step (_comm_buffer), so a model of many small parameters saves the per-view
@@ -444,21 +445,26 @@ class ZeroCommMixin:
         frags = self.state[param].get("fragments", ())
         buckets = {f.bucket_id for f in frags if f.bucket_id in self._params_buckets}
         mates = {id(param): param}
+        groups = self.param_groups
         for bucket_id in sorted(buckets):
             for f in self.state["buckets"][bucket_id].fragments:
-                p = self.parameter(f)
+                p = groups[f.param_group_id]["params"][f.param_id]
                 mates.setdefault(id(p), p)
         return list(mates.values())
 
     def _arm_pre_forward_hooks(self) -> None:
         """Defer each parameter's write until a torch operation first uses it (``overlap_param_sync``)."""
-        ids = self._id_map()
         self._pre_forward_armed = True
-        for p in self.parameters():
-            if type(p) not in _PENDING_CLASSES.values():
-                p.__class__ = _pending_class(type(p))
-            p._pre_forward_hook = self._make_pre_forward_hook(p, *ids[p])
-            p._pre_forward_hook_is_enabled = True
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if type(p) not in _PENDING_CLASSES.values():
+                    p.__class__ = _pending_class(type(p))
+                # The hook is made once per parameter and place (every step re-arms the same one).
+                owner = getattr(getattr(p, "_pre_forward_hook", None), "_owner", None)
+                if owner is None or owner[0] is not self or owner[1] != (gi, pi):
+                    p._pre_forward_hook = self._make_pre_forward_hook(p, gi, pi)
+                    p._pre_forward_hook._owner = (self, (gi, pi))
+                p._pre_forward_hook_is_enabled = True
 
     @staticmethod
     def _restore_param_class(p) -> None:
