@@ -11,6 +11,7 @@ set up. The ranks stop when the harness drops the callables ``Ranks.timed`` retu
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import weakref
@@ -34,13 +35,17 @@ def _close(steps) -> None:
     close = getattr(steps, "close", None)
     if close is not None:
         close()
+
+
+def _finish() -> None:
+    """End the process group once the steps object is dropped. Its models, optimizers and DDP hold the group
+    and finished works; left to interpreter exit, Gloo's threads can be torn down after the C++ runtime (an
+    intermittent SIGABRT in the spawned rank)."""
+    gc.collect()
     dist.destroy_process_group()
 
 
-def _follower(index: int, world: int, port: int, threads: int, make: Callable, cfg) -> None:
-    rank = index + 1  # mp.start_processes numbers the followers from 0
-    _init(rank, world, port, threads)
-    steps = make(rank, cfg)
+def _serve(steps) -> None:
     cmd = torch.zeros(1, dtype=torch.int64)
     while True:
         dist.broadcast(cmd, 0)
@@ -49,6 +54,13 @@ def _follower(index: int, world: int, port: int, threads: int, make: Callable, c
             break
         steps.run(which)
     _close(steps)
+
+
+def _follower(index: int, world: int, port: int, threads: int, make: Callable, cfg) -> None:
+    rank = index + 1  # mp.start_processes numbers the followers from 0
+    _init(rank, world, port, threads)
+    _serve(make(rank, cfg))  # the steps object lives only in _serve's frame
+    _finish()
 
 
 class Ranks:
@@ -84,6 +96,8 @@ class Ranks:
         self.closed = True
         self.announce(STOP)
         _close(self.steps)
+        self.steps = None
+        _finish()
         self.ctx.join()
         torch.set_num_threads(self.threads)
 
