@@ -480,6 +480,19 @@ def _bad_input(rank, world):
     assert all(torch.equal(after["state"][i][k], sd["state"][i][k]) for i in range(4)
                for k in ("param", "exp_avg", "exp_avg_sq"))
     assert after["param_groups"][0]["lr"] == sd["param_groups"][0]["lr"]
+    # A parameter the optimizer does not hold, after one it does: nothing placed, no state entry, the open
+    # buckets still open.
+    model = _model()
+    opt = _dfa(model)
+    held = list(model.parameters())
+    opt.init_params(held[:1])
+    before = (len(opt.state), len(opt.state["buckets"]), [b.able_to_fill for b in opt.state["buckets"]])
+    foreign = nn.Parameter(torch.ones(3))
+    for init in (opt.init_params, opt.init_params_bucket):
+        with pytest.raises(ValueError, match="does not hold"):
+            init([held[1], foreign])
+        assert (len(opt.state), len(opt.state["buckets"]), [b.able_to_fill for b in opt.state["buckets"]]) == before
+        assert foreign not in opt.state and held[1] not in opt.state
 
 
 def _accumulate_across_reductions(rank, world):

@@ -257,24 +257,30 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
         """Place parameters (default: all) in buckets now instead of at their first gradient."""
         params = self.parameters() if params is None else [params] if isinstance(params, torch.Tensor) else params
-        pending = [p for p in params if "fragments" not in self.state[p]]
+        # .get: indexing the state (a defaultdict) would add an entry for a parameter it does not hold
+        pending = [p for p in params if "fragments" not in self.state.get(p, ())]
         if not pending:  # every step calls this: no map of all parameters once they are placed
             return
-        ids = self._id_map()
+        ids = self._held_ids(pending, "init_params")
         for p in pending:
-            if p not in ids:
-                raise ValueError("init_params got a parameter this optimizer does not hold")
             self._init_param_state(p, *ids[p], dtype=dtype, grad_sync_dtype=grad_sync_dtype,
                                    param_sync_dtype=param_sync_dtype)
+
+    def _held_ids(self, params, caller: str) -> dict:
+        """The (group, index) map of every parameter, once each of ``params`` is checked to be held."""
+        ids = self._id_map()
+        if any(p not in ids for p in params):
+            raise ValueError(f"{caller} got a parameter this optimizer does not hold")
+        return ids
 
     def init_params_bucket(self, params, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
         """Place ``params`` together in new buckets that communicate together (an empty fragment of every
         parameter in each of them)."""
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        params = [p for p in params if "fragments" not in self.state[p]]
+        params = [p for p in params if "fragments" not in self.state.get(p, ())]
         if not params:
             return
-        ids = self._id_map()
+        ids = self._held_ids(params, "init_params_bucket")
         for bucket in self.state["buckets"]:
             bucket.able_to_fill = False
         start = len(self.state["buckets"])
