@@ -228,8 +228,12 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._reduced = False
 
     # -- gradient reduction ----------------------------------------------------------------------------------
-    @torch.no_grad()
     def _take_grad(self, i: int, scale: float) -> None:
+        # Hooks run once per parameter inside backward, where grad mode is already off (unless create_graph):
+        # a no_grad decorator here cost more than the copy for small parameters.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._take_grad(i, scale)
         g = self._model_params[i].grad
         if g is None:
             self._grad_views[i].zero_()
