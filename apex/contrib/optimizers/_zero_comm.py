@@ -320,7 +320,7 @@ class ZeroCommMixin:
             self._shrink_last_buckets()
             for sb in self.state["buckets"]:
                 for frag in sb.fragments:
-                    p = self.param_groups[frag.param_group_id]["params"][frag.param_id]
+                    p = self.parameter(frag)
                     if p.grad is not None:
                         self._grad_copy(p)
                         if not self.contiguous_grad_buffer:
@@ -360,8 +360,7 @@ class ZeroCommMixin:
     def _param_copy_part(self, frags, parts: tuple) -> None:
         """Copy ``frags`` from their gathered buckets into the parameters: per fragment, the whole of it
         (part False), only this rank's own shard of it ("own") or all but that (True)."""
-        groups = self.param_groups
-        params = [groups[f.param_group_id]["params"][f.param_id] for f in frags]
+        params = [self.parameter(f) for f in frags]
         buffers = [self._params_buckets[f.bucket_id].params_bucket for f in frags]
         # The views are rebuilt only when a fragment, a parameter's storage or a bucket buffer changed: the
         # buffers are reused every step (_comm_buffer), so a model of many small parameters saves the per-view
@@ -377,12 +376,9 @@ class ZeroCommMixin:
             ins, outs = [], []
             for f, p, b, part in zip(frags, params, buffers, parts):
                 (b0, b1), p0, flat = f.bucket_range, f.param_range[0], zb._flat(p)
-                pieces = [(b0, b1)]
-                if part:
-                    o0 = self.distributed_rank * self.state["buckets"][f.bucket_id].shard_size
-                    o1 = o0 + self.state["buckets"][f.bucket_id].shard_size
-                    pieces = [(max(b0, o0), min(b1, o1))] if part == "own" else [(b0, min(b1, o0)),
-                                                                                 (max(b0, o1), b1)]
+                # this rank's part of the fragment, in bucket coordinates (empty when it owns none of it)
+                o0, o1 = f.shard_bucket_range if f.in_local_shard else (b1, b1)
+                pieces = [(b0, b1)] if not part else [(o0, o1)] if part == "own" else [(b0, o0), (o1, b1)]
                 for c0, c1 in pieces:
                     if c0 < c1:
                         ins.append(b[c0:c1])
@@ -445,10 +441,9 @@ class ZeroCommMixin:
         frags = self.state[param].get("fragments", ())
         buckets = {f.bucket_id for f in frags if f.bucket_id in self._params_buckets}
         mates = {id(param): param}
-        groups = self.param_groups
         for bucket_id in sorted(buckets):
             for f in self.state["buckets"][bucket_id].fragments:
-                p = groups[f.param_group_id]["params"][f.param_id]
+                p = self.parameter(f)
                 mates.setdefault(id(p), p)
         return list(mates.values())
 
