@@ -41,6 +41,40 @@ elif HAS_TRITON:
 BACKENDS = ["torch", "triton"] if HAS_TRITON else ["torch"]
 
 
+def _untracked_files() -> set[str] | None:
+    """Untracked, not ignored files under the repository root, or None outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line[3:] for line in out.splitlines() if line.startswith("?? ")}
+
+
+def pytest_sessionstart(session):
+    # Only the controlling process (not an xdist worker) watches the tree.
+    if not hasattr(session.config, "workerinput"):
+        session.config._apex_untracked = _untracked_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test run must not leave files in the repository: tests write under ``tmp_path``, and the library
+    writes only where its caller says."""
+    before = getattr(session.config, "_apex_untracked", None)
+    if before is None:
+        return
+    new = sorted((_untracked_files() or set()) - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_line(f"FAILED: the test run left new files in the repository: {new}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_report_header(config):
     where, why = _device.triton_device()
     if DEVICE == "cpu":

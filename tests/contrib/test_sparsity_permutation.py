@@ -328,6 +328,18 @@ def test_set_permutation_saving_params_dumps_the_graph(tmp_path):
     assert "head.weight" in Permutation.get_permutation_stats()[0]
 
 
+def test_reset_forgets_the_graph_dump(tmp_path, monkeypatch):
+    """After ``ASP.reset()`` a search on another model writes nothing, wherever the working directory is."""
+    ASP.init_model_for_pruning(MLP(), verbosity=0, allow_permutation=False)
+    ASP.set_permutation_saving_params(True, True, str(tmp_path / "asked"))
+    ASP.reset()
+    monkeypatch.chdir(tmp_path)
+    ASP.init_model_for_pruning(MLP(), verbosity=0, allow_permutation=False)
+    Permutation.set_permutation_params_from_asp(ASP._model, ASP._sparse_parameters, [], 0)
+    assert Permutation.permute_model(ASP._model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------- search kernels
 
 

@@ -150,10 +150,17 @@ def test_tf32_follows_pytorch_flag(monkeypatch):
     real = K.gemm
     monkeypatch.setattr(K, "gemm", lambda *a, **k: seen.append(k["allow_tf32"]) or real(*a, **k))
     x, ws, bs = _make(4, [7, 5], torch.float32)
-    with apex.backend("triton"):
-        FD.dense_chain(x, ws, bs, ("none",))
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-        FD.dense_chain(x, ws, bs, ("none",))
+    # torch's cuBLAS flag object refuses ``delattr``, which is how pytest >= 9.2's monkeypatch undoes an
+    # attribute it did not find in the instance's ``__dict__``; set and restore it by hand.
+    flag = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with apex.backend("triton"):
+            FD.dense_chain(x, ws, bs, ("none",))
+            torch.backends.cuda.matmul.allow_tf32 = True
+            FD.dense_chain(x, ws, bs, ("none",))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
     assert seen == [False, True]
 
 

@@ -105,6 +105,9 @@ class ASP:
         cls._save_permutation_graph = False
         cls._permutation_output_dir = "."
         Permutation.set_permutation_params_from_asp(None, [], [], 0)
+        # Permutation keeps its own copy of the saving switches: a later search must not dump its graph
+        # into the working directory because an earlier model asked for a dump elsewhere.
+        Permutation.set_permutation_saving_params(False, False, ".")
 
     @classmethod
     def init_model_for_pruning(
