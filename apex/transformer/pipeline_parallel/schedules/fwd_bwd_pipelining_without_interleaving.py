@@ -116,9 +116,11 @@ def forward_backward_pipelining_without_interleaving(
     """Run the 1F1B schedule over ``get_num_microbatches()`` microbatches of ``batch``.
 
     ``tensor_shape`` is ``(sequence, micro_batch, hidden)`` of the activations exchanged between stages; they
-    travel in ``dtype`` (float32 when None). Gradient sync (``custom_sync_context_handler``) is disabled until
-    the last backward; ``custom_grad_sync_func`` runs at the end. Returns the last stage's ``loss_reduced``
-    values (an empty list on other stages).
+    travel in ``dtype`` (float32 when None). ``custom_sync_context_handler`` (a null context when None) is
+    entered once at the start and left once: on the first pipeline stage just before its last backward, so
+    that backward runs with gradient sync on; on every other stage after all backwards, where
+    ``custom_grad_sync_func`` (if given, and not ``forward_only``) then runs. Returns the last stage's
+    ``loss_reduced`` values (an empty list on other stages).
     """
     if deallocate_pipeline_outputs:
         warnings.warn("`deallocate_pipeline_outputs` is experimental and subject to change.", stacklevel=2)
@@ -188,8 +190,6 @@ def forward_backward_pipelining_without_interleaving(
         output_tensors.append(output_tensor)
         free_output_tensor(output_tensor, deallocate_pipeline_outputs)
         input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
-        if num_warmup == 0 and last:
-            grad_sync.enable()
         input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
         if last:
             input_tensor = None
@@ -197,16 +197,18 @@ def forward_backward_pipelining_without_interleaving(
         else:
             input_tensor = send_backward_recv_forward(input_tensor_grad, recv_shapes, **comm)
 
-    # Cool-down: the outstanding backwards.
+    # Cool-down: the outstanding backwards. As in Apex, only the first stage runs its last backward with
+    # gradient sync enabled (its reduction overlaps the cool-down); every other stage leaves the no-sync
+    # context after its last backward and reduces in the bubble (custom_grad_sync_func below).
     if not forward_only:
         for i in range(num_warmup):
-            if i == num_warmup - 1 and (custom_grad_sync_func is None or rank == 0):
+            if i == num_warmup - 1 and rank == 0:
                 grad_sync.enable()
             input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
             output_tensor_grad = recv_backward(send_shapes, **comm)
             input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
             send_backward(input_tensor_grad, recv_shapes, **comm)
     grad_sync.enable()
-    if custom_grad_sync_func is not None and not forward_only:
+    if rank != 0 and custom_grad_sync_func is not None and not forward_only:
         custom_grad_sync_func()
     return losses_reduced
