@@ -69,11 +69,12 @@ def test_leading_dims(backend_name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_autocast(backend_name, dtype):
+def test_autocast(backend_name, device, dtype):
     m = FusedDenseGeluDense(7, 33, 5)
     d = FusedDense(7, 4, bias=False)
     x = torch.randn(6, 7, requires_grad=True)
-    with torch.autocast("cpu", dtype=dtype):
+    # Autocast of the device the case runs on: the GPU's under APEX_TEST_DEVICE=cuda.
+    with torch.autocast(device.type, dtype=dtype):
         y, y2 = m(x), d(x)
         base = _gelu_dense(x, *m.parameters())
     assert y.dtype == dtype and y2.dtype == dtype

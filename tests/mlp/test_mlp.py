@@ -55,10 +55,11 @@ def test_matches_sequential(backend_name, sizes, activation, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_autocast(backend_name, dtype):
+def test_autocast(backend_name, device, dtype):
     mlp = MLP([7, 33, 5], activation="relu")
     x = torch.randn(6, 7, requires_grad=True)
-    with torch.autocast("cpu", dtype=dtype):
+    # Autocast of the device the case runs on: the GPU's under APEX_TEST_DEVICE=cuda.
+    with torch.autocast(device.type, dtype=dtype):
         y = mlp(x)
         base = _sequential(mlp, "relu", torch.float32)(x)
     assert y.dtype == dtype and base.dtype == dtype

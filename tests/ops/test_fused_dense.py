@@ -130,17 +130,68 @@ def test_only_weight_grads(backend_name):
     assert_rel_close(list(g), list(torch.autograd.grad(ref.sum(), w64)), tol=1e-5)
 
 
-def test_autocast_computes_in_autocast_dtype(backend_name):
+def test_autocast_computes_in_autocast_dtype(backend_name, device):
     x, ws, bs = _make(6, [7, 129, 3], torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # Autocast of the device the case runs on: the GPU's under APEX_TEST_DEVICE=cuda.
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         y = FD.dense_chain(x, ws, bs, ("relu", "none"))
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and ws[0].grad.dtype == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         base = _plain(x, ws, bs, ("relu", "none"))
     ref = _plain(x.double(), [w.double() for w in ws], [b.double() for b in bs], ("relu", "none"))
     assert_rel_close(y, ref, torch.bfloat16, baseline=base)
+
+
+class _ReportsCuda(torch.Tensor):
+    """A tensor whose ``device`` says CUDA, whatever memory holds it: on a CPU-only machine it tells an
+    autocast query made with the inputs' device type from one made with a fixed ``"cpu"``."""
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():  # every result is a plain tensor again
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def cuda_autocast_only():
+    """CUDA autocast on (bf16) and CPU autocast off, restored afterwards. Setting CUDA's autocast state
+    needs no GPU; it only changes what ``torch.is_autocast_enabled("cuda")`` answers."""
+    saved = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")}
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    torch.set_autocast_enabled("cpu", False)
+    try:
+        yield
+    finally:
+        for d, (on, dt) in saved.items():
+            torch.set_autocast_enabled(d, on)
+            torch.set_autocast_dtype(d, dt)
+
+
+@pytest.mark.parametrize("entry", ["dense_chain", "FusedDense", "FusedDenseGeluDense", "MLP"])
+def test_autocast_follows_the_inputs_device_type(backend_name, cuda_autocast_only, entry):
+    # The input reports device type "cuda" while autocast is on for CUDA only: the entry must cast to
+    # CUDA's autocast dtype. Code that asks about a fixed device type ("cpu") returns fp32 here, as the
+    # Triton path did on a GPU before it asked with the tensors' device type.
+    from apex.fused_dense import FusedDense, FusedDenseGeluDense
+    from apex.mlp import MLP
+
+    x = torch.randn(6, 7).as_subclass(_ReportsCuda)
+    assert x.device.type == "cuda"
+    if entry == "dense_chain":
+        _, ws, bs = _make(6, [7, 9, 3], torch.float32)
+        y = FD.dense_chain(x, ws, bs, ("relu", "none"))
+    else:
+        module = {"FusedDense": lambda: FusedDense(7, 3), "FusedDenseGeluDense": lambda: FusedDenseGeluDense(7, 9, 3),
+                  "MLP": lambda: MLP([7, 9, 3])}[entry]()
+        y = module(x)
+    assert y.dtype == torch.bfloat16, f"{entry} ignored autocast of its input's device type: {y.dtype}"
 
 
 def test_tf32_follows_pytorch_flag(monkeypatch):
