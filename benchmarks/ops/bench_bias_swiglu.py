@@ -70,3 +70,39 @@ def cases() -> list[Case]:
                  torch_label="Megatron bias_swiglu" + ("_back" if bwd else ""))
             for bwd in (False, True)] + [
         Case(f"bias_swiglu_bwd_dx_only_{'x'.join(map(str, COUNTED))}", counted=lambda: _counted(COUNTED, "dx"))]
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(16384, 16384)]  # input rows x 2·hidden
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    m, n2 = shape
+    g = generator(device)
+    return {"x": randn((m, n2), dtype, device, g), "b": randn((n2,), dtype, device, g, 0.1),
+            "dy": randn((m, n2 // 2), dtype, device, g)}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """fwd: read x and bias, write y (half x's width). bwd: read dy, x and bias, write dx and dbias."""
+    m, n2 = shape
+    s = dtype.itemsize
+    if mode == "fwd":
+        return m * n2 * s + n2 * s + m * (n2 // 2) * s
+    return m * (n2 // 2) * s + 2 * m * n2 * s + 2 * n2 * s
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, op_cases
+
+    def apex_swiglu(i):
+        from apex.ops.bias_swiglu import bias_swiglu
+
+        return bias_swiglu(i["x"], i["b"])
+
+    # Liger's SwiGLU (LigerSiLUMulFunction) takes no bias: not the same operation, so not compared.
+    return op_cases("bias_swiglu", shapes, dtypes or DTYPES, ("fwd", "bwd"), _gpu_inputs,
+                    {"apex": apex_swiglu, "torch": lambda i: _megatron_fwd(i["x"], i["b"])}, gpu_bytes, ("x", "b"),
+                    note="torch: Megatron's unfused bias_swiglu, differentiated by autograd")

@@ -112,3 +112,65 @@ def cases() -> list[Case]:
         Case(f"fused_rope_thd_fwd_{name}", timed=lambda: _thd_timed(TIMED), counted=lambda: _thd_counted(COUNTED),
              torch_label="per-sequence unfused rope"),
     ]
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(4096, 4, 32, 128)]  # sbhd, full rotary dim
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    s, b, h, d = shape
+    g = generator(device)
+    # Llama's angles: position x 10000^(-2i/d), the same for both halves (as cat(freqs, freqs) makes them).
+    inv = 10000.0 ** (-torch.arange(0, d // 2, device=device, dtype=torch.float32) * 2 / d)
+    half = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv
+    freqs = torch.cat((half, half), -1).reshape(s, 1, 1, d)
+    return {"t": randn(shape, dtype, device, g), "freqs": freqs, "dy": randn(shape, dtype, device, g)}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """fwd: read t and the fp32 angle table, write y. bwd: read dy and the table, write dx."""
+    s, b, h, d = shape
+    return 2 * s * b * h * d * dtype.itemsize + s * d * 4
+
+
+def _liger(inputs):
+    """Liger's RoPE rotates q and k of layout (b, h, s, d) over (b, s, h, d) memory with cos/sin (1, s, d) in
+    the model's dtype: t's heads are split into a q and a k half, laid out so (copies made once, untimed)."""
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    from benchmarks._gpu import Impl
+
+    t, freqs = inputs["t"], inputs["freqs"]
+    s, b, h, d = t.shape
+    bshd = t.detach().permute(1, 0, 2, 3)
+    q = bshd[:, :, : h // 2].contiguous().requires_grad_()
+    k = bshd[:, :, h // 2:].contiguous().requires_grad_()
+    cos = torch.cos(freqs).reshape(1, s, d).to(t.dtype)
+    sin = torch.sin(freqs).reshape(1, s, d).to(t.dtype)
+    dyb = inputs["dy"].permute(1, 0, 2, 3)
+    dq = dyb[:, :, : h // 2].contiguous().transpose(1, 2)
+    dk = dyb[:, :, h // 2:].contiguous().transpose(1, 2)
+
+    def grads_back(pair):  # (dq, dk), each (b, s, h/2, d) -> t's (s, b, h, d)
+        return torch.cat(pair, 2).permute(1, 0, 2, 3)
+
+    return Impl(forward=lambda: LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin),
+                leaves=(q, k), dy=(dq, dk), grads_to_ref=grads_back,
+                out_to_ref=lambda pair: grads_back([p.transpose(1, 2) for p in pair]))
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, liger_available, op_cases
+
+    def apex_rope(i):
+        from apex.ops.fused_rope import fused_rope
+
+        return fused_rope(i["t"], i["freqs"])
+
+    return op_cases("rope_sbhd", shapes, dtypes or DTYPES, ("fwd", "bwd"), _gpu_inputs,
+                    {"apex": apex_rope, "torch": lambda i: _unfused(i["t"], i["freqs"])}, gpu_bytes, ("t",),
+                    builders={"liger": _liger} if liger_available() else None,
+                    note="torch: Megatron's unfused formula; liger: q and k halves of the heads, bshd memory")

@@ -87,3 +87,52 @@ def cases() -> list[Case]:
                         counted=lambda cm=cm, cn=cn: _bwd_counted(cm, cn),
                         torch_label="F.layer_norm backward"))
     return out
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(16384, 4096), (65536, 1024), (32768, 2048), (8192, 8192), (4096, 16384)]
+EPS = 1e-5
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    m, n = shape
+    g = generator(device)
+    return {"x": randn((m, n), dtype, device, g), "w": randn((n,), dtype, device, g, 0.1, 1.0),
+            "b": randn((n,), dtype, device, g, 0.1), "dy": randn((m, n), dtype, device, g)}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """fwd: read x, w, b; write y and the fp32 mean and rstd the backward uses. bwd: read dy, x, w, mean,
+    rstd; write dx, dw, db."""
+    m, n = shape
+    s = dtype.itemsize
+    if mode == "fwd":
+        return 2 * m * n * s + 2 * n * s + 2 * 4 * m
+    return 3 * m * n * s + 3 * n * s + 2 * 4 * m
+
+
+def _liger(inputs):
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+    from benchmarks._gpu import Impl
+
+    x, w, b = inputs["x"], inputs["w"], inputs["b"]
+    return Impl(forward=lambda: LigerLayerNormFunction.apply(x, w, b, EPS), leaves=(x, w, b), dy=inputs["dy"])
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, liger_available, op_cases
+
+    def apex_ln(i):
+        from apex.ops.layer_norm import layer_norm
+
+        return layer_norm(i["x"], i["x"].shape[-1:], i["w"], i["b"], EPS)
+
+    def torch_ln(i):
+        return F.layer_norm(i["x"], i["x"].shape[-1:], i["w"], i["b"], EPS)
+
+    return op_cases("layer_norm", shapes, dtypes or DTYPES, ("fwd", "bwd"), _gpu_inputs,
+                    {"apex": apex_ln, "torch": torch_ln}, gpu_bytes, ("x", "w", "b"),
+                    builders={"liger": _liger} if liger_available() else None)

@@ -91,3 +91,52 @@ def cases() -> list[Case]:
         out.append(Case(f"rms_norm_bwd_{m}x{n}_vs_plain", timed=lambda m=m, n=n: _bwd_timed(m, n, True),
                         torch_label="plain RMSNorm backward"))
     return out
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(16384, 4096), (65536, 1024), (32768, 2048), (8192, 8192), (4096, 16384)]
+EPS = 1e-5
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    m, n = shape
+    g = generator(device)
+    return {"x": randn((m, n), dtype, device, g), "w": randn((n,), dtype, device, g, 0.1, 1.0),
+            "dy": randn((m, n), dtype, device, g)}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """fwd: read x, w; write y and the fp32 rstd the backward uses. bwd: read dy, x, w, rstd; write dx, dw."""
+    m, n = shape
+    s = dtype.itemsize
+    if mode == "fwd":
+        return 2 * m * n * s + n * s + 4 * m
+    return 3 * m * n * s + 2 * n * s + 4 * m
+
+
+def _liger(inputs):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    from benchmarks._gpu import Impl
+
+    # Liger's defaults (LigerRMSNorm): "llama" casting, dX written into dY (each implementation has its own dy).
+    x, w = inputs["x"], inputs["w"]
+    return Impl(forward=lambda: LigerRMSNormFunction.apply(x, w, EPS), leaves=(x, w), dy=inputs["dy"])
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, liger_available, op_cases
+
+    def apex_rms(i):
+        from apex.ops.rms_norm import rms_norm
+
+        return rms_norm(i["x"], i["x"].shape[-1:], i["w"], EPS)
+
+    def torch_rms(i):
+        return F.rms_norm(i["x"], i["x"].shape[-1:], i["w"], EPS)
+
+    return op_cases("rms_norm", shapes, dtypes or DTYPES, ("fwd", "bwd"), _gpu_inputs,
+                    {"apex": apex_rms, "torch": torch_rms}, gpu_bytes, ("x", "w"),
+                    builders={"liger": _liger} if liger_available() else None)

@@ -94,3 +94,34 @@ def cases() -> list[Case]:
                         counted=lambda k=kind, s=counted: _bwd_counted(k, s),
                         torch_label="unfused backward (bf16)", **reps))
     return out
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(1, 128, 2048, 2048)]  # causal (upper-triangular) softmax of 128 heads' 2048 x 2048 scores
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    g = generator(device)
+    sq, sk = shape[-2:]
+    # The mask only feeds the eager composition (what Megatron's unfused path is given); apex's causal
+    # kernel needs none, and the minimum bytes count none.
+    mask = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=device).triu_(1)
+    return {"x": randn(shape, dtype, device, g, 4.0), "mask": mask, "dy": randn(shape, dtype, device, g)}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """fwd: read x, write y. bwd: read dy and y, write dx."""
+    n = 1
+    for d in shape:
+        n *= d
+    return (2 if mode == "fwd" else 3) * n * dtype.itemsize
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, op_cases
+
+    return op_cases("softmax_causal", shapes, dtypes or DTYPES, ("fwd", "bwd"), _gpu_inputs,
+                    {"apex": lambda i: _ours(i["x"], None, "causal"), "torch": lambda i: _unfused(i["x"], i["mask"])},
+                    gpu_bytes, ("x",), note="torch: Megatron's unfused scale/mask/softmax in fp32")

@@ -109,3 +109,53 @@ def cases() -> list[Case]:
                         counted=lambda cm=cm, v=v: _bwd_counted(cm, v), torch_label="F.cross_entropy backward",
                         repeats=5))
     return out
+
+
+# ----------------------------------------------------------------------------- GPU-sized cases (--device cuda)
+GPU_SHAPES = [(8192, 128256)]  # tokens x Llama-3 vocabulary
+
+
+def _gpu_inputs(shape, dtype, device):
+    from benchmarks._gpu import generator, randn
+
+    m, v = shape
+    g = generator(device)
+    labels = torch.randint(0, v, (m,), generator=g, device=device)
+    return {"x": randn((m, v), dtype, device, g, 2.0), "labels": labels}
+
+
+def gpu_bytes(shape, dtype, mode) -> int:
+    """Forward and backward of the mean loss: read the logits and labels once, write the gradient once (a
+    one-pass kernel that writes the gradient while it computes the loss, as Liger's, can reach this)."""
+    m, v = shape
+    return 2 * m * v * dtype.itemsize + 8 * m
+
+
+def _liger(inputs):
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+    from benchmarks._gpu import Impl
+
+    # Liger writes the gradient into the logits during the forward: these inputs are its own.
+    x, lab = inputs["x"], inputs["labels"]
+    return Impl(forward=lambda: LigerCrossEntropyFunction.apply(x, lab, None, -100, 0.0, 0.0, "mean")[0],
+                leaves=(x,))
+
+
+def gpu_cases(shapes=GPU_SHAPES, dtypes=None) -> list:
+    from benchmarks._gpu import DTYPES, liger_available, op_cases
+
+    def apex_ce(i):
+        # Per-row losses in fp32 (half_to_float), averaged: the mean loss, as F.cross_entropy's default.
+        return _ours_mean(i["x"], i["labels"])
+
+    return op_cases("cross_entropy", shapes, dtypes or DTYPES, ("fwdbwd",), _gpu_inputs,
+                    {"apex": apex_ce, "torch": lambda i: F.cross_entropy(i["x"], i["labels"])}, gpu_bytes, ("x",),
+                    builders={"liger": _liger} if liger_available() else None,
+                    note="mean loss, no label smoothing; forward and backward timed together")
+
+
+def _ours_mean(x, lab):
+    from apex.ops.xentropy import softmax_cross_entropy
+
+    return softmax_cross_entropy(x, lab, 0.0, None, True).mean()

@@ -13,3 +13,9 @@ def cases():
          "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
          "AdamW for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=False)},
         per_param_rw=28)
+
+
+def gpu_cases():
+    from benchmarks.optimizers._gpu_adam import gpu_cases
+
+    return gpu_cases()
