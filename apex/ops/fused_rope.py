@@ -4,16 +4,24 @@ For angles ``f`` (``freqs``) or cached ``cos``/``sin`` of ``R`` columns and ``ro
 ``y[..., :R] = x[..., :R]·cos + rotate_half(x[..., :R])·sin`` and ``y[..., R:] = x[..., R:]``. The backward
 is the transpose rotation (``dx = dy·cos − rotate_half(dy·sin)``); the tables get no gradient.
 
-Layouts: ``sbhd`` (``[s, b, h, d]`` with tables ``[≥s, 1, 1, R]``), ``thd`` (packed sequences ``[t, h, d]``
-with ``cu_seqlens``: token ``i`` of sequence ``k`` has position ``i − cu_seqlens[k]``), and the 2-D image
-variant (``[b, img_h·img_w, h, d]``; the first ``d/2`` columns rotated by the row's height index, the rest
-by its width index). Inputs may have any strides.
+Layouts: ``sbhd`` (``[s, b, h, d]`` with tables ``[s, 1, 1, R]``: as Apex, the same sequence length),
+``thd`` (packed sequences ``[t, h, d]`` with ``cu_seqlens``: token ``i`` of sequence ``k`` has position
+``i − cu_seqlens[k]``; ``freqs`` ``[max_s, 1, 1, R]``), and the 2-D image variant (``[b, img_h·img_w, h, d]``;
+the first ``d/2`` columns rotated by the row's height index, the rest by its width index; tables
+``[1, ≥img_h (≥img_w), 1, d/2]``). Inputs may have any strides. ``freqs`` is fp32 (fp64 for fp64 inputs);
+cached ``cos``/``sin`` tables are fp32 or the input's dtype.
 
 Dtype policy: fp32 inputs compute in fp32 (fp64 in fp64). fp16/bf16 inputs follow upstream's arithmetic
 exactly: the cos/sin values are rounded to the input dtype, and each product and the sum are rounded to it
 (what upstream's CUDA kernel and its unfused PyTorch formula both do), so results agree with upstream's
-bit for bit rather than being one rounding more accurate. Output layout: contiguous, or ``[b, s, h, d]``
+bit for bit rather than being one rounding more accurate (bf16: about 1.65x the relative error of the fp32
+formula rounded once, and Apex's own test, which compares with that unfused formula at the dtype's default
+tolerances, fails for a once-rounded result). Output layout: contiguous, or ``[b, s, h, d]``
 memory seen as ``[s, b, h, d]`` with ``transpose_output_memory=True`` (also for the gradient, as upstream).
+
+Errors name the argument: a wrong shape or value is a ``ValueError``, a wrong type or dtype a ``TypeError``,
+and each is also the ``RuntimeError`` Apex's ``TORCH_CHECK`` raised (the 2-D form's sequence length and
+table pairs: also the ``AssertionError`` of Apex's ``assert``).
 
 Paths, behind the ``apex::fused_rope`` custom op: CUDA/ROCm tensors run one Triton launch each way
 (``apex._kernels.fused_rope``); CPU tensors four fused multiply-adds on the two halves, written straight
@@ -25,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
+from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
 
 Tensor = torch.Tensor
 
@@ -33,90 +42,124 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------- checks
+# Apex checks these shapes and dtypes with TORCH_CHECK (RuntimeError) in its C++ entry points, and the 2-D
+# wrapper's sequence length and table pairs with ``assert``: each error here is also the type Apex raised.
 def _check_tensor(x: object, name: str, dim: int, floating: bool = True) -> Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-D tensor, got shape {list(x.shape)}")
+        raise RuntimeValueError(f"{name} must be a {dim}-D tensor, got shape {list(x.shape)}")
     if floating and x.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
+        raise RuntimeTypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
     return x
 
 
-def _check_table(tab: object, name: str, t: Tensor, rows: int, d: int, row_dim: int = 0) -> int:
-    """A ``[rows', 1, 1, R]`` (``row_dim=0``) or ``[1, rows', 1, R]`` (``row_dim=1``) table; returns R."""
+def _check_table(tab: object, name: str, t: Tensor, tname: str, rows: int, d: int, row_dim: int = 0,
+                 exact: bool = True) -> int:
+    """A ``[rows, 1, 1, R]`` (``row_dim=0``) or ``[1, ≥rows, 1, R]`` (``row_dim=1``) table; returns R.
+
+    ``exact``: the table has exactly ``rows`` positions (``t``'s sequence length), else at least ``rows``.
+    """
     _check_tensor(tab, name, 4)
     other = 1 - row_dim
     if tab.size(other) != 1 or tab.size(2) != 1:
         want = "[s, 1, 1, R]" if row_dim == 0 else "[1, H, 1, R]"
-        raise ValueError(f"{name} must have shape {want}, got {list(tab.shape)}")
-    if tab.size(row_dim) < rows:
-        raise ValueError(f"{name} has {tab.size(row_dim)} positions, fewer than the {rows} needed")
+        raise RuntimeValueError(f"{name} must have shape {want}, got {list(tab.shape)}")
+    n = tab.size(row_dim)
+    if exact and n != rows:
+        raise RuntimeValueError(f"{name} has {n} positions but {tname} has sequence length {rows}: "
+                                "they must be the same")
+    if n < rows:
+        raise RuntimeValueError(f"{name} has {n} positions, fewer than the {rows} needed")
     r = tab.size(3)
     if r > d or r % 2:
-        raise ValueError(f"{name}'s last dim ({r}) must be even and at most the head dim {d}")
+        raise RuntimeValueError(f"{name}'s last dim ({r}) must be even and at most {tname}'s head dim {d}")
     if tab.device != t.device:
-        raise ValueError(f"{name} is on {tab.device} but the input is on {t.device}")
+        raise RuntimeValueError(f"{name} is on {tab.device} but {tname} is on {t.device}")
     return r
 
 
-def _check_pair(cos: Tensor, sin: Tensor, names: str) -> None:
+def _check_freqs_dtype(freqs: Tensor, t: Tensor) -> None:
+    # Apex reads the angles as fp32 only; fp64 angles go with fp64 inputs, which compute in fp64 here.
+    allowed = (torch.float32, torch.float64) if t.dtype == torch.float64 else (torch.float32,)
+    if freqs.dtype not in allowed:
+        raise RuntimeTypeError(f"freqs must be float32{' or float64' if len(allowed) == 2 else ''}, "
+                               f"got {freqs.dtype}")
+
+
+def _check_table_dtype(tab: Tensor, name: str, t: Tensor, tname: str) -> None:
+    # Apex's kernels take cos/sin tables in fp32 or in the input's own dtype, nothing else.
+    if tab.dtype not in (torch.float32, t.dtype):
+        raise RuntimeTypeError(f"{name} must be float32 or {tname}'s dtype {t.dtype}, got {tab.dtype}")
+
+
+def _check_pair(cos: Tensor, sin: Tensor, names: str, error: type[Exception] | None = None) -> None:
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
-        raise ValueError(f"{names} must have the same shape and dtype, got {list(cos.shape)} {cos.dtype} "
-                         f"and {list(sin.shape)} {sin.dtype}")
+        raise (error or RuntimeValueError)(f"{names} must have the same shape and dtype, got "
+                                           f"{list(cos.shape)} {cos.dtype} and {list(sin.shape)} {sin.dtype}")
 
 
-def check_sbhd(t: Tensor, freqs: Tensor) -> None:
-    _check_tensor(t, "t", 4)
-    _check_table(freqs, "freqs", t, t.size(0), t.size(3))
+def check_sbhd(t: Tensor, freqs: Tensor, tname: str = "t") -> None:
+    _check_tensor(t, tname, 4)
+    _check_table(freqs, "freqs", t, tname, t.size(0), t.size(3))
+    _check_freqs_dtype(freqs, t)
 
 
-def check_cached(t: Tensor, cos_: Tensor, sin_: Tensor) -> None:
-    _check_tensor(t, "t", 4)
-    _check_table(cos_, "cos_", t, t.size(0), t.size(3))
-    _check_table(sin_, "sin_", t, t.size(0), t.size(3))
-    _check_pair(cos_, sin_, "cos_ and sin_")
+def check_cached(t: Tensor, cos_: Tensor, sin_: Tensor, tname: str = "t", names: tuple[str, str] = ("cos_", "sin_")
+                 ) -> None:
+    _check_tensor(t, tname, 4)
+    for name, tab in zip(names, (cos_, sin_)):
+        _check_table(tab, name, t, tname, t.size(0), t.size(3))
+        _check_table_dtype(tab, name, t, tname)
+    _check_pair(cos_, sin_, " and ".join(names))
 
 
-def check_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> None:
-    _check_tensor(t, "t", 3)
+def check_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, tname: str = "t") -> None:
+    _check_tensor(t, tname, 3)
     _check_tensor(cu_seqlens, "cu_seqlens", 1, floating=False)
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a non-empty int32/int64 tensor, got {cu_seqlens.dtype} with "
-                         f"{cu_seqlens.numel()} elements")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise RuntimeTypeError(f"cu_seqlens must be an int32/int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 1:
+        raise RuntimeValueError("cu_seqlens must have at least one element (the offset of the first sequence)")
     if cu_seqlens.device != t.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the input is on {t.device}")
-    _check_table(freqs, "freqs", t, 0, t.size(2))
+        raise RuntimeValueError(f"cu_seqlens is on {cu_seqlens.device} but {tname} is on {t.device}")
+    # freqs holds the positions of the longest sequence (checked against cu_seqlens' values at the launch).
+    _check_table(freqs, "freqs", t, tname, 0, t.size(2), exact=False)
+    _check_freqs_dtype(freqs, t)
 
 
 def _check_cu_values(cu: Tensor, tokens: int, max_s: int) -> None:
     """Data-dependent checks of ``cu_seqlens`` (one host sync)."""
     c = cu.detach().to("cpu", torch.int64)
     if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
+        raise RuntimeValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
     if int(c[0]) < 0 or int(c[-1]) > tokens:
-        raise ValueError(f"cu_seqlens must lie in [0, {tokens}] (the tokens of t), got {c.tolist()}")
+        raise RuntimeValueError(f"cu_seqlens must lie in [0, {tokens}] (the tokens of t), got {c.tolist()}")
     longest = int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0
     if longest > max_s:
-        raise ValueError(f"a sequence of cu_seqlens has {longest} tokens but freqs has only {max_s} positions")
+        raise RuntimeValueError(f"a sequence of cu_seqlens has {longest} tokens but freqs has only {max_s} "
+                                "positions")
 
 
 def check_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
-             sin_w: Tensor) -> None:
-    _check_tensor(t, "t", 4)
+             sin_w: Tensor, tname: str = "t") -> None:
+    _check_tensor(t, tname, 4)
     if not (isinstance(img_h, int) and isinstance(img_w, int) and img_h > 0 and img_w > 0):
-        raise ValueError(f"img_h and img_w must be positive ints, got {img_h!r} and {img_w!r}")
+        raise AssertValueError(f"img_h and img_w must be positive ints, got {img_h!r} and {img_w!r}")
     if t.size(1) != img_h * img_w:
-        raise ValueError(f"t's sequence length {t.size(1)} must equal img_h * img_w = {img_h * img_w}")
+        raise AssertValueError(f"{tname}'s sequence length {t.size(1)} must equal img_h * img_w = {img_h * img_w}")
+    for name, tab in (("cos_h", cos_h), ("sin_h", sin_h), ("cos_w", cos_w), ("sin_w", sin_w)):
+        _check_tensor(tab, name, 4)
+    _check_pair(cos_h, sin_h, "cos_h and sin_h", AssertValueError)
+    _check_pair(cos_w, sin_w, "cos_w and sin_w", AssertValueError)
     d = t.size(3)
     if d % 2:
-        raise ValueError(f"t's head dim must be even for 2-D RoPE, got {d}")
+        raise RuntimeValueError(f"{tname}'s head dim must be even for 2-D RoPE, got {d}")
     for name, tab, rows in (("cos_h", cos_h, img_h), ("sin_h", sin_h, img_h), ("cos_w", cos_w, img_w),
                             ("sin_w", sin_w, img_w)):
-        if _check_table(tab, name, t, rows, d, row_dim=1) != d // 2:
-            raise ValueError(f"{name}'s last dim must be head dim / 2 = {d // 2}, got {tab.size(3)}")
-    _check_pair(cos_h, sin_h, "cos_h and sin_h")
-    _check_pair(cos_w, sin_w, "cos_w and sin_w")
+        if _check_table(tab, name, t, tname, rows, d, row_dim=1, exact=False) != d // 2:
+            raise RuntimeValueError(f"{name}'s last dim must be {tname}'s head dim / 2 = {d // 2}, got {tab.size(3)}")
+        _check_table_dtype(tab, name, t, tname)
 
 
 # ------------------------------------------------------------------------------------------ torch path
@@ -250,14 +293,14 @@ _rope_op.register_autograd(_backward, setup_context=_setup)
 
 # ------------------------------------------------------------------------------------- autograd entry
 def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
-    """RoPE on ``t`` ``[s, b, h, d]`` with angles ``freqs`` ``[≥s, 1, 1, R]``, ``R ≤ d`` even."""
+    """RoPE on ``t`` ``[s, b, h, d]`` with fp32 angles ``freqs`` ``[s, 1, 1, R]``, ``R ≤ d`` even."""
     check_sbhd(t, freqs)
     return torch.ops.apex.fused_rope(t, freqs, None, None, None, None, SBHD, 1, False,
                                      bool(transpose_output_memory))
 
 
 def fused_rope_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:
-    """RoPE on ``t`` ``[s, b, h, d]`` with precomputed ``cos_``/``sin_`` ``[≥s, 1, 1, R]`` (any float dtype)."""
+    """RoPE on ``t`` ``[s, b, h, d]`` with precomputed ``cos_``/``sin_`` ``[s, 1, 1, R]`` (fp32 or ``t``'s dtype)."""
     check_cached(t, cos_, sin_)
     return torch.ops.apex.fused_rope(t, cos_, sin_, None, None, None, CACHED, 1, False,
                                      bool(transpose_output_memory))
@@ -281,37 +324,37 @@ def forward(input: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
     """Upstream's ``fused_rotary_positional_embedding.forward(input, freqs, transpose_output)``: rotate-half
     RoPE of an ``[s, b, h, d]`` tensor by ``freqs`` ``[s, 1, 1, R]`` (the first ``R`` columns rotate).
     """
-    check_sbhd(input, freqs)
+    check_sbhd(input, freqs, "input")
     return rope_apply(input, freqs, None, None, None, None, SBHD, 1, False, transpose_output)
 
 
 def backward(output_grads: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
     """The gradient of :func:`forward`: the inverse rotation of ``output_grads``."""
-    check_sbhd(output_grads, freqs)
+    check_sbhd(output_grads, freqs, "output_grads")
     return rope_apply(output_grads, freqs, None, None, None, None, SBHD, 1, True, transpose_output)
 
 
 def forward_cached(input: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
     """RoPE with precomputed ``cos``/``sin`` of shape ``[s, 1, 1, R]`` (upstream's ``forward_cached``)."""
-    check_cached(input, cos, sin)
+    check_cached(input, cos, sin, "input", ("cos", "sin"))
     return rope_apply(input, cos, sin, None, None, None, CACHED, 1, False, transpose_output)
 
 
 def backward_cached(output_grads: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
     """The gradient of :func:`forward_cached`."""
-    check_cached(output_grads, cos, sin)
+    check_cached(output_grads, cos, sin, "output_grads", ("cos", "sin"))
     return rope_apply(output_grads, cos, sin, None, None, None, CACHED, 1, True, transpose_output)
 
 
 def forward_thd(input: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
     """RoPE of packed sequences ``[t, h, d]``: positions restart at each ``cu_seqlens`` boundary."""
-    check_thd(input, cu_seqlens, freqs)
+    check_thd(input, cu_seqlens, freqs, "input")
     return rope_apply(input, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
 
 
 def backward_thd(output_grads: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
     """The gradient of :func:`forward_thd`."""
-    check_thd(output_grads, cu_seqlens, freqs)
+    check_thd(output_grads, cu_seqlens, freqs, "output_grads")
     return rope_apply(output_grads, freqs, None, None, None, cu_seqlens, THD, 1, True, False)
 
 
@@ -324,12 +367,12 @@ def _img(x: Tensor, name: str) -> tuple[Tensor, int, int]:
 def forward_2d(input: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w: Tensor) -> Tensor:
     """``input`` ``[b, img_h, img_w, h, d]`` → ``[b, img_h·img_w, h, d]``."""
     t, ih, iw = _img(input, "input")
-    check_2d(t, ih, iw, cos_h, sin_h, cos_w, sin_w)
+    check_2d(t, ih, iw, cos_h, sin_h, cos_w, sin_w, "input")
     return rope_apply(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, iw, False, False)
 
 
 def backward_2d(output_grads: Tensor, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor, sin_w: Tensor) -> Tensor:
     """The gradient of the 2-D (image) RoPE ``forward_2d``: height and width rotations inverted."""
     g, ih, iw = _img(output_grads, "output_grads")
-    check_2d(g, ih, iw, cos_h, sin_h, cos_w, sin_w)
+    check_2d(g, ih, iw, cos_h, sin_h, cos_w, sin_w, "output_grads")
     return rope_apply(g, cos_h, sin_h, cos_w, sin_w, None, IMG2D, iw, True, False)

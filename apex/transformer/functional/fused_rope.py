@@ -2,8 +2,9 @@
 
 Rotate-half RoPE on the first ``R`` columns of the head dimension (the rest pass through), forward and
 backward (the transpose rotation) as one op each way; the tables (``freqs``, ``cos_``/``sin_``) get no
-gradient. Arithmetic in fp32 (fp64 for fp64 inputs), output in the input dtype. See
-:mod:`apex.ops.fused_rope` for the semantics of each layout.
+gradient. fp32 inputs compute in fp32 (fp64 in fp64); fp16/bf16 round as Apex's kernel does (cos/sin, each
+product and the sum in the input dtype). See :mod:`apex.ops.fused_rope` for the semantics of each layout,
+the dtypes and the errors.
 """
 
 from __future__ import annotations
