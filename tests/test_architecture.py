@@ -177,3 +177,10 @@ def test_no_module_is_too_long():
 
 def test_public_names_importable_from_apex_locations():
     importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier  # noqa: B018
+
+
+def test_the_package_does_not_import_the_repository_folders():
+    """An installed apex has no benchmarks/, tests/ or examples/: what it needs from them is passed in."""
+    for module, path in _modules():
+        for imp in _imports(path):
+            assert imp.split(".")[0] not in ("benchmarks", "tests", "examples"), f"{module} imports {imp}"

@@ -6,11 +6,16 @@ GPU. :func:`compile_only` turns every kernel launch into an ahead-of-time compil
 the launchers run on CPU tensors (their outputs stay uninitialised: run code for its launches, not its
 results), and records what was compiled.
 
-    python -m apex.testing.triton_compile --target cuda:90 --target hip:gfx942
+:func:`check` runs the calls it is given -- ``(name, zero-argument callable)`` pairs that launch kernels --
+under :func:`compile_only` for each target and checks that each kernel launched in ``apex/_kernels`` was
+compiled, with its shared memory within the target's limit. The calls come from the caller: the repository's
+``benchmarks/compile_kernels.py`` passes every benchmark case's Triton path (this installed package does not
+reach into the repository's ``benchmarks/``)::
 
-compiles every launch the benchmark cases make (their counted and timed sizes) and checks each kernel
-launched in ``apex/_kernels`` was compiled, with its shared memory within the target's limit. It must run
-in a process where ``TRITON_INTERPRET`` is unset before any kernel module is imported.
+    python benchmarks/compile_kernels.py --target cuda:90 --target hip:gfx942
+    python -m apex.testing.triton_compile --calls mypackage.module:function --target cuda:90
+
+It must run in a process where ``TRITON_INTERPRET`` is unset before any kernel module is imported.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import importlib
 import os
 import pkgutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # Shared memory one block may use (opt-in maximum), per target.
@@ -141,33 +146,24 @@ def launched_kernels() -> set[str]:
     return found
 
 
-_SINGLE_PROCESS = ("benchmarks.ops.", "benchmarks.optimizers.", "benchmarks.amp.")
+Calls = Callable[[], Iterable[tuple[str, Callable[[], object]]]]
 
 
-def _benchmark_calls():
-    """(case name, callable) for every benchmark case's Triton-path calls: the counted and the timed sizes
-    (timed only for the single-process packages: the multi-rank cases spawn processes of their own)."""
-    from benchmarks.run import discover
+def check(calls: Calls, targets: Sequence[str] = ("cuda:90",), select: str = "",
+          require_all: bool | None = None) -> int:
+    """Compile every launch of ``calls()`` (``(name, fn)`` pairs; those whose name contains ``select``) for
+    each target; print what compiled and every failure. A failure: a call that raised, a kernel over the
+    target's shared memory, and (``require_all``, by default when nothing is deselected) a kernel launched
+    in ``apex/_kernels`` that no call compiled. Returns 1 on any failure, else 0."""
+    from apex._backend import backend
 
-    for _, case in discover():
-        if case.counted is not None:
-            yield case.name, lambda case=case: case.counted().triton()
-        if case.timed is not None and getattr(case.timed, "__module__", "").startswith(_SINGLE_PROCESS):
-            yield case.name + " (timed size)", lambda case=case: case.timed()[0]()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", action="append", help="cuda:90 (default), cuda:80, hip:gfx942, ...")
-    p.add_argument("-k", default="", help="only benchmark cases whose name contains this text")
-    p.add_argument("--no-timed", action="store_true", help="compile the counted sizes only")
-    args = p.parse_args(argv)
-    os.environ["APEX_BACKEND"] = "triton"  # CPU tensors take the Triton path; launches only compile
+    require_all = not select if require_all is None else require_all
     failures, missing = [], set()
-    for target in args.target or ["cuda:90"]:
-        with compile_only(target) as rec:
-            for name, call in _benchmark_calls():
-                if args.k not in name or (args.no_timed and name.endswith("(timed size)")):
+    for target in targets:
+        # CPU tensors take the Triton path; launches only compile.
+        with compile_only(target) as rec, backend("triton"):
+            for name, call in calls():
+                if select not in name:
                     continue
                 try:
                     call()
@@ -177,15 +173,29 @@ def main(argv: list[str] | None = None) -> int:
         for c in rec.compiled:
             if limit is not None and c.shared > limit:
                 failures.append(f"{target} {c.kernel}: {c.shared} bytes of shared memory > {limit}")
-        if not args.k:
+        if require_all:
             missing |= {f"{target} {k}" for k in launched_kernels() - rec.kernels()}
         print(f"{target}: {len(rec.compiled)} specialisations of {len(rec.kernels())} kernels compiled; "
               f"largest shared memory {max((c.shared for c in rec.compiled), default=0)} bytes")
     for line in failures:
         print("FAILED", line)
     for line in sorted(missing):
-        print("NOT COMPILED (no benchmark case launches it)", line)
+        print("NOT COMPILED (no call launches it)", line)
     return 1 if failures or missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", required=True, metavar="MODULE:FUNCTION",
+                   help="a function returning (name, callable) pairs whose launches are compiled")
+    p.add_argument("--target", action="append", help="cuda:90 (default), cuda:80, hip:gfx942, ...")
+    p.add_argument("-k", default="", help="only calls whose name contains this text")
+    args = p.parse_args(argv)
+    module, _, attr = args.calls.partition(":")
+    if not attr:
+        p.error(f"--calls must look like MODULE:FUNCTION, got {args.calls!r}")
+    calls = getattr(importlib.import_module(module), attr)
+    return check(calls, args.target or ["cuda:90"], args.k)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Every Triton kernel compiles for real GPU targets (NVIDIA sm_90, AMD gfx942), not only under the
 interpreter, with its shared memory within the target's limit.
 
-``apex.testing.triton_compile`` runs every benchmark case's Triton path on CPU tensors with each launch
-turned into an ahead-of-time compile (no GPU needed) and fails when a kernel launched in ``apex/_kernels``
-was not compiled. It runs in a subprocess: this process decorated the kernels with the interpreter on.
+``benchmarks/compile_kernels.py`` (``apex.testing.triton_compile.check``) runs every benchmark case's Triton
+path on CPU tensors with each launch turned into an ahead-of-time compile (no GPU needed) and fails when a
+kernel launched in ``apex/_kernels`` was not compiled. It runs in a subprocess: this process decorated the
+kernels with the interpreter on.
 """
 
 import os
@@ -28,7 +29,7 @@ def _run(args, cwd=ROOT, timeout=900):
 @pytest.mark.parametrize("target", ["cuda:90", "hip:gfx942"])
 def test_every_kernel_compiles_for_gpu_targets(target):
     pytest.importorskip("triton")
-    proc = _run(["-m", "apex.testing.triton_compile", "--target", target, "--no-timed"])
+    proc = _run(["benchmarks/compile_kernels.py", "--target", target, "--no-timed"])
     if proc.returncode != 0 and "not found" in proc.stderr and ("ptxas" in proc.stderr or "lld" in proc.stderr):
         pytest.skip("no GPU compiler toolchain in this triton install")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
