@@ -3,6 +3,9 @@
 Each test method runs on ``world_size`` spawned ranks joined by ``torch.distributed``. Without CUDA GPUs
 the NCCL (and UCC) bases run on Gloo CPU ranks instead, so code written for GPUs is tested anywhere;
 the world size is then ``APEX_TEST_WORLD_SIZE`` (default 4, upstream's cap).
+
+The bases come from ``torch.testing._internal``, which needs ``expecttest`` and ``numpy``: neither is a
+dependency of apex or torch, so install the ``testing`` extra (``pip install "apex[testing]"``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ import unittest
 
 import torch
 from torch import distributed as dist
-from torch.testing._internal import common_distributed, common_utils
+
+try:
+    from torch.testing._internal import common_distributed, common_utils
+except ModuleNotFoundError as exc:  # a plain install: say which extra brings the missing package
+    if exc.name not in ("expecttest", "numpy"):
+        raise
+    raise ModuleNotFoundError(
+        f"apex.transformer.testing.distributed_test_base needs {exc.name!r} (torch.testing._internal, whose "
+        f"test bases it extends, imports it): pip install \"apex[testing]\" (or: pip install expecttest numpy)",
+        name=exc.name) from exc
 
 from apex.transformer._ucc_util import HAS_UCC
 
