@@ -208,8 +208,9 @@ def cuda_plan(selected: str = "", quick: bool = False, cpu_cases: bool = False):
     return gpu, small
 
 
-class _Stopped(Exception):
-    pass
+class _Stopped(BaseException):
+    """SIGTERM (``timeout`` ending the run): write what was measured. Not an Exception, so the per-case
+    ``except Exception`` does not take it for a failing implementation and go on."""
 
 
 def _stop(signum, frame):

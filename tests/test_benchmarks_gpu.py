@@ -3,6 +3,7 @@ the runner's GPU code path run on small CPU tensors with a fake timer."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -171,6 +172,7 @@ def test_run_cuda_prints_rows_writes_the_report_and_caps_cases(tmp_path, monkeyp
     assert "| rms_norm fwd 8x64 bf16 | apex, torch, torch.compile | - |" in out and "CaseTimeout" in out
     report = (tmp_path / "gpu.md").read_text()
     assert "apex GB/s" in report and "torch.compile GB/s" in report and "layer_norm bwd 8x64 bf16" in report
+    assert (tmp_path / "gpu.png").exists() or importlib.util.find_spec("matplotlib") is None
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["copy_gbps"] > 0 and {r["impl"] for r in data["rows"]} >= {"apex", "torch", "torch.compile"}
 
