@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from apex._errors import MicroBatchConfigError
 from apex.transformer.log_util import get_transformer_logger
 
 _logger = get_transformer_logger(__name__)
 
-
-class MicroBatchConfigError(ValueError, AssertionError):
-    """Bad batch-size configuration (an AssertionError too, as upstream raised those)."""
 
 __all__ = [
     "NumMicroBatchesCalculator",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertTypeError, ParallelStateError
 from apex.transformer._group_layout import GroupLayout, group_layout  # noqa: F401 - GroupLayout re-exported
 from apex.transformer._ucc_util import HAS_UCC
 from apex.transformer.log_util import get_transformer_logger
@@ -28,12 +29,6 @@ _logger = get_transformer_logger(__name__)
 
 class ExperimentalWarning(Warning):
     """Warned when the experimental UCC backend is requested."""
-
-
-class ParallelStateError(RuntimeError, AssertionError):
-    """Misuse of the model-parallel state (a getter before initialization, initializing twice).
-
-    It is an ``AssertionError`` too because upstream Apex asserted these conditions."""
 
 
 @dataclass
@@ -175,7 +170,7 @@ def initialize_model_parallel(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name, value in (("default_backend", default_backend), ("p2p_backend", p2p_backend)):
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{name} must be a backend name or None, got {value!r}")
+            raise AssertTypeError(f"{name} must be a backend name or None, got {value!r}")
     if "ucc" in (default_backend, p2p_backend):
         if not HAS_UCC:
             raise ImportError("UCC backend requires pytorch source build with UCC installed and enabled")
