@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._lists import column, columns
+
 TORCH_TO_TL = {
     torch.float32: tl.float32,
     torch.float16: tl.float16,
@@ -58,97 +60,157 @@ class TensorTable:
     dtypes: tuple               # triton dtype of each list
 
 
-class _TableCache:
-    """Small LRU of device tables keyed on the tensors' addresses and sizes.
+@dataclass(frozen=True)
+class _Layout:
+    """The part of a table that depends only on the tensors' sizes (shared by tables of other addresses)."""
 
-    An optimizer step passes the same tensors every step; caching saves the host-side packing and the
-    host-to-device copy. The key holds only addresses and sizes, so a hit is valid even if the tensors were
-    re-allocated at the same places.
-    """
+    sizes: torch.Tensor
+    chunk_tensor: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_first: tuple[int, ...]
+    n_chunks: int
+    chunk: int
+    block: int
+
+
+class _LRU:
+    """A small least-recently-used map."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
         self._entries: OrderedDict = OrderedDict()
 
     def get(self, key):
-        table = self._entries.get(key)
-        if table is not None:
+        value = self._entries.get(key)
+        if value is not None:
             self._entries.move_to_end(key)
-        return table
+        return value
 
-    def put(self, key, table) -> None:
-        self._entries[key] = table
+    def put(self, key, value) -> None:
+        self._entries[key] = value
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        self._entries.clear()
 
-_cache = _TableCache()
+
+# Tables keyed on (device, dtypes, sizes, addresses): an optimizer passes the same tensors every step, so a
+# step costs no packing and no host-to-device copy. Entries hold device tables and facts, never the
+# tensors themselves (which may be freed: a hit is valid for any tensors at those places and sizes).
+_tables = _LRU()
+_layouts = _LRU()
+_ranges: dict = {}
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
-    """Build (or fetch from the cache) the device table for lists of equal length, one dtype per list."""
-    first = tensor_lists[0]
-    device = first[0].device
-    sizes = [t.numel() for t in first]
-    ptrs = [t.data_ptr() for lst in tensor_lists for t in lst]
-    dtypes = tuple(TORCH_TO_TL[lst[0].dtype] for lst in tensor_lists)
-    key = (device, dtypes, tuple(ptrs), tuple(sizes))
-    cached = _cache.get(key)
+def _upload(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 device tensor of ``values``; on a GPU through pinned memory without blocking the host (a
+    pageable copy waits for the GPU to drain, and is not allowed while a CUDA graph is being captured)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    try:
+        host = host.pin_memory()
+    except RuntimeError:  # no pinned memory for this device type
+        return host.to(device)
+    return host.to(device, non_blocking=True)
+
+
+def _layout(numels: tuple, device: torch.device) -> _Layout:
+    key = (device, numels)
+    cached = _layouts.get(key)
     if cached is not None:
         return cached
-    chunk = min(MAX_CHUNK, _next_pow2(max(max(sizes), 1)))
+    chunk = min(MAX_CHUNK, _next_pow2(max(max(numels), 1)))
     block = chunk if _interpreting() else min(chunk, GPU_BLOCK)
     chunk_tensor: list[int] = []
     chunk_start: list[int] = []
     chunk_first: list[int] = []
-    for i, n in enumerate(sizes):
+    for i, n in enumerate(numels):
         chunk_first.append(len(chunk_tensor))
-        for s in range(0, max(n, 1), chunk):
+        if n <= chunk:  # the usual case: one chunk
+            chunk_tensor.append(i)
+            chunk_start.append(0)
+            continue
+        for s in range(0, n, chunk):
             chunk_tensor.append(i)
             chunk_start.append(s)
     chunk_first.append(len(chunk_tensor))
-    n_t, n_c = len(sizes), len(chunk_tensor)
-    # One host buffer, one copy to the device.
-    host = torch.tensor(ptrs + sizes + chunk_tensor + chunk_start, dtype=torch.int64)
-    dev = host.to(device, non_blocking=False) if device.type != "cpu" else host
-    n_p = len(ptrs)
-    result = TensorTable(
-        ptrs=dev[:n_p],
-        sizes=dev[n_p:n_p + n_t],
-        chunk_tensor=dev[n_p + n_t:n_p + n_t + n_c].to(torch.int32),
-        chunk_start=dev[n_p + n_t + n_c:],
-        chunk_first=tuple(chunk_first),
-        n_tensors=n_t,
-        n_chunks=n_c,
-        chunk=chunk,
-        block=block,
-        dtypes=dtypes,
-    )
-    _cache.put(key, result)
+    n_t, n_c = len(numels), len(chunk_tensor)
+    dev = _upload(list(numels) + chunk_tensor + chunk_start, device)  # one copy
+    result = _Layout(sizes=dev[:n_t], chunk_tensor=dev[n_t:n_t + n_c].to(torch.int32), chunk_start=dev[n_t + n_c:],
+                     chunk_first=tuple(chunk_first), n_chunks=n_c, chunk=chunk, block=block)
+    _layouts.put(key, result)
     return result
 
 
-def group(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[tuple[list[int], list[list[torch.Tensor]]]]:
+def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
+    """Build (or fetch from the cache) the device table for lists of equal length, one dtype per list.
+
+    Lists may be plain sequences of tensors or :class:`apex._kernels._lists.Column` s (read once by their
+    maker); a cached table is reused for any tensors at the same addresses with the same sizes and dtypes.
+    """
+    cols = columns(tensor_lists)
+    first = cols[0]
+    device = first.device if first.device is not None else first[0].device
+    dtypes = tuple(c.dtype if c.dtype is not None else c[0].dtype for c in cols)
+    key = (device, dtypes, hash(first.numels), tuple(c.key for c in cols))
+    cached = _tables.get(key)
+    if cached is not None and cached[0] == first.numels and all(
+            a is c.ptrs or a == c.ptrs for a, c in zip(cached[1], cols)):
+        return cached[2]
+    lay = _layout(first.numels, device)
+    ptrs = [p for c in cols for p in c.ptrs]
+    result = TensorTable(ptrs=_upload(ptrs, device), sizes=lay.sizes, chunk_tensor=lay.chunk_tensor,
+                         chunk_start=lay.chunk_start, chunk_first=lay.chunk_first, n_tensors=len(first),
+                         n_chunks=lay.n_chunks, chunk=lay.chunk, block=lay.block,
+                         dtypes=tuple(TORCH_TO_TL[d] for d in dtypes))
+    _tables.put(key, (first.numels, tuple(c.ptrs for c in cols), result))
+    return result
+
+
+def _all_indices(n: int) -> list[int]:
+    r = _ranges.get(n)
+    if r is None or len(r) != n:  # (a caller may have changed the list it was given)
+        if len(_ranges) > 64:
+            _ranges.clear()
+        r = _ranges[n] = list(range(n))
+    return r
+
+
+def group(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[tuple[list[int], list]]:
     """Split lists into groups of tensors sharing (device, dtype of each list).
 
-    Returns ``[(indices, sublists), ...]`` where ``indices`` are positions in the original lists.
-    Empty tensors are left out: they need no work.
+    Returns ``[(indices, sublists), ...]`` where ``indices`` are positions in the original lists and the
+    sublists are :class:`apex._kernels._lists.Column` s. Empty tensors are left out: they need no work.
+    Lists that are Columns of one device and one dtype each (what apex's optimizers pass) make one group
+    without looking at any tensor.
     """
+    cols = columns(tensor_lists)
+    first = cols[0]
+    if not first:
+        return []
+    if first.device is not None and all(c.dtype is not None for c in cols) and 0 not in first.numels:
+        return [(_all_indices(len(first)), cols)]
     groups: dict = {}
-    for i in range(len(tensor_lists[0])):
-        if tensor_lists[0][i].numel() == 0:
+    devices = first.devices
+    for i, n in enumerate(first.numels):
+        if n == 0:
             continue
-        key = (tensor_lists[0][i].device,) + tuple(lst[i].dtype for lst in tensor_lists)
-        idx, subs = groups.setdefault(key, ([], [[] for _ in tensor_lists]))
-        idx.append(i)
-        for sub, lst in zip(subs, tensor_lists):
-            sub.append(lst[i])
-    return list(groups.values())
+        key = (devices[i],) + tuple(c.dtypes[i] for c in cols)
+        groups.setdefault(key, []).append(i)
+    out = []
+    for key, idx in groups.items():
+        subs = [column([c[i] for i in idx], ptrs=[c.ptrs[i] for i in idx],
+                       numels=tuple(first.numels[i] for i in idx), dtype=dt, device=key[0])
+                for c, dt in zip(cols, key[1:])]
+        out.append((idx, subs))
+    return out
 
 
 def launch(kernel, tab: TensorTable, *args, **meta) -> None:

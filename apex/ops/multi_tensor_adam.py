@@ -29,7 +29,6 @@ from apex import _backend
 from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, first_device
 
 
-@torch.no_grad()
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, mode: int, bias_correction: int,
                       weight_decay: float, *, validate: bool = True) -> None:
@@ -41,7 +40,6 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
           inv_scale=None, capturable=False, n_lists=(4, 5), validate=validate)
 
 
-@torch.no_grad()
 def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
                                  beta1: float, beta2: float, epsilon: float, step: torch.Tensor, mode: int,
                                  bias_correction: int, weight_decay: float, inv_scale: torch.Tensor, *,
@@ -54,7 +52,6 @@ def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tenso
           inv_scale=inv_scale, capturable=True, n_lists=4, validate=validate)
 
 
-@torch.no_grad()
 def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                         lr: torch.Tensor, beta1: float, beta2: float, epsilon: float,
                                         step: torch.Tensor, mode: int, bias_correction: int,
@@ -70,23 +67,18 @@ def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor
 def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay, *,
           inv_scale, capturable: bool, n_lists, validate: bool = True) -> None:
     if validate:
-        device = check_tensor_lists(tensor_lists, n_lists, same_shape=False,
-                                    list_dtypes={4: (torch.float32,)})
+        from apex._kernels._lists import checked
+
+        checked(("adam", n_lists), tensor_lists, lambda: _check_lists(tensor_lists, n_lists))
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:  # the caller (an apex optimizer) has checked every tensor
-        device = first_device(tensor_lists)
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (AdamW), got {mode!r}")
     if device is None or not tensor_lists[0]:
         return
-    lists = [list(lst) for lst in tensor_lists]
-    g, p = lists[0], lists[1]
-    for i in range(len(g) if validate else 0):
-        if lists[2][i].dtype != lists[3][i].dtype:
-            raise TypeError(f"tensor_lists[2][{i}] and tensor_lists[3][{i}] (exp_avg, exp_avg_sq) must share "
-                            f"a dtype, got {lists[2][i].dtype} and {lists[3][i].dtype}")
-        if len(lists) == 4 and lists[2][i].dtype not in (torch.float32, p[i].dtype):
-            raise TypeError(f"tensor_lists[2][{i}] must be float32 or the parameter's dtype {p[i].dtype}")
+    lists = list(tensor_lists)  # the inner lists as given: Columns from an optimizer stay Columns
+    g = lists[0]
     mode = int(mode)
     bias_correction = int(bool(bias_correction))
     beta1, beta2, eps, weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
@@ -105,12 +97,26 @@ def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_corre
             kernels.adam(noop_flag, lists, None, None, None, float(lr), bc1, bc2, beta1, beta2, eps,
                          weight_decay, mode, bias_correction, capturable=False)
         return
-    if capturable:
-        _adam_torch(lists, lr_t, step_t, beta1, beta2, eps, weight_decay, mode, bias_correction,
-                    grad_scale=inv_t.double().reciprocal().float(), found_inf=noop_flag.float())
-    else:
-        _adam_torch(lists, float(lr), float(step), beta1, beta2, eps, weight_decay, mode, bias_correction,
-                    grad_scale=None, found_inf=None)
+    with torch.no_grad():  # the foreach/fused ops write parameters that require grad
+        if capturable:
+            _adam_torch(lists, lr_t, step_t, beta1, beta2, eps, weight_decay, mode, bias_correction,
+                        grad_scale=inv_t.double().reciprocal().float(), found_inf=noop_flag.float())
+        else:
+            _adam_torch(lists, float(lr), float(step), beta1, beta2, eps, weight_decay, mode, bias_correction,
+                        grad_scale=None, found_inf=None)
+
+
+def _check_lists(tensor_lists, n_lists) -> None:
+    """The checks of a call from outside apex (run once per new set of tensors, see ``_lists.checked``)."""
+    check_tensor_lists(tensor_lists, n_lists, same_shape=False, list_dtypes={4: (torch.float32,)})
+    lists = tensor_lists
+    p = lists[1]
+    for i in range(len(lists[0])):
+        if lists[2][i].dtype != lists[3][i].dtype:
+            raise TypeError(f"tensor_lists[2][{i}] and tensor_lists[3][{i}] (exp_avg, exp_avg_sq) must share "
+                            f"a dtype, got {lists[2][i].dtype} and {lists[3][i].dtype}")
+        if len(lists) == 4 and lists[2][i].dtype not in (torch.float32, p[i].dtype):
+            raise TypeError(f"tensor_lists[2][{i}] must be float32 or the parameter's dtype {p[i].dtype}")
 
 
 def _bias_corrections(beta1: float, beta2: float, step, bias_correction: int) -> tuple[float, float]:

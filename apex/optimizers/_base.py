@@ -14,13 +14,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import required
+
+from apex.optimizers._plan import Plan
 
 REDUCED = (torch.float16, torch.bfloat16)
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
@@ -77,6 +81,35 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def fused_step(func: Callable) -> Callable:
+    """Decorator for a fused optimizer's ``step``: gradients off (``torch.no_grad``) and ``torch.optim``'s
+    step hooks, as ``torch.optim.Optimizer`` wraps every ``step``; the profiler's ``Optimizer.step#...``
+    range is opened only while a profiler runs (entering it costs as much as a step of ~100 parameters).
+    With any step hook registered the call goes through PyTorch's own wrapper, unchanged."""
+
+    @functools.wraps(func)
+    def no_grad(*args, **kwargs):
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(prev)
+
+    hooked = torch.optim.Optimizer.profile_hook_step(no_grad)
+
+    @functools.wraps(func)
+    def step(self, *args, **kwargs):
+        if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                or _torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
+                or torch._C._autograd._profiler_enabled()):
+            return hooked(self, *args, **kwargs)
+        return no_grad(self, *args, **kwargs)
+
+    step.hooked = True  # torch.optim.Optimizer.__init__ then leaves it as it is
+    return step
+
+
 def trusted(op) -> dict:
     """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an op a
     subclass swapped in."""
@@ -137,7 +170,7 @@ def scaler_state(optimizer: torch.optim.Optimizer, grad_scaler, device: torch.de
 
 
 # Caches an optimizer rebuilds on use: left out of its pickled state.
-_CACHES = ("_workspace", "_packed_steps", "_overflow_bufs", "_pending_masters")
+_CACHES = ("_workspace", "_packed_steps", "_overflow_bufs", "_pending_masters", "_plans")
 
 
 class CopyableOptimizer(torch.optim.Optimizer):
@@ -175,6 +208,7 @@ class FusedOptimizerBase(CopyableOptimizer):
         self.master_weights = bool(master_weights)
         self._overflow_bufs: dict = {}
         self._packed_steps: dict = {}
+        self._plans: dict = {}
 
     # -- Apex attributes --------------------------------------------------------------------------------
     @property
@@ -218,40 +252,88 @@ class FusedOptimizerBase(CopyableOptimizer):
         they were strided) and the group's one dtype (``None`` when the dtypes are mixed), so that a step
         does not read these attributes again.
         """
-        out = []
-        relayout = []
-        for gi, group in enumerate(self.param_groups):
-            ps: list[torch.Tensor] = []
-            gs: list[torch.Tensor] = []
-            device = dtype = None
-            mixed = False
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                pdtype, pdevice = p.dtype, p.device
-                # One cheap test for the usual case; the detailed checks run only when it fails.
-                if (g.is_sparse or pdtype not in SUPPORTED or g.dtype != pdtype or g.shape != p.shape
-                        or g.device != pdevice or not p.is_contiguous()):
-                    self._diagnose(gi, pi, p, g)
-                    if g.stride() != p.stride() and p.numel() > 1:
-                        relayout.append((gs, len(gs), p))  # the kernels walk p, g and the state in one order
-                elif not g.is_contiguous() and p.numel() > 1:
-                    relayout.append((gs, len(gs), p))
-                if device is None:
-                    device, dtype = pdevice, pdtype
-                else:
-                    if pdevice != device:
-                        raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
-                                           f"param_groups[{gi}]['params'][{pi}] is on {pdevice}, the group's "
-                                           f"first parameter on {device}")
-                    mixed = mixed or pdtype is not dtype
-                ps.append(p)
-                gs.append(g)
-            out.append(Checked(ps, gs, None if mixed else dtype))
+        relayout: list = []
+        out = [self._check_group(gi, group, relayout) for gi, group in enumerate(self.param_groups)]
+        self._relayout(relayout)
+        return out
+
+    @staticmethod
+    def _relayout(relayout: list) -> None:
         for gs, i, p in relayout:  # only once every check has passed: a failed step changes nothing
             p.grad = gs[i] = torch.empty_like(p).copy_(p.grad)
-        return out
+
+    def _check_group(self, gi: int, group: dict, relayout: list) -> Checked:
+        """The checks of :meth:`_checked_groups` for one group; strided gradients to replace by contiguous
+        ones are appended to ``relayout`` (done by the caller once every group has passed)."""
+        ps: list[torch.Tensor] = []
+        gs: list[torch.Tensor] = []
+        device = dtype = None
+        mixed = False
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            pdtype, pdevice = p.dtype, p.device
+            # One cheap test for the usual case; the detailed checks run only when it fails.
+            if (g.is_sparse or pdtype not in SUPPORTED or g.dtype != pdtype or g.shape != p.shape
+                    or g.device != pdevice or not p.is_contiguous()):
+                self._diagnose(gi, pi, p, g)
+                if g.stride() != p.stride() and p.numel() > 1:
+                    relayout.append((gs, len(gs), p))  # the kernels walk p, g and the state in one order
+            elif not g.is_contiguous() and p.numel() > 1:
+                relayout.append((gs, len(gs), p))
+            if device is None:
+                device, dtype = pdevice, pdtype
+            else:
+                if pdevice != device:
+                    raise RuntimeError(f"{self._name}: the parameters of a group are not on the same device: "
+                                       f"param_groups[{gi}]['params'][{pi}] is on {pdevice}, the group's "
+                                       f"first parameter on {device}")
+                mixed = mixed or pdtype is not dtype
+            ps.append(p)
+            gs.append(g)
+        return Checked(ps, gs, None if mixed else dtype)
+
+    # -- step plans ------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._plans = {}
+
+    def _plan_mode(self) -> tuple:
+        """Options a plan depends on (a plan built under other values is rebuilt)."""
+        return ()
+
+    def _build_plan(self, group: dict, checked: Checked) -> Plan:
+        """A plan for ``group`` from its checked parameters (creating their state): subclasses."""
+        raise NotImplementedError
+
+    def _step_plans(self) -> list[tuple[Plan, list, tuple]]:
+        """Per group, ``(plan, gradients, their addresses)`` for this step (see :mod:`apex.optimizers._plan`).
+
+        A group whose plan no longer holds is checked in full and planned anew; every group is checked
+        before any plan is built, so a failed check changes nothing."""
+        plans = self._plans
+        mode = plans.get("mode")  # the state dict (by identity), its size, the options
+        if mode is None or mode[0] is not self.state or mode[1] != len(self.state) or mode[2] != self._plan_mode():
+            plans.clear()
+        found: list = []
+        stale: dict = {}
+        relayout: list = []
+        for gi, group in enumerate(self.param_groups):
+            entry = plans.get(id(group))
+            got = entry[1].grads(group["params"]) if entry is not None and entry[0] is group else None
+            if got is None:
+                stale[gi] = self._check_group(gi, group, relayout)
+            found.append(None if got is None else (entry[1],) + got)
+        if stale:
+            self._relayout(relayout)
+            for gi, checked in stale.items():
+                group = self.param_groups[gi]
+                plan = self._build_plan(group, checked)
+                plans[id(group)] = (group, plan)
+                found[gi] = (plan, checked.grads, tuple(map(torch.Tensor.data_ptr, checked.grads)))
+            plans["mode"] = (self.state, len(self.state), self._plan_mode())
+        return found
 
     def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
         """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
@@ -389,6 +471,18 @@ class FusedOptimizerBase(CopyableOptimizer):
         self._packed_steps[key] = (buf, views, values, buf._version)
         return values
 
+    def _pack_steps(self, states: list[dict], device: torch.device) -> tuple[torch.Tensor, list[float] | None]:
+        """Every ``state['step']`` of ``states`` as a 0-d view of one fp32 buffer on ``device``, so that a step
+        adds 1 to all of them with one op (each is still its own tensor in the state, as in PyTorch). Returns
+        the buffer and, on the CPU, the values (read without a host synchronisation on a GPU buffer)."""
+        steps = [st["step"] for st in states]
+        # Steps may come from elsewhere as Python numbers or tensors of any dtype/device.
+        buf = torch.stack([torch.as_tensor(s).detach().reshape(()).to(device, torch.float32) for s in steps])
+        values = buf.tolist() if device.type == "cpu" else None
+        for st, v in zip(states, buf.unbind(0)):
+            st["step"] = v
+        return buf, values
+
     # -- mixed-precision scaling --------------------------------------------------------------------------
     def _scaler_tensors(self, grad_scaler, device: torch.device):
         """``(found_inf, inv_scale)`` as fp32 one-element tensors on ``device``, or ``None`` without scaler.
@@ -410,9 +504,19 @@ class FusedOptimizerBase(CopyableOptimizer):
                      else torch.ones(1, dtype=torch.float32, device=device))
         return found, inv_scale
 
-    def _unscale_or_skip(self, grad_scaler) -> bool:
+    def _no_scaling(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf = 0, inv_scale = 1)`` on ``device`` for a capturable step without a scaler (made once:
+        the update only reads them)."""
+        consts = self.__dict__.setdefault("_overflow_bufs", {}).get(("no scaling", device))
+        if consts is None:
+            consts = self._overflow_bufs[("no scaling", device)] = (
+                torch.zeros(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device))
+        return consts
+
+    def _unscale_or_skip(self, grad_scaler, planned: list | None = None) -> bool:
         """Host-synchronising scaler handling for non-capturable optimizers: returns True to skip the step
-        (an inf/NaN was found), otherwise unscales the gradients in place."""
+        (an inf/NaN was found), otherwise unscales the gradients (those of ``planned``, the step's
+        :meth:`_step_plans`, default: every parameter's) in place."""
         info = self._scaler_tensors(grad_scaler, self._first_device())
         if info is None:
             return False
@@ -420,13 +524,15 @@ class FusedOptimizerBase(CopyableOptimizer):
         if found.item() != 0:
             return True
         if inv_scale.item() != 1.0:
+            if planned is None:
+                grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            else:
+                grads = [g for _, gs, _ in planned for g in gs]
             by_dev: dict = {}
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        by_dev.setdefault(p.grad.device, []).append(p.grad)
-            for dev, grads in by_dev.items():
-                torch._foreach_mul_(grads, inv_scale.to(dev))
+            for g in grads:
+                by_dev.setdefault(g.device, []).append(g)
+            for dev, gs in by_dev.items():
+                torch._foreach_mul_(gs, inv_scale.to(dev))
         return False
 
     # -- step ---------------------------------------------------------------------------------------------
@@ -457,6 +563,7 @@ class FusedOptimizerBase(CopyableOptimizer):
                     keep[(id(p), key)] = v
         super().load_state_dict(state_dict)
         self._packed_steps = {}
+        self._plans = {}
         for p in params:
             st = self.state.get(p)
             if not st:

@@ -9,9 +9,11 @@ from apex.optimizers._base import (
     _number,
     check_betas,
     check_non_negative,
+    fused_step,
     group_by,
     trusted,
 )
+from apex.optimizers._plan import Bucket, Plan, take
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -155,7 +157,7 @@ class FusedAdam(FusedOptimizerBase):
                                          device=p.device if self.capturable else "cpu")
         return state
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
              grad_scaler=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss.
@@ -166,22 +168,20 @@ class FusedAdam(FusedOptimizerBase):
             raise RuntimeError("FusedAdam has been updated.  Simply initialize it identically to "
                                "torch.optim.Adam, and call step() with no arguments.")
         loss = self._run_closure(closure)
-        with_grads = self._check_grads()
-        if not self.capturable and self._unscale_or_skip(grad_scaler):
+        planned = self._step_plans()
+        if not self.capturable and self._unscale_or_skip(grad_scaler, planned):
             return loss
         scaling: dict = {}  # capturable: (found_inf, inv_scale) per device, read once per step
 
         def scaling_on(device):
             if device not in scaling:
                 info = self._scaler_tensors(grad_scaler, device)
-                scaling[device] = info if info is not None else (
-                    torch.zeros(1, dtype=torch.float32, device=device),
-                    torch.ones(1, dtype=torch.float32, device=device))
+                scaling[device] = info if info is not None else self._no_scaling(device)
             return scaling[device]
 
-        for group, params in zip(self.param_groups, with_grads):
-            if params:
-                self._step_group(group, params, scaling_on)
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            if plan.with_grad:
+                self._step_plan(group, plan, gs, gptrs, scaling_on)
             elif group["params"]:  # Apex counts the group's steps even when none of its parameters has a grad
                 self._bump_group_step(group, scaling_on(group["params"][0].device)[0]
                                       if self.capturable else None)
@@ -189,40 +189,60 @@ class FusedAdam(FusedOptimizerBase):
             self._sync_masters()
         return loss
 
-    def _step_group(self, group: dict, params: list, scaling_on) -> None:
-        beta1, beta2 = group["betas"]
-        bias_correction = 1 if group.get("bias_correction", True) else 0
+    def _plan_mode(self) -> tuple:
+        return (self.capturable, self.master_weights)
+
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """State, masters, packed step counters and one bucket per launch: (dtype, master or not) and, when
+        not capturable, the step count (parameters that joined later count their own steps)."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        if not params:
+            return plan
         states = [self._init_state(p, group) for p in params]
         masters = [self._master(p) for p in params]
         device = params[0].device
+        plan.step_buf, values = self._pack_steps(states, device if self.capturable else torch.device("cpu"))
+        plan.watch(plan.step_buf)
+        if self.capturable:
+            keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
+        else:
+            keys = [(p.dtype, m is not None, v) for p, m, v in zip(params, masters, values)]
+        for key, idx in group_by(keys, len(params)).items():
+            sel = None if len(idx) == len(params) else idx
+            b = Bucket(sel, key[0], device, tuple(take(plan.numels, sel)))
+            b.lists = [b.column(take(params, sel), take(plan.ptrs, sel)),
+                       b.column([states[i]["exp_avg"] for i in idx]),
+                       b.column([states[i]["exp_avg_sq"] for i in idx])]
+            if key[1]:
+                b.lists.append(b.column([masters[i] for i in idx], dtype=torch.float32))
+            b.master = key[1]
+            b.step = plan.step_buf[idx[0]] if self.capturable else key[2]
+            plan.buckets.append(b)
+        return plan
+
+    def _step_plan(self, group: dict, plan: Plan, gs: list, gptrs: tuple, scaling_on) -> None:
+        beta1, beta2 = group["betas"]
+        bias_correction = 1 if group.get("bias_correction", True) else 0
+        device = plan.buckets[0].device
         if self.capturable:
             found, inv_scale = scaling_on(device)
             noop = self._overflow_buf(device)
             noop.copy_((found != 0).to(torch.int32))
-            steps = [s["step"] for s in states]
-            steps = [s if s.device == device else s.to(device) for s in steps]
-            for st, s in zip(states, steps):
-                st["step"] = s
-            torch._foreach_add_(steps, (1.0 - (found != 0).float()).reshape(()))
+            plan.step_buf.add_((1.0 - (found != 0).float()).reshape(()))
             self._bump_group_step(group, found)
-            lr = group["lr"]
-            keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
         else:
-            values = self._increment_steps(group, params)
+            plan.step_buf.add_(1.0)
             self._bump_group_step(group)
-            keys = [(p.dtype, m is not None, v) for p, m, v in zip(params, masters, values)]
-        for key, idx in group_by(keys, len(params)).items():
-            lists = [[params[i].grad for i in idx], [params[i] for i in idx],
-                     [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx]]
-            has_master = key[1]
-            if has_master:
-                lists.append([masters[i] for i in idx])
+        plan.watch(plan.step_buf)
+        for b in plan.buckets:
+            lists = [b.grads(gs, gptrs)] + b.lists
             if self.capturable:
-                op = (self.multi_tensor_adam_capturable_master if has_master
-                      else self.multi_tensor_adam_capturable)
-                op(2048 * 32, noop, lists, lr, beta1, beta2, group["eps"], steps[idx[0]], self.adam_w_mode,
+                op = self.multi_tensor_adam_capturable_master if b.master else self.multi_tensor_adam_capturable
+                op(2048 * 32, noop, lists, group["lr"], beta1, beta2, group["eps"], b.step, self.adam_w_mode,
                    bias_correction, group["weight_decay"], inv_scale, **trusted(op))
             else:
+                b.step += 1
                 self.multi_tensor_adam(2048 * 32, self._overflow_buf(device), lists, group["lr"], beta1,
-                                       beta2, group["eps"], int(key[2]), self.adam_w_mode, bias_correction,
+                                       beta2, group["eps"], int(b.step), self.adam_w_mode, bias_correction,
                                        group["weight_decay"], **trusted(self.multi_tensor_adam))

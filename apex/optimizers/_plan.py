@@ -1,0 +1,120 @@
+"""Per-group step plans: what a fused optimizer's step reads of a parameter group, read once.
+
+A step of a fused optimizer needs, per parameter group, the parameters that have a gradient, their state
+tensors grouped into one multi-tensor launch per (dtype, ...) bucket, and checks of every gradient. Done
+in Python for every parameter this costs microseconds per tensor, more than the GPU needs for the whole
+update once there are thousands of tensors. A :class:`Plan` keeps all of that from the step that built it;
+the next step only reads each parameter's gradient and the few facts that decide whether the plan still
+holds, with one C-level pass per fact over the group (``map`` over the tensors, compared as tuples):
+
+* the group's parameter list holds the same tensors (``add_param_group`` and ``load_state_dict`` drop
+  every plan outright);
+* each parameter still lives at the same address (``param.data = ...`` moves it);
+* the same parameters have a gradient (a gradient set to None, or one that appears);
+* every gradient has its parameter's dtype and size and is contiguous (or has its parameter's strides).
+
+Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
+tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
+the engine reuses while the addresses repeat. When a fact differs, the optimizer checks the group as on the
+first step (with its error messages) and builds a new plan. What the plan does not see: a tensor of
+``optimizer.state[p]`` *replaced* by assignment between steps (writing into it is seen by the kernels as
+usual); reload such a state with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not
+
+import torch
+
+from apex._kernels._lists import Column, column
+
+_grad = attrgetter("grad")
+_dtype = attrgetter("dtype")
+_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_contiguous = torch.Tensor.is_contiguous
+
+
+class Plan:
+    """The step of one parameter group, as built from the group's state by an optimizer.
+
+    ``params``: the group's parameters when built; ``with_grad``: those that had a gradient, in order;
+    ``buckets``: whatever the optimizer keeps per launch. The rest is what :meth:`grads` compares.
+    """
+
+    def __init__(self, params, with_grad):
+        self.params = tuple(params)
+        self.mask = tuple(map(is_not, map(_grad, self.params), repeat(None)))
+        self.all_have_grads = all(self.mask)
+        self.with_grad = tuple(with_grad)
+        self.ptrs = tuple(map(_ptr, self.with_grad))
+        self.dtypes = tuple(map(_dtype, self.with_grad))
+        self.numels = tuple(map(_numel, self.with_grad))
+        contiguous = tuple(map(_contiguous, self.with_grad))
+        # Dense parameters that are not contiguous (channels_last): their gradients must have their strides.
+        self.strided = tuple(i for i, c in enumerate(contiguous) if not c)
+        self.strides = tuple(self.with_grad[i].stride() for i in self.strided)
+        self.buckets: list = []
+        self.watched: list = []
+
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Hold the plan only while ``tensor`` is not written from outside: call after each own write (a
+        write through a view, e.g. of a packed step counter in the state, moves the version too)."""
+        for pair in self.watched:
+            if pair[0] is tensor:
+                pair[1] = tensor._version
+                return
+        self.watched.append([tensor, tensor._version])
+
+    def grads(self, group_params) -> tuple[list, tuple] | None:
+        """``(grads, their addresses)`` of the plan's parameters for this step, or None when the plan no
+        longer describes the group (then nothing has been changed)."""
+        params = self.params
+        if len(group_params) != len(params) or not all(map(is_, group_params, params)):
+            return None
+        if not all(t._version == v for t, v in self.watched):
+            return None
+        gs = list(map(_grad, params))
+        if not self.all_have_grads:
+            if tuple(map(is_not, gs, repeat(None))) != self.mask:
+                return None
+            gs = list(compress(gs, self.mask))
+        elif not all(map(is_not, gs, repeat(None))):
+            return None
+        try:
+            gptrs = tuple(map(_ptr, gs))
+            ok = (tuple(map(_ptr, self.with_grad)) == self.ptrs and tuple(map(_dtype, gs)) == self.dtypes
+                  and tuple(map(_numel, gs)) == self.numels)
+            if ok and (self.strided or not all(map(_contiguous, gs))):
+                ok = (all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
+                      and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided))
+        except (RuntimeError, NotImplementedError):  # a sparse gradient: the full checks raise the error
+            return None
+        return (gs, gptrs) if ok else None
+
+
+def take(xs, idx: list | None) -> list:
+    """``xs`` at the positions ``idx`` (None: all of them), as a list."""
+    return list(xs) if idx is None else [xs[i] for i in idx]
+
+
+class Bucket:
+    """One multi-tensor launch of a plan: ``idx``, the positions of its parameters among the plan's
+    ``with_grad`` (None: all of them), their one ``dtype`` (also the gradients'), ``device`` and sizes, and
+    the optimizer's Columns of parameters and state in ``lists``."""
+
+    def __init__(self, idx: list | None, dtype: torch.dtype, device: torch.device, numels: tuple):
+        self.idx, self.dtype, self.device, self.numels = idx, dtype, device, numels
+        self.lists: list = []
+
+    def column(self, tensors, ptrs=None, dtype: torch.dtype | None = None) -> Column:
+        """A Column of tensors sized like this bucket's parameters (dtype read when not given)."""
+        return column(tensors, ptrs=ptrs, numels=self.numels, dtype=dtype, device=self.device)
+
+    def grads(self, gs: list, gptrs: tuple) -> Column:
+        """This step's gradients of the bucket, from the plan's checked ones."""
+        if self.idx is not None:
+            gs, gptrs = take(gs, self.idx), take(gptrs, self.idx)
+        return column(gs, ptrs=gptrs, numels=self.numels, dtype=self.dtype, device=self.device)
