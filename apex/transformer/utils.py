@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertValueError
 from apex.transformer import parallel_state
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
-    """Raise ``ValueError`` unless ``numerator`` is divisible by ``denominator``."""
+    """Raise ``ValueError`` (also the ``AssertionError`` Apex raised) unless ``numerator`` is divisible by
+    ``denominator``."""
     if denominator == 0 or numerator % denominator != 0:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
+        raise AssertValueError(f"{numerator} is not divisible by {denominator}")
 
 
 def divide(numerator: int, denominator: int) -> int:
-    """``numerator // denominator``, checking that the division is exact."""
+    """``numerator // denominator``, checking that the division is exact (see :func:`ensure_divisibility`)."""
     ensure_divisibility(numerator, denominator)
     return numerator // denominator
 

@@ -3,6 +3,9 @@
 Both resume from ``consumed_samples`` (the number of samples all data-parallel ranks together have used),
 so a restarted job continues exactly where it stopped. ``local_minibatch_size`` is
 ``global_batch_size / data_parallel_size``; it can be reassigned between iterations (batch-size ramp-up).
+
+Bad arguments raise ``ValueError`` that is also the ``RuntimeError`` Apex's ``MegatronPretrainingSampler``
+raised (its random sampler raised ``ValueError``), so code written for either catches them.
 """
 
 from __future__ import annotations
@@ -11,18 +14,20 @@ from collections.abc import Iterator
 
 import torch
 
+from apex._errors import RuntimeValueError
+
 __all__ = ["MegatronPretrainingSampler", "MegatronPretrainingRandomSampler"]
 
 
 def _check_common(total_samples, local_minibatch_size, data_parallel_rank, data_parallel_size) -> None:
     if total_samples <= 0:
-        raise ValueError(f"no sample to consume: total_samples of {total_samples}")
+        raise RuntimeValueError(f"no sample to consume: total_samples of {total_samples}")
     if local_minibatch_size <= 0:
-        raise ValueError(f"local_minibatch_size must be greater than 0, got {local_minibatch_size}")
+        raise RuntimeValueError(f"local_minibatch_size must be greater than 0, got {local_minibatch_size}")
     if data_parallel_size <= 0:
-        raise ValueError(f"data_parallel_size must be greater than 0, got {data_parallel_size}")
+        raise RuntimeValueError(f"data_parallel_size must be greater than 0, got {data_parallel_size}")
     if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(
+        raise RuntimeValueError(
             f"data_parallel_rank must be in [0, data_parallel_size={data_parallel_size}), got {data_parallel_rank}"
         )
 
@@ -31,7 +36,7 @@ class _Base:
     def __init__(self, total_samples, consumed_samples, local_minibatch_size, data_parallel_rank, data_parallel_size):
         _check_common(total_samples, local_minibatch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples < 0:
-            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+            raise RuntimeValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.data_parallel_rank = data_parallel_rank
@@ -48,7 +53,7 @@ class _Base:
     @local_minibatch_size.setter
     def local_minibatch_size(self, new_local_minibatch_size: int) -> None:
         if new_local_minibatch_size <= 0:
-            raise ValueError(f"local_minibatch_size must be greater than 0, got {new_local_minibatch_size}")
+            raise RuntimeValueError(f"local_minibatch_size must be greater than 0, got {new_local_minibatch_size}")
         self._local_minibatch_size = new_local_minibatch_size
         self.local_minibatch_times_data_parallel_size = new_local_minibatch_size * self.data_parallel_size
 
@@ -70,8 +75,9 @@ class MegatronPretrainingSampler(_Base):
         data_parallel_size: int,
         drop_last: bool = True,
     ) -> None:
-        if consumed_samples >= total_samples:
-            raise ValueError(f"no samples left to consume: consumed_samples {consumed_samples} >= {total_samples}")
+        if 0 < total_samples <= consumed_samples:  # total_samples <= 0 is reported first (Apex's order)
+            raise RuntimeValueError(f"no samples left to consume: consumed_samples {consumed_samples} >= "
+                                    f"{total_samples}")
         super().__init__(total_samples, consumed_samples, local_minibatch_size, data_parallel_rank, data_parallel_size)
         self.drop_last = drop_last
 
@@ -110,7 +116,7 @@ class MegatronPretrainingRandomSampler(_Base):
     ) -> None:
         super().__init__(total_samples, consumed_samples, local_minibatch_size, data_parallel_rank, data_parallel_size)
         if total_samples < self.local_minibatch_times_data_parallel_size:
-            raise ValueError(
+            raise RuntimeValueError(
                 f"total_samples ({total_samples}) is smaller than one global batch "
                 f"({local_minibatch_size} * {data_parallel_size})"
             )

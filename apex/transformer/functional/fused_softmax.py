@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from apex._errors import AssertValueError
 from apex.ops import scaled_masked_softmax as _ops
 from apex.ops._norm import autocast_args
 from apex.transformer.enums import AttnMaskType
@@ -112,8 +113,12 @@ def _check_4d(inputs: object, name: str = "inputs") -> None:
 
 
 def scaled_upper_triang_masked_softmax(inputs: Tensor, _: object, scale: float) -> Tensor:
-    """Causal softmax of ``[b, np, sq, sk]`` scores (``sq == sk``); the second argument is ignored."""
+    """Causal softmax of ``[b, np, sq, sk]`` scores (``sq == sk``, else ``ValueError``, also the
+    ``AssertionError`` Apex raised); the second argument is ignored."""
     _check_4d(inputs)
+    if isinstance(inputs, torch.Tensor) and inputs.size(-2) != inputs.size(-1):
+        raise AssertValueError(f"causal mask is only for self attention: inputs must have sq == sk, got shape "
+                               f"{list(inputs.shape)}")
     _ops.check_args(inputs, None, True, "inputs")
     (x,) = autocast_args(inputs.device.type, inputs)
     return _ops.scaled_masked_softmax(x, None, scale, causal=True)
@@ -175,9 +180,9 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
                              f"got {attn_mask_type!r}")
 
     def forward(self, input: Tensor, mask: Tensor | None) -> Tensor:
-        if not isinstance(input, torch.Tensor) or input.dim() != 4:
+        if not isinstance(input, torch.Tensor) or input.dim() != 4:  # Apex: assert input.dim() == 4
             got = list(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
-            raise ValueError(f"input must be a 4-D [b, np, sq, sk] tensor of attention scores, got {got}")
+            raise AssertValueError(f"input must be a 4-D [b, np, sq, sk] tensor of attention scores, got {got}")
         if self.is_kernel_available(mask, *input.size()):
             return self.forward_fused_softmax(input, mask)
         return self.forward_torch_softmax(input, mask)

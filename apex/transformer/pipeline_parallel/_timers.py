@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from apex._errors import AssertRuntimeError, AssertValueError
+
 
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -21,14 +23,14 @@ class _Timer:
 
     def start(self) -> None:
         if self.started_:
-            raise RuntimeError(f"timer {self.name_!r} has already been started")
+            raise AssertRuntimeError(f"timer {self.name_!r} has already been started")
         _sync()
         self.start_time = time.time()
         self.started_ = True
 
     def stop(self) -> None:
         if not self.started_:
-            raise RuntimeError(f"timer {self.name_!r} is not started")
+            raise AssertRuntimeError(f"timer {self.name_!r} is not started")
         _sync()
         self.elapsed_ += time.time() - self.start_time
         self.started_ = False
@@ -63,13 +65,13 @@ class _Timers:
 
     def write(self, names, writer, iteration, normalizer: float = 1.0, reset: bool = False) -> None:
         if normalizer <= 0.0:
-            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+            raise AssertValueError(f"normalizer must be > 0, got {normalizer}")
         for name in names:
             writer.add_scalar(name + "-time", self.timers[name].elapsed(reset=reset) / normalizer, iteration)
 
     def log(self, names, normalizer: float = 1.0, reset: bool = True) -> None:
         if normalizer <= 0.0:
-            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+            raise AssertValueError(f"normalizer must be > 0, got {normalizer}")
         string = "time (ms)"
         for name in names:
             string += f" | {name}: {self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer:.2f}"

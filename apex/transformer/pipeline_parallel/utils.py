@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from apex._errors import AssertRuntimeError, AssertValueError
 from apex.transformer import parallel_state
 from apex.transformer.enums import ModelType
 from apex.transformer.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
@@ -29,12 +30,12 @@ def listify_model(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.
 
 def _ensure_var_is_initialized(var, name: str) -> None:
     if var is None:
-        raise RuntimeError(f"{name} is not initialized.")
+        raise AssertRuntimeError(f"{name} is not initialized.")
 
 
 def _ensure_var_is_not_initialized(var, name: str) -> None:
     if var is not None:
-        raise RuntimeError(f"{name} is already initialized.")
+        raise AssertRuntimeError(f"{name} is already initialized.")
 
 
 def setup_microbatch_calculator(
@@ -44,7 +45,8 @@ def setup_microbatch_calculator(
     micro_batch_size: int,
     data_parallel_size: int,
 ) -> None:
-    """Create the global microbatch calculator (once; RuntimeError if it already exists)."""
+    """Create the global microbatch calculator (once; ``RuntimeError``, also the ``AssertionError`` Apex raised,
+    if it already exists)."""
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     _ensure_var_is_not_initialized(_GLOBAL_NUM_MICROBATCHES_CALCULATOR, "num microbatches calculator")
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
@@ -112,12 +114,12 @@ def get_kth_microbatch(batch: list[torch.Tensor] | None, k: int) -> list[torch.T
     microbatch = []
     for x in batch:
         if x.size(0) < end:
-            raise ValueError(
+            raise AssertValueError(
                 f"microbatch {k} needs rows [{start}, {end}) but a batch tensor has only {x.size(0)} rows"
             )
         microbatch.append(x[start:end])
     if not microbatch:
-        raise ValueError("batch is an empty list")
+        raise AssertValueError("batch is an empty list")
     return microbatch
 
 

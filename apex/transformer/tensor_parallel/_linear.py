@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertValueError
 from apex.transformer.parallel_state import get_tensor_model_parallel_group, get_tensor_model_parallel_world_size
 
 _NONES = (None, None, None, None)
@@ -51,8 +52,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce,
                 sequence_parallel_enabled, use_16bit_in_wgrad_accum_fusion=None):
-        if async_grad_allreduce and sequence_parallel_enabled:
-            raise ValueError("async_grad_allreduce and sequence_parallel_enabled cannot both be True")
+        if async_grad_allreduce and sequence_parallel_enabled:  # Apex asserts this in backward
+            raise AssertValueError("async_grad_allreduce and sequence_parallel_enabled cannot both be True")
         if use_16bit_in_wgrad_accum_fusion is not None:
             warnings.warn(f"Deprecated option `use_16bit_in_wgrad_accum_fusion` is set to "
                           f"{use_16bit_in_wgrad_accum_fusion}", stacklevel=2)

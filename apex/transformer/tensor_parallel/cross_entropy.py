@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertValueError
 from apex.transformer.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -30,7 +31,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+            raise AssertValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if vocab_parallel_logits.shape[:-1] != target.shape:
             raise ValueError(f"target shape {tuple(target.shape)} does not match the logits' leading shape "
                              f"{tuple(vocab_parallel_logits.shape[:-1])}")

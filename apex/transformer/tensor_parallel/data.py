@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertTypeError, AssertValueError
 from apex.transformer.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -19,7 +20,7 @@ def _check_data_types(keys, data, target_dtype) -> None:
     """Every ``data[key]`` must have ``target_dtype``."""
     for key in keys:
         if data[key].dtype != target_dtype:
-            raise TypeError(f"{key} has data type {data[key].dtype} which is different than {target_dtype}")
+            raise AssertTypeError(f"{key} has data type {data[key].dtype} which is different than {target_dtype}")
 
 
 def _build_key_size_numel_dictionaries(keys, data):
@@ -28,7 +29,8 @@ def _build_key_size_numel_dictionaries(keys, data):
     if get_tensor_model_parallel_rank() == 0:
         for k, key in enumerate(keys):
             if data[key].dim() >= _MAX_DATA_DIM:
-                raise ValueError(f"{key} has {data[key].dim()} dimensions; at most {_MAX_DATA_DIM - 1} are supported")
+                raise AssertValueError(f"{key} has {data[key].dim()} dimensions; at most {_MAX_DATA_DIM - 1} are "
+                                       "supported")
             for i, s in enumerate(data[key].shape):
                 sizes[k * _MAX_DATA_DIM + i] = s
     sizes_t = torch.tensor(sizes, dtype=torch.long, device=_current_device())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.nn.init as init
 from torch.nn.parameter import Parameter
 
+from apex._errors import AssertRuntimeError
 from apex.transformer.log_util import get_transformer_logger
 from apex.transformer.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from apex.transformer.tensor_parallel._linear import (
@@ -60,10 +61,11 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
-    """Mark ``tensor`` as split (``is_parallel``) along ``dim`` with ``stride``; ``RuntimeError`` if already marked."""
+    """Mark ``tensor`` as split (``is_parallel``) along ``dim`` with ``stride``; ``RuntimeError`` (also the
+    ``AssertionError`` Apex raised) if already marked."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(tensor, attribute):
-            raise RuntimeError(f"tensor already has the tensor-parallel attribute {attribute!r}")
+            raise AssertRuntimeError(f"tensor already has the tensor-parallel attribute {attribute!r}")
     tensor.tensor_model_parallel = is_parallel
     tensor.partition_dim = dim
     tensor.partition_stride = stride
@@ -195,8 +197,8 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.async_tensor_model_parallel_allreduce and sequence_parallel_enabled:
             raise RuntimeError("`async_tensor_model_parallel_allreduce` and `sequence_parallel_enabled` cannot be "
                                "enabled at the same time.")
-        if sequence_parallel_enabled and gather_output:
-            raise RuntimeError("`gather_output` must be False when `sequence_parallel_enabled` is True")
+        if sequence_parallel_enabled and gather_output:  # Apex asserts this in forward
+            raise AssertRuntimeError("`gather_output` must be False when `sequence_parallel_enabled` is True")
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
 

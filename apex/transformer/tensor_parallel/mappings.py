@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertValueError
 from apex.transformer.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -50,7 +51,8 @@ def _split_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
     if world_size == 1:
         return input_
     if input_.size(0) % world_size:
-        raise ValueError(f"first dimension {input_.size(0)} is not divisible by the tensor parallel size {world_size}")
+        raise AssertValueError(f"first dimension {input_.size(0)} is not divisible by the tensor parallel size "
+                               f"{world_size}")
     size = input_.size(0) // world_size
     return input_[get_tensor_model_parallel_rank() * size:][:size].contiguous()
 
@@ -83,7 +85,8 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
     if world_size == 1:
         return input_
     if input_.size(0) % world_size:
-        raise ValueError(f"first dimension {input_.size(0)} is not divisible by the tensor parallel size {world_size}")
+        raise AssertValueError(f"first dimension {input_.size(0)} is not divisible by the tensor parallel size "
+                               f"{world_size}")
     output = input_.new_empty((input_.size(0) // world_size, *input_.shape[1:]))
     dist.reduce_scatter_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
     return output

@@ -1,10 +1,13 @@
-"""Contiguous memory buffers (Megatron's ``mpu.memory``), allocated on the current accelerator or the CPU."""
+"""Contiguous memory buffers (Megatron's ``mpu.memory``), allocated on the current accelerator or the CPU.
+
+Misuse raises ``TypeError``/``RuntimeError`` that are also the ``AssertionError`` Apex raised."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertRuntimeError, AssertTypeError
 from apex.transformer.utils import _current_device
 
 
@@ -38,10 +41,11 @@ class MemoryBuffer:
 
     def add(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype != self.dtype:
-            raise TypeError(f"Input tensor type {tensor.dtype} different from buffer type {self.dtype}")
+            raise AssertTypeError(f"Input tensor type {tensor.dtype} different from buffer type {self.dtype}")
         new_start = self._start + tensor.numel()
         if new_start > self.numel:
-            raise RuntimeError(f"Not enough memory left in the buffer ({tensor.numel()} > {self.numel - self._start})")
+            raise AssertRuntimeError(f"Not enough memory left in the buffer ({tensor.numel()} > "
+                                     f"{self.numel - self._start})")
         chunk = self.data[self._start:new_start].view(tensor.shape)
         self._start = new_start
         chunk.copy_(tensor)
@@ -55,7 +59,7 @@ class MemoryBuffer:
 
     def print_average_usage(self) -> None:
         if not self.track_usage:
-            raise RuntimeError("You need to enable track usage.")
+            raise AssertRuntimeError("You need to enable track usage.")
         if dist.get_rank() == 0:
             print(f" > usage of {self.name} memory buffer: {self.in_use_value * 100.0 / self.total_value:.2f} %",
                   flush=True)
@@ -72,9 +76,10 @@ _REGISTRY = _Buffers()
 
 
 def allocate_mem_buff(name: str, numel: int, dtype: torch.dtype, track_usage: bool) -> MemoryBuffer:
-    """Allocate a named :class:`MemoryBuffer` of ``numel`` elements; ``RuntimeError`` if the name exists."""
+    """Allocate a named :class:`MemoryBuffer` of ``numel`` elements; ``RuntimeError`` (also the ``AssertionError``
+    Apex raised) if the name exists."""
     if name in _REGISTRY.buffers:
-        raise RuntimeError(f"memory buffer {name} already allocated.")
+        raise AssertRuntimeError(f"memory buffer {name} already allocated.")
     _REGISTRY.buffers[name] = MemoryBuffer(name, numel, dtype, track_usage)
     return _REGISTRY.buffers[name]
 
@@ -96,5 +101,5 @@ class RingMemBuffer:
         self._index = (self._index + 1) % self.num_buffers
         buff = self.buffers[self._index]
         if buff.is_in_use():
-            raise RuntimeError("buffer is already in use.")
+            raise AssertRuntimeError("buffer is already in use.")
         return buff

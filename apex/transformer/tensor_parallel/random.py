@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from apex._errors import AssertRuntimeError, AssertValueError
 from apex.transformer.parallel_state import get_tensor_model_parallel_rank
 from apex.transformer.tensor_parallel.memory import allocate_mem_buff
 from apex.transformer.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
@@ -132,10 +133,10 @@ def init_checkpointed_activations_memory_buffer(micro_batch_size, max_position_e
     """Allocate the buffer for distributed checkpointed activations (kept for API compatibility)."""
     per_layer = micro_batch_size * max_position_embeddings * hidden_size // tensor_model_parallel_size
     if num_layers % checkpoint_num_layers:
-        raise ValueError(f"number of layers ({num_layers}) is not divisible by checkpoint-num-layers "
+        raise AssertValueError(f"number of layers ({num_layers}) is not divisible by checkpoint-num-layers "
                          f"({checkpoint_num_layers})")
     if _Tracker.checkpointed_activations_buffer is not None:
-        raise RuntimeError("checkpointed activations memory buffer is already allocated.")
+        raise AssertRuntimeError("checkpointed activations memory buffer is already allocated.")
     _Tracker.checkpointed_activations_buffer = allocate_mem_buff(
         "checkpointed activations", per_layer * (num_layers // checkpoint_num_layers),
         torch.half if fp16 else torch.float, track_usage=False)

@@ -12,7 +12,8 @@ from apex.transformer.utils import divide
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
                                 contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
     """Split ``tensor`` into ``num_partitions`` equal views along its last dimension (copies made
-    contiguous when ``contiguous_split_chunks``). The last dimension must divide evenly."""
+    contiguous when ``contiguous_split_chunks``). The last dimension must divide evenly (else ``ValueError``,
+    also the ``AssertionError`` Apex raised)."""
     chunks = torch.split(tensor, divide(tensor.size(-1), num_partitions), dim=-1)
     if contiguous_split_chunks:
         return tuple(c.contiguous() for c in chunks)

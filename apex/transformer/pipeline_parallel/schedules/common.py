@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.autograd.variable import Variable
 
+from apex._errors import AssertTypeError, AssertValueError
 from apex.normalization.fused_layer_norm import FusedLayerNorm
 from apex.transformer import parallel_state
 from apex.transformer.enums import ModelType
@@ -147,11 +148,11 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> N
     """Run the autograd engine directly: unlike ``torch.autograd.backward`` it does not check that
     ``grad_output`` has the (pseudo-freed) output's shape."""
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
+        raise AssertTypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
     if grad_output is not None and not isinstance(grad_output, torch.Tensor):
-        raise TypeError(f"grad_output must be a torch.Tensor or None, got {type(grad_output).__name__}")
+        raise AssertTypeError(f"grad_output must be a torch.Tensor or None, got {type(grad_output).__name__}")
     if output.numel() != 1:
-        raise ValueError("output should be pseudo-freed (1 element) before custom_backward")
+        raise AssertValueError("output should be pseudo-freed (1 element) before custom_backward")
     if grad_output is None:
         grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
     Variable._execution_engine.run_backward(

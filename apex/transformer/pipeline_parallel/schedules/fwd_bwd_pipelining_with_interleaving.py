@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from apex._errors import RuntimeTypeError
 from apex.transformer import parallel_state
 from apex.transformer.pipeline_parallel import p2p_communication
 from apex.transformer.pipeline_parallel.schedules.common import (
@@ -58,7 +59,7 @@ def _forward_backward_pipelining_with_interleaving(
     first forward) with the chunk's parameters. Returns the last stage's ``loss_reduced`` values.
     """
     if not isinstance(model, list) or not model:
-        raise TypeError("the interleaved schedule needs `model` as a non-empty list of modules (one per chunk)")
+        raise RuntimeTypeError("the interleaved schedule needs `model` as a non-empty list of modules (one per chunk)")
     if deallocate_pipeline_outputs:
         warnings.warn("`deallocate_pipeline_outputs` is experimental and subject to change.", stacklevel=2)
     if tensor_shape is None or len(tensor_shape) != 3:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from apex._errors import AssertValueError
 from apex.transformer import parallel_state
 from apex.transformer.enums import ModelType
 from apex.transformer.pipeline_parallel import p2p_communication
@@ -43,8 +44,8 @@ def get_tensor_shapes(
 ) -> Sequence[Sequence[int]]:
     """Shapes stage ``rank`` sends: ``[(seq, mbs, hidden)]``, plus the decoder's for stages after the split
     of an encoder-and-decoder model. ``seq`` is divided by the TP size with sequence parallelism."""
-    if tensor_shape is None or len(tensor_shape) != 3:
-        raise ValueError(
+    if tensor_shape is None or len(tensor_shape) != 3:  # Apex asserts this
+        raise AssertValueError(
             f"`tensor_shape` should be [sequence_length, micro_batch_size, hidden_size] but {tensor_shape}"
         )
     seq, mbs, hidden = tensor_shape
