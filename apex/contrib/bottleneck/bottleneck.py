@@ -7,6 +7,7 @@ batch norm is ``x·scale + bias`` with ``scale = weight / sqrt(running_var)`` (n
 stores the convolution weights as (O, kH, kW, I), as Apex does; the convolutions then run on
 channels_last views. ``use_cudnn`` selected Apex's fused cuDNN kernels and is accepted for compatibility.
 Apex's ``SpatialBottleneck`` (spatially split across ranks with halo exchange) is in ``spatial_bottleneck.py``.
+``groups != 1``, ``dilation != 1`` or a ``norm_func`` raise ``ValueError``, also the ``RuntimeError`` Apex raised.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.init import kaiming_uniform_
+
+from apex._errors import RuntimeValueError
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -54,11 +57,11 @@ class Bottleneck(nn.Module):
                  norm_func=None, use_cudnn=False, explicit_nhwc=False):
         super().__init__()
         if groups != 1:
-            raise ValueError("Bottleneck supports groups == 1 only")
+            raise RuntimeValueError("Bottleneck supports groups == 1 only")
         if dilation != 1:
-            raise ValueError("Bottleneck supports dilation == 1 only")
+            raise RuntimeValueError("Bottleneck supports dilation == 1 only")
         if norm_func is not None:
-            raise ValueError("Bottleneck supports frozen batch norm only (norm_func=None)")
+            raise RuntimeValueError("Bottleneck supports frozen batch norm only (norm_func=None)")
         self.downsample = None
         if stride != 1 or in_channels != out_channels:
             self.downsample = nn.Sequential(conv1x1(in_channels, out_channels, stride), FrozenBatchNorm2d(out_channels))

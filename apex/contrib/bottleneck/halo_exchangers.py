@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertValueError
 from apex.contrib.peer_memory import PeerMemoryPool
 from apex.contrib.peer_memory._halo import check_group_position, exchange_halos
 
@@ -124,7 +125,7 @@ class HaloExchangerSendRecv(_PointToPoint):
             raise RuntimeError("HaloExchangerSendRecv needs torch.distributed.init_process_group first")
         me = dist.get_rank()
         if self.ranks[rank_in_group] != me:
-            raise ValueError(f"HaloExchangerSendRecv: ranks[{rank_in_group}] is {self.ranks[rank_in_group]}, "
+            raise AssertValueError(f"HaloExchangerSendRecv: ranks[{rank_in_group}] is {self.ranks[rank_in_group]}, "
                              f"but this process is global rank {me}")
         self.group = group
 

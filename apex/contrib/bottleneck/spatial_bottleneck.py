@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import AssertValueError
 from apex.contrib.bottleneck.bottleneck import Bottleneck
 
 
@@ -71,8 +72,8 @@ def _check_spatial_args(args) -> tuple:
         if not callable(getattr(exchanger, "left_right_halo_exchange", None)):
             raise TypeError("spatial_halo_exchanger must have left_right_halo_exchange (e.g. HaloExchangerSendRecv), "
                             f"got {type(exchanger).__name__}")
-        if method not in (1, 2, 3):
-            raise ValueError(f"spatial_method must be 1, 2 or 3, got {method!r}")
+        if method not in (1, 2, 3):  # Apex asserts this in forward
+            raise AssertValueError(f"spatial_method must be 1, 2 or 3, got {method!r}")
     return tuple(args)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
+from apex._errors import AssertValueError
 from apex.ops.group_norm import check_args, group_norm
 
 Tensor = torch.Tensor
@@ -70,8 +71,8 @@ class GroupNorm(torch.nn.Module):
             raise ValueError("num_channels must be divisible by num_groups "
                              f"(num_channels={num_channels}, num_groups={num_groups})")
         act = act.lower() if act else act
-        if act not in (None, "", "silu", "swish"):
-            raise ValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
+        if act not in (None, "", "silu", "swish"):  # Apex asserts this in its kernels' launchers
+            raise AssertValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
         self.num_groups = num_groups
         self.num_channels = num_channels
         self.eps = eps

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import AssertValueError
 from apex.contrib._group import consecutive_group
 from apex.parallel.sync_batchnorm import SyncBatchNorm
 
@@ -30,7 +31,7 @@ class BatchNorm2d_NHWC(SyncBatchNorm):  # noqa: N801 - Apex's name
         if x.dim() != 4:
             raise ValueError(f"BatchNorm2d_NHWC expects an (N, H, W, C) input, got shape {tuple(x.shape)}")
         if z is not None and not self.fuse_relu:
-            raise ValueError("BatchNorm2d_NHWC adds z only with fuse_relu=True")
+            raise AssertValueError("BatchNorm2d_NHWC adds z only with fuse_relu=True")
         return super().forward(x, z)
 
 

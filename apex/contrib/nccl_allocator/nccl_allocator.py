@@ -21,6 +21,8 @@ from contextlib import nullcontext
 
 import torch
 
+from apex._errors import AssertValueError
+
 __all__ = ["init", "nccl_mem", "create_nccl_mem_pool"]
 
 
@@ -104,8 +106,8 @@ def _cuda_device(device) -> torch.device:
     if isinstance(device, int):
         return torch.device("cuda", device)
     device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
+    if device.type != "cuda":  # Apex asserts this
+        raise AssertValueError(f"device must be a CUDA device, got {device}")
     return device
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Adam, Optimizer
 
+from apex._errors import AssertValueError
 from apex.ops.openfold_adam_swa import adam_swa_step
 
 
@@ -161,8 +162,8 @@ class FusedAdamSWA(Optimizer):
     def from_optim(cls, adam_optimizer: Adam, fp32_params: list[nn.Parameter], bf16_params: list[nn.Parameter],
                    swa_params: list[nn.Parameter], swa_decay_rate: float) -> FusedAdamSWA:
         """A ``FusedAdamSWA`` (PyTorch Adam math) taking over ``adam_optimizer``'s hyperparameters and state."""
-        if len(adam_optimizer.param_groups) != 1:
-            raise ValueError("FusedAdamSWA.from_optim needs an optimizer with exactly one param group")
+        if len(adam_optimizer.param_groups) != 1:  # Apex asserts this
+            raise AssertValueError("FusedAdamSWA.from_optim needs an optimizer with exactly one param group")
         pg = adam_optimizer.param_groups[0]
         fused = cls(params=fp32_params, compute_params=bf16_params, swa_params=swa_params,
                     swa_decay_rate=swa_decay_rate, lr=pg["lr"], betas=pg["betas"], eps=pg["eps"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import AssertValueError
 from apex.contrib.optimizers._gloo_collectives import all_reduce
 
 
@@ -33,8 +34,8 @@ class ZeroNormMixin:
     def grad_norm(self, parameters=None, norm_type: float = 2.0, force: bool = False) -> torch.Tensor:
         """2-norm of all gradients (as one vector), times the pending gradient scale; cached until the
         gradients change."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"only norm_type=2 is supported, got {norm_type}")
+        if float(norm_type) != 2.0:  # Apex asserts this
+            raise AssertValueError(f"only norm_type=2 is supported, got {norm_type}")
         if force or self._grad_norm is None:
             sq = self._local_grad_norm(parameters=parameters)
             all_reduce(sq, group=self.distributed_process_group)
@@ -44,8 +45,8 @@ class ZeroNormMixin:
     def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients (at the next step) so their norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_``: ``coef = min(max_norm / (norm + 1e-6), 1)``. Returns the norm."""
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        if not max_norm > 0:  # Apex asserts this
+            raise AssertValueError(f"max_norm must be > 0, got {max_norm}")
         total = self.grad_norm(parameters=parameters, norm_type=norm_type)
         self._grad_scale *= torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total

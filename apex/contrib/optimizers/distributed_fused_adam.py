@@ -12,6 +12,7 @@ from collections import OrderedDict, defaultdict
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertRuntimeError, RuntimeValueError
 from apex.contrib.optimizers import _zero_buckets as zb
 from apex.contrib.optimizers._zero_buckets import (  # noqa: F401  (Apex's module-level names)
     _bf16_rem_to_fp32,
@@ -28,17 +29,20 @@ from apex.contrib.optimizers._zero_step import ZeroStepMixin
 
 
 def _resolve_device(device, params) -> torch.device:
-    """Apex's ``device="cuda"``: the current GPU; on a machine without one, the parameters' device."""
+    """Apex's ``device="cuda"``: the current GPU; on a machine without one, the parameters' device. Errors are
+    ``ValueError`` and also the ``RuntimeError`` Apex raised for a device it could not use."""
     devices = {p.device for p in params}
     if len(devices) > 1:
-        raise ValueError(f"DistributedFusedAdam needs all parameters on one device, got {sorted(map(str, devices))}")
+        raise RuntimeValueError(f"DistributedFusedAdam needs all parameters on one device, got "
+                                f"{sorted(map(str, devices))}")
     dev = torch.device("cuda" if device is None else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         dev = next(iter(devices)) if devices else torch.device("cpu")
     elif dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if devices and next(iter(devices)) != dev:
-        raise ValueError(f"device={device!r} resolves to {dev}, but the parameters are on {next(iter(devices))}")
+        raise RuntimeValueError(f"device={device!r} resolves to {dev}, but the parameters are on "
+                                f"{next(iter(devices))}")
     return dev
 
 
@@ -404,8 +408,8 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
 
     def grad_buffer_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """``param``'s gradient as a view into the contiguous gradient buffer (``contiguous_grad_buffer``)."""
-        if not self.contiguous_grad_buffer:
-            raise RuntimeError("grad_buffer_view needs contiguous_grad_buffer=True")
+        if not self.contiguous_grad_buffer:  # Apex asserts this
+            raise AssertRuntimeError("grad_buffer_view needs contiguous_grad_buffer=True")
         if not self._grad_buffers:
             self._init_grad_buffer()
         frag = self.state[param]["fragments"][0]

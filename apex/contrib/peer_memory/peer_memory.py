@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from apex._errors import AssertRuntimeError, AssertTypeError, AssertValueError
+
 _ALIGNMENT = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 
@@ -60,8 +62,8 @@ class PeerMemoryPool:
             peer_ranks = _default_peer_ranks(rank, world)
         peer_ranks = list(peer_ranks)
         bad = [r for r in peer_ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world]
-        if bad or not peer_ranks:
-            raise ValueError(f"PeerMemoryPool: peer_ranks must be a non-empty list of ranks in [0, {world}), "
+        if bad or not peer_ranks:  # Apex asserts the peers are on this node
+            raise AssertValueError(f"PeerMemoryPool: peer_ranks must be a non-empty list of ranks in [0, {world}), "
                              f"got {peer_ranks!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -88,11 +90,12 @@ class PeerMemoryPool:
         """One tensor of ``shape`` and ``dtype`` per peer rank, from the dynamic or the static region.
 
         ``channels_last`` gives 4-d views channels_last strides. Every entry is a view of this rank's own
-        buffer (see the module docstring). Errors: an unsupported dtype (TypeError; Apex supports float16,
-        float32 and int32, bfloat16 is accepted too) or an exhausted region (RuntimeError, nothing allocated).
+        buffer (see the module docstring). Errors, each also the ``AssertionError`` Apex raised: an unsupported
+        dtype (``TypeError``; Apex supports float16, float32 and int32, bfloat16 is accepted too) or an exhausted
+        region (``RuntimeError``, nothing allocated).
         """
         if dtype not in _DTYPES:
-            raise TypeError(f"allocate_peer_tensors: dtype must be one of {_DTYPES}, got {dtype}")
+            raise AssertTypeError(f"allocate_peer_tensors: dtype must be one of {_DTYPES}, got {dtype}")
         shape = [int(s) for s in shape]
         if any(s < 0 for s in shape):
             raise ValueError(f"allocate_peer_tensors: shape must be non-negative, got {shape}")
@@ -104,7 +107,7 @@ class PeerMemoryPool:
         start = _round_up(offset)
         if start + nbytes > size:
             region = "dynamic" if dynamic else "static"
-            raise RuntimeError(f"{region} peer memory pool exhausted: {nbytes} bytes requested at offset {start} "
+            raise AssertRuntimeError(f"{region} peer memory pool exhausted: {nbytes} bytes requested at offset {start} "
                                f"of a {size}-byte region")
         if dynamic:
             self.dynamic_offset = start + nbytes

@@ -11,9 +11,10 @@ addition to Apex's API, forgets it so another model can be pruned. Eligible weig
 whitelisted module types whose first dimension is a multiple of 8 and second a multiple of 16 (Apex's
 tensor-core rule); others are skipped with a log line on the ``apex.contrib.sparsity`` logger.
 
-Differences from Apex: misuse raises ``RuntimeError`` (Apex asserts); ``already_init_asp_model`` always
-returns a bool; the shape rule applies to every dtype (Apex skips the check for bfloat16); the pruned copies
-kept by ``allow_recompute_mask`` return to the weight's own device.
+Differences from Apex: misuse raises ``RuntimeError`` (an unknown whitelist type ``ValueError``), each also
+the ``AssertionError`` Apex raised; ``already_init_asp_model`` always returns a bool; the shape rule applies to
+every dtype (Apex skips the check for bfloat16); the pruned copies kept by ``allow_recompute_mask`` return to
+the weight's own device.
 
 Channel permutation (``allow_permutation=True``, the default as in Apex): ``compute_sparse_masks`` first
 permutes the model's channels with :class:`~apex.contrib.sparsity.permutation_lib.Permutation` so that the masks
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from apex._errors import AssertRuntimeError, AssertValueError
 from apex.contrib.sparsity.permutation_lib import Permutation
 from apex.contrib.sparsity.sparse_masklib import create_mask
 
@@ -127,7 +129,7 @@ class ASP:
         ``tensor -> mask``. With ``allow_recompute_mask`` the pruned values are kept on the CPU
         (``__<name>_mma_pruned_p``) so dense weights can be restored."""
         if cls._model is not None:
-            raise RuntimeError("ASP has been initialized already (call ASP.reset() to prune another model)")
+            raise AssertRuntimeError("ASP has been initialized already (call ASP.reset() to prune another model)")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(mask_calculator, str):
@@ -147,7 +149,7 @@ class ASP:
             whitelist += [t for t in custom_layer_dict if t not in whitelist]
         for module_type in whitelist:
             if module_type not in table:
-                raise ValueError(f"whitelist: don't know how to sparsify {module_type!r}; pass custom_layer_dict")
+                raise AssertValueError(f"whitelist: don't know how to sparsify {module_type!r}; pass custom_layer_dict")
 
         def names_for(module):
             for klass in type(module).__mro__:
@@ -207,9 +209,9 @@ class ASP:
     def init_optimizer_for_pruning(cls, optimizer: torch.optim.Optimizer) -> None:
         """Patch ``optimizer.step`` so gradients are masked before and weights after every step."""
         if cls._optimizer is not None:
-            raise RuntimeError("ASP has initialized optimizer already.")
+            raise AssertRuntimeError("ASP has initialized optimizer already.")
         if cls._calculate_mask is None:
-            raise RuntimeError("Called ASP.init_optimizer_for_pruning before ASP.init_model_for_pruning.")
+            raise AssertRuntimeError("Called ASP.init_optimizer_for_pruning before ASP.init_model_for_pruning.")
         original = optimizer.step
         records = cls._sparse_parameters
 
@@ -234,10 +236,10 @@ class ASP:
         """Compute every mask from the current weights and zero the pruned weights in place. When masks
         were already computed, the dense weights are first restored (needs ``allow_recompute_mask``)."""
         if cls._calculate_mask is None:
-            raise RuntimeError("Called ASP.compute_sparse_masks before ASP.init_model_for_pruning.")
+            raise AssertRuntimeError("Called ASP.compute_sparse_masks before ASP.init_model_for_pruning.")
         for module_name, _, p_name, _, mask, pruned in cls._sparse_parameters:
             if pruned is None and not bool(mask.all()):
-                raise RuntimeError(f"Unable to restore dense parameter {module_name}::{p_name} to recompute its "
+                raise AssertRuntimeError(f"Unable to restore dense parameter {module_name}::{p_name} to recompute its "
                                    "mask because allow_recompute_mask == False")
         with torch.no_grad():
             for _, _, _, p, mask, pruned in cls._sparse_parameters:
@@ -282,7 +284,7 @@ class ASP:
         ``allow_recompute_mask``)."""
         for module_name, _, p_name, _, mask, pruned in cls._sparse_parameters:
             if pruned is None and not bool(mask.all()):
-                raise RuntimeError(f"Unable to restore dense parameter {module_name}::{p_name} because "
+                raise AssertRuntimeError(f"Unable to restore dense parameter {module_name}::{p_name} because "
                                    "allow_recompute_mask == False")
         with torch.no_grad():
             for module_name, _, p_name, p, mask, pruned in cls._sparse_parameters:
@@ -305,7 +307,7 @@ class ASP:
             return False
         if total == sp50:
             return True
-        raise RuntimeError("Inconsistent model sparsity")
+        raise AssertRuntimeError("Inconsistent model sparsity")
 
     @classmethod
     def prune_trained_model(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

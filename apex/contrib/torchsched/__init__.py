@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch._dynamo import list_backends, register_backend
 
+from apex._errors import AssertValueError
 from apex.contrib.torchsched import config
 from apex.contrib.torchsched.backend import get_backend
 
@@ -46,8 +47,8 @@ __torch_compile__ = torch.compile
 def set_default_backend(backend: str) -> None:
     """Make ``backend`` the default of ``torch.compile`` (installs :func:`torchsched_compile`)."""
     global _DEFAULT_BACKEND
-    if backend not in list_backends(exclude_tags=()):
-        raise ValueError(f"Unknown backend {backend!r}; registered: {list_backends(exclude_tags=())}")
+    if backend not in list_backends(exclude_tags=()):  # Apex asserts this
+        raise AssertValueError(f"Unknown backend {backend!r}; registered: {list_backends(exclude_tags=())}")
     _DEFAULT_BACKEND = backend
     torch.compile = torchsched_compile
 
