@@ -9,16 +9,14 @@ fails on it). Storing the mean in fp32 alone costs ~2.5e-5 in that gradient, hen
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import torch
 
 from apex.testing import assert_rel_close, run_distributed
+from tests._cpu_capability import probe_under_capabilities
 
 SHAPE = (2, 16, 192, 288)
 EPS, MOMENTUM = 1e-5, 0.1
@@ -87,31 +85,6 @@ for threads in (1, 2):
         out[f"{threads}:{name}"] = zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes())
 json.dump(out, sys.stdout)
 """
-
-
-def cpu_capabilities() -> list[str]:
-    """The ``ATEN_CPU_CAPABILITY`` values this CPU can run: ``default``, and the vector extensions up to the
-    one PyTorch picks by itself (forcing a wider one than the CPU has ends in SIGILL)."""
-    best = torch.backends.cpu.get_cpu_capability() if "ATEN_CPU_CAPABILITY" not in os.environ else None
-    if best is None:
-        probe = [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"]
-        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-        best = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip()
-    ladder = {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}
-    return ["default", *ladder.get(best, [])]
-
-
-def probe_under_capabilities(script: str) -> dict[str, dict]:
-    """Run ``script`` (printing a JSON object) once per CPU capability; ``{capability: its output}``."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    outs = {}
-    for cap in cpu_capabilities():
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap, APEX_BACKEND="torch")
-        run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert run.returncode == 0, f"ATEN_CPU_CAPABILITY={cap}:\n{run.stderr[-3000:]}"
-        outs[cap] = json.loads(run.stdout)
-    return outs
 
 
 def test_lib_same_bits_on_every_cpu_capability_and_thread_count():
