@@ -15,26 +15,30 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
 
 
 def _check(in1: object, in2: object, idx1: object) -> None:
+    # Where Apex raised RuntimeError (dtypes, ranks) or asserted (idx1's length), the error is also that type.
     for name, t in (("in1", in1), ("in2", in2)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+            raise RuntimeTypeError(f"{name} must be a floating-point torch.Tensor")
         if t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor, got shape {list(t.shape)}")
+            raise RuntimeValueError(f"{name} must be a 2-D tensor, got shape {list(t.shape)}")
     if in2.dtype != in1.dtype:
-        raise TypeError(f"in1 and in2 must have the same dtype, got {in1.dtype} and {in2.dtype}")
+        raise RuntimeTypeError(f"in1 and in2 must have the same dtype, got {in1.dtype} and {in2.dtype}")
     if in1.shape[1] != in2.shape[1]:
         raise ValueError(f"in1 and in2 must have the same number of columns, got {in1.shape[1]} and "
                          f"{in2.shape[1]}")
     if not isinstance(idx1, torch.Tensor) or idx1.dtype not in (torch.int64, torch.int32):
         raise TypeError("idx1 must be an int64 or int32 tensor")
-    if idx1.dim() != 1 or idx1.shape[0] != in2.shape[0]:
-        raise ValueError(f"idx1 must be 1-D with in2's {in2.shape[0]} rows, got shape {list(idx1.shape)}")
+    if idx1.dim() != 1:
+        raise RuntimeValueError(f"idx1 must be 1-D with in2's {in2.shape[0]} rows, got shape {list(idx1.shape)}")
+    if idx1.shape[0] != in2.shape[0]:
+        raise AssertValueError(f"idx1 must be 1-D with in2's {in2.shape[0]} rows, got shape {list(idx1.shape)}")
     for name, t in (("in2", in2), ("idx1", idx1)):
         if t.device != in1.device:
             raise ValueError(f"{name} is on {t.device} but in1 is on {in1.device}")
