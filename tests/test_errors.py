@@ -1,0 +1,437 @@
+"""Error paths raise both this package's type and the type NVIDIA Apex raised (``apex._errors``).
+
+Each row of ``CASES`` is a documented misuse of the public API: the call, the type this package promises
+(``ValueError``/``TypeError``, or ``RuntimeError`` for misuse of state), the type Apex raised there
+(``AssertionError`` from an ``assert``, or ``RuntimeError``), and a fragment of the message. Paths that need a
+process group run in one single-rank Gloo spawn (``test_distributed_error_paths``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from apex import _errors
+
+VE, TE, RE, AE = ValueError, TypeError, RuntimeError, AssertionError
+
+
+# ----------------------------------------------------------------------------------------- transformer
+def _divide(mp):
+    from apex.transformer.utils import divide
+    divide(5, 2)
+
+
+def _ensure_divisibility(mp):
+    from apex.transformer.utils import ensure_divisibility
+    ensure_divisibility(7, 3)
+
+
+def _split_last_dim(mp):
+    from apex.transformer.tensor_parallel.utils import split_tensor_along_last_dim
+    split_tensor_along_last_dim(torch.zeros(2, 5), 2)
+
+
+def _vocab_range(mp):
+    from apex.transformer.tensor_parallel.utils import VocabUtility
+    VocabUtility.vocab_range_from_global_vocab_size(10, 0, 3)
+
+
+def _attributes_twice(mp):
+    from apex.transformer.tensor_parallel import set_tensor_model_parallel_attributes
+    t = torch.zeros(2)
+    set_tensor_model_parallel_attributes(t, True, 0, 1)
+    set_tensor_model_parallel_attributes(t, True, 0, 1)
+
+
+def _sampler(*args, random=False):
+    from apex.transformer._data import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+
+    def call(mp):
+        (MegatronPretrainingRandomSampler if random else MegatronPretrainingSampler)(*args)
+    return call
+
+
+def _sampler_set_size(mp):
+    from apex.transformer._data import MegatronPretrainingSampler
+    MegatronPretrainingSampler(10, 0, 2, 0, 1).local_minibatch_size = 0
+
+
+def _softmax_module_3d(mp):
+    from apex.transformer.enums import AttnMaskType
+    from apex.transformer.functional import FusedScaleMaskSoftmax
+    FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, None, True, None)(torch.zeros(2, 3, 4), None)
+
+
+def _causal_softmax_not_square(mp):
+    from apex.transformer.functional.fused_softmax import scaled_upper_triang_masked_softmax
+    scaled_upper_triang_masked_softmax(torch.zeros(1, 1, 2, 3), None, 1.0)
+
+
+def _timer(action):
+    def call(mp):
+        from apex.transformer.pipeline_parallel._timers import _Timers
+        timers = _Timers()
+        if action == "start twice":
+            timers("t").start()
+            timers("t").start()
+        elif action == "stop unstarted":
+            timers("t").stop()
+        else:
+            timers.log(["t"], normalizer=0.0)
+    return call
+
+
+def _no_calculator(mp):
+    from apex.transformer.pipeline_parallel import utils
+    mp.setattr(utils, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+    utils.get_micro_batch_size()
+
+
+def _calculator_twice(mp):
+    from apex.transformer.pipeline_parallel import utils
+    mp.setattr(utils, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+    utils.setup_microbatch_calculator(0, None, 4, 1, 1)
+    utils.setup_microbatch_calculator(0, None, 4, 1, 1)
+
+
+def _kth_microbatch_out_of_range(mp):
+    from apex.transformer.microbatches import ConstantNumMicroBatches
+    from apex.transformer.pipeline_parallel import utils
+    mp.setattr(utils, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", ConstantNumMicroBatches(4, 1, 1))
+    utils.get_kth_microbatch([torch.zeros(2, 1)], 3)
+
+
+def _custom_backward(output):
+    def call(mp):
+        from apex.transformer.pipeline_parallel.schedules.common import custom_backward
+        custom_backward(output() if callable(output) else output, None)
+    return call
+
+
+def _interleaved_not_a_list(mp):
+    from apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_with_interleaving import (
+        _forward_backward_pipelining_with_interleaving,
+    )
+    _forward_backward_pipelining_with_interleaving(None, None, nn.Linear(1, 1), forward_only=True,
+                                                   tensor_shape=[1, 1, 1])
+
+
+def _tensor_shapes_not_3d(mp):
+    from apex.transformer.enums import ModelType
+    from apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_without_interleaving import (
+        get_tensor_shapes,
+    )
+    get_tensor_shapes(0, ModelType.encoder_or_decoder, tensor_shape=[4, 2])
+
+
+def _label_smoothing_one(mp):
+    from apex.transformer.tensor_parallel import vocab_parallel_cross_entropy
+    vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 1.0)
+
+
+def _broadcast_data(data):
+    def call(mp):
+        from apex.transformer.tensor_parallel import data as tp_data
+        mp.setattr(tp_data, "get_tensor_model_parallel_rank", lambda: 0)  # the source rank checks its inputs
+        tp_data.broadcast_data(["x"], {"x": data}, torch.float32)
+    return call
+
+
+def _sequence_split(name):
+    def call(mp):
+        from apex.transformer.tensor_parallel import mappings
+        mp.setattr(mappings, "get_tensor_model_parallel_world_size", lambda: 2)
+        mp.setattr(mappings, "get_tensor_model_parallel_rank", lambda: 0)
+        getattr(mappings, name)(torch.zeros(3, 2))
+    return call
+
+
+def _fresh_buffers(mp):
+    from apex.transformer.tensor_parallel import memory
+    mp.setattr(memory, "_REGISTRY", memory._Buffers())
+    return memory
+
+
+def _buffer(action):
+    def call(mp):
+        memory = _fresh_buffers(mp)
+        if action == "allocate twice":
+            memory.allocate_mem_buff("b", 4, torch.float32, False)
+            memory.allocate_mem_buff("b", 4, torch.float32, False)
+        elif action == "ring in use":
+            ring = memory.RingMemBuffer("r", 1, 4, torch.float32, False)
+            ring.get_next_buffer().add(torch.zeros(1))
+            ring.get_next_buffer()
+        else:
+            buffer = memory.MemoryBuffer("b", 4, torch.float32, False)
+            if action == "dtype":
+                buffer.add(torch.zeros(2, dtype=torch.float64))
+            elif action == "full":
+                buffer.add(torch.zeros(5))
+            else:
+                buffer.print_average_usage()
+    return call
+
+
+def _checkpoint_buffer(twice):
+    def call(mp):
+        from apex.transformer.tensor_parallel import random as tp_random
+        _fresh_buffers(mp)
+        mp.setattr(tp_random._Tracker, "checkpointed_activations_buffer", None)
+        if twice:
+            tp_random.init_checkpointed_activations_memory_buffer(1, 1, 1, 2, 1, 1, False)
+            tp_random.init_checkpointed_activations_memory_buffer(1, 1, 1, 2, 1, 1, False)
+        else:
+            tp_random.init_checkpointed_activations_memory_buffer(1, 1, 1, 3, 1, 2, False)
+    return call
+
+
+def _column_parallel_gather_and_sequence_parallel(mp):
+    from apex.transformer.tensor_parallel import layers
+    mp.setattr(layers, "get_tensor_model_parallel_world_size", lambda: 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sequence_parallel_enabled with world_size 1"
+        layers.ColumnParallelLinear(4, 4, gather_output=True, sequence_parallel_enabled=True)
+
+
+def _linear_async_and_sequence_parallel(mp):
+    from apex.transformer.tensor_parallel import linear_with_grad_accumulation_and_async_allreduce
+    linear_with_grad_accumulation_and_async_allreduce(torch.zeros(2, 4), torch.zeros(3, 4), None, False, True, True)
+
+
+def _parallel_state_uninitialized(mp):
+    from apex.transformer import parallel_state
+    parallel_state.get_tensor_model_parallel_group()
+
+
+def _microbatch_config(mp):
+    from apex.transformer.microbatches import build_num_microbatches_calculator
+    build_num_microbatches_calculator(0, [1, 2], 4, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------- contrib
+def _bottleneck(**kwargs):
+    def call(mp):
+        from apex.contrib.bottleneck import Bottleneck
+        Bottleneck(4, 2, 4, **kwargs)
+    return call
+
+
+def _spatial_method(mp):
+    from apex.contrib.bottleneck import HaloExchangerNoComm, SpatialBottleneck
+    SpatialBottleneck(4, 2, 4, spatial_parallel_args=(2, 0, None, HaloExchangerNoComm([0, 1], 0), 4, False))
+
+
+def _groupbn_z_without_relu(mp):
+    from apex.contrib.groupbn import BatchNorm2d_NHWC
+    BatchNorm2d_NHWC(4)(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+
+
+def _group_norm_act(mp):
+    from apex.contrib.group_norm import GroupNorm
+    GroupNorm(2, 4, act="relu")
+
+
+def _torchsched_backend(mp):
+    import apex.contrib.torchsched as torchsched
+    torchsched.set_default_backend("no-such-backend")
+
+
+def _nccl_mem_cpu_device(mp):
+    from apex.contrib.nccl_allocator import nccl_allocator
+    nccl_allocator._cuda_device("cpu")  # nccl_mem's device check (nccl_mem itself needs CUDA first)
+
+
+def _asp(action):
+    def call(mp):
+        from apex.contrib.sparsity import ASP
+        model = nn.Sequential(nn.Linear(16, 16))
+        ASP.reset()
+        try:
+            if action == "optimizer first":
+                ASP.init_optimizer_for_pruning(torch.optim.SGD(model.parameters(), lr=0.1))
+            elif action == "unknown layer":
+                ASP.init_model_for_pruning(model, "m4n2_1d", whitelist=[nn.GRU])
+            else:
+                ASP.init_model_for_pruning(model, "m4n2_1d")
+                ASP.init_model_for_pruning(model, "m4n2_1d")
+        finally:
+            ASP.reset()
+    return call
+
+
+def _index_mul_2d(in1, in2, idx1):
+    def call(mp):
+        from apex.contrib.index_mul_2d import index_mul_2d
+        index_mul_2d(in1, in2, idx1)
+    return call
+
+
+def _adam_swa_two_groups(mp):
+    from apex.contrib.openfold_triton.fused_adam_swa import FusedAdamSWA
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    adam = torch.optim.Adam([{"params": [a]}, {"params": [b]}])
+    FusedAdamSWA.from_optim(adam, [a, b], [a, b], [a, b], 0.9)
+
+
+CASES = [
+    # (id, call, this package's type, Apex's type, message fragment)
+    ("utils.divide", _divide, VE, AE, "5 is not divisible by 2"),
+    ("utils.ensure_divisibility", _ensure_divisibility, VE, AE, "not divisible"),
+    ("split_tensor_along_last_dim", _split_last_dim, VE, AE, "not divisible"),
+    ("vocab_range_from_global_vocab_size", _vocab_range, VE, AE, "not divisible"),
+    ("set_tensor_model_parallel_attributes twice", _attributes_twice, RE, AE, "already has"),
+    ("MegatronPretrainingSampler total_samples=0", _sampler(0, 0, 1, 0, 1), VE, RE, "no sample to consume"),
+    ("MegatronPretrainingSampler consumed>=total", _sampler(4, 4, 1, 0, 1), VE, RE, "no samples left"),
+    ("MegatronPretrainingSampler local_minibatch_size=0", _sampler(10, 0, 0, 0, 1), VE, RE,
+     "local_minibatch_size"),
+    ("MegatronPretrainingSampler data_parallel_size=0", _sampler(10, 0, 1, 0, 0), VE, RE, "data_parallel_size"),
+    ("MegatronPretrainingSampler rank>=size", _sampler(10, 0, 1, 1, 1), VE, RE, "data_parallel_rank"),
+    ("MegatronPretrainingRandomSampler total_samples=0", _sampler(0, 0, 1, 0, 1, random=True), VE, RE,
+     "no sample to consume"),
+    ("MegatronPretrainingRandomSampler local_minibatch_size=0", _sampler(10, 0, 0, 0, 1, random=True), VE, RE,
+     "local_minibatch_size"),
+    ("sampler.local_minibatch_size = 0", _sampler_set_size, VE, RE, "local_minibatch_size"),
+    ("FusedScaleMaskSoftmax 3-D input", _softmax_module_3d, VE, AE, "4-D"),
+    ("scaled_upper_triang_masked_softmax sq!=sk", _causal_softmax_not_square, VE, AE, "sq == sk"),
+    ("timer started twice", _timer("start twice"), RE, AE, "already been started"),
+    ("timer stopped unstarted", _timer("stop unstarted"), RE, AE, "not started"),
+    ("timers.log normalizer=0", _timer("log"), VE, AE, "normalizer"),
+    ("get_micro_batch_size uninitialized", _no_calculator, RE, AE, "not initialized"),
+    ("setup_microbatch_calculator twice", _calculator_twice, RE, AE, "already initialized"),
+    ("get_kth_microbatch past the batch", _kth_microbatch_out_of_range, VE, AE, "microbatch 3"),
+    ("custom_backward not pseudo-freed", _custom_backward(lambda: torch.zeros(2, requires_grad=True)), VE, AE,
+     "pseudo-freed"),
+    ("custom_backward non-tensor", _custom_backward([1.0]), TE, AE, "output must be a torch.Tensor"),
+    ("interleaved schedule model not a list", _interleaved_not_a_list, TE, RE, "list"),
+    ("get_tensor_shapes not 3-D", _tensor_shapes_not_3d, VE, AE, "tensor_shape"),
+    ("vocab_parallel_cross_entropy label_smoothing=1", _label_smoothing_one, VE, AE, "label_smoothing"),
+    ("broadcast_data dtype", _broadcast_data(torch.zeros(2, dtype=torch.long)), TE, AE, "different than"),
+    ("broadcast_data too many dims", _broadcast_data(torch.zeros(1, 1, 1, 1, 1)), VE, AE, "dimensions"),
+    ("scatter_to_sequence_parallel_region", _sequence_split("scatter_to_sequence_parallel_region"), VE, AE,
+     "not divisible"),
+    ("reduce_scatter_to_sequence_parallel_region", _sequence_split("reduce_scatter_to_sequence_parallel_region"),
+     VE, AE, "not divisible"),
+    ("allocate_mem_buff twice", _buffer("allocate twice"), RE, AE, "already allocated"),
+    ("MemoryBuffer.add dtype", _buffer("dtype"), TE, AE, "different from buffer type"),
+    ("MemoryBuffer.add full", _buffer("full"), RE, AE, "Not enough memory"),
+    ("MemoryBuffer.print_average_usage untracked", _buffer("usage"), RE, AE, "track usage"),
+    ("RingMemBuffer buffer in use", _buffer("ring in use"), RE, AE, "already in use"),
+    ("init_checkpointed_activations_memory_buffer layers", _checkpoint_buffer(False), VE, AE, "not divisible"),
+    ("init_checkpointed_activations_memory_buffer twice", _checkpoint_buffer(True), RE, AE, "already allocated"),
+    ("ColumnParallelLinear gather_output + sequence parallel", _column_parallel_gather_and_sequence_parallel, RE,
+     AE, "gather_output"),
+    ("linear_with_grad_accumulation async + sequence parallel", _linear_async_and_sequence_parallel, VE, AE,
+     "cannot both"),
+    ("parallel_state getter uninitialized", _parallel_state_uninitialized, RE, AE, "not initialized"),
+    ("build_num_microbatches_calculator rampup", _microbatch_config, VE, AE, "rampup_batch_size"),
+    ("Bottleneck groups=2", _bottleneck(groups=2), VE, RE, "groups"),
+    ("Bottleneck dilation=2", _bottleneck(dilation=2), VE, RE, "dilation"),
+    ("Bottleneck norm_func", _bottleneck(norm_func=nn.BatchNorm2d), VE, RE, "frozen"),
+    ("SpatialBottleneck spatial_method=4", _spatial_method, VE, AE, "spatial_method"),
+    ("BatchNorm2d_NHWC z without fuse_relu", _groupbn_z_without_relu, VE, AE, "fuse_relu"),
+    ("GroupNorm act", _group_norm_act, VE, AE, "act"),
+    ("torchsched.set_default_backend unknown", _torchsched_backend, VE, AE, "Unknown backend"),
+    ("nccl_mem device cpu", _nccl_mem_cpu_device, VE, AE, "CUDA device"),
+    ("ASP optimizer before model", _asp("optimizer first"), RE, AE, "before ASP.init_model_for_pruning"),
+    ("ASP model twice", _asp("twice"), RE, AE, "initialized already"),
+    ("ASP whitelist unknown layer", _asp("unknown layer"), VE, AE, "sparsify"),
+    ("FusedAdamSWA.from_optim two groups", _adam_swa_two_groups, VE, AE, "one param group"),
+    ("index_mul_2d idx1 length", _index_mul_2d(torch.zeros(4, 2), torch.zeros(3, 2), torch.zeros(2, dtype=torch.long)),
+     VE, AE, "idx1 must be 1-D"),
+    ("index_mul_2d idx1 2-D", _index_mul_2d(torch.zeros(4, 2), torch.zeros(3, 2), torch.zeros(3, 1, dtype=torch.long)),
+     VE, RE, "idx1 must be 1-D"),
+    ("index_mul_2d in1 1-D", _index_mul_2d(torch.zeros(4), torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)),
+     VE, RE, "in1 must be a 2-D"),
+    ("index_mul_2d dtypes differ", _index_mul_2d(torch.zeros(4, 2), torch.zeros(3, 2, dtype=torch.float64),
+                                                 torch.zeros(3, dtype=torch.long)), TE, RE, "same dtype"),
+]
+
+
+@pytest.mark.parametrize("call,ours,apex_type,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_error_is_both_types(monkeypatch, call, ours, apex_type, fragment):
+    with pytest.raises(ours) as info:
+        call(monkeypatch)
+    assert isinstance(info.value, apex_type), f"{type(info.value).__mro__} is not a {apex_type.__name__}"
+    assert fragment in str(info.value)
+
+
+# ------------------------------------------------------------------------------------ process-group paths
+def _distributed_cases():
+    from apex.contrib.bottleneck import HaloExchangerSendRecv
+    from apex.contrib.groupbn import BatchNorm2d_NHWC
+    from apex.contrib.optimizers import DistributedFusedAdam
+    from apex.contrib.peer_memory import PeerMemoryPool
+    from apex.transformer import parallel_state
+
+    p = nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    adam = DistributedFusedAdam([p])
+    pool = PeerMemoryPool(64, 64, [0])
+    return [
+        ("initialize_model_parallel default_backend=3",
+         lambda: parallel_state.initialize_model_parallel(1, 1, default_backend=3), TE, AE, "default_backend"),
+        ("HaloExchangerSendRecv wrong rank", lambda: HaloExchangerSendRecv([3], 0), VE, AE, "ranks[0] is 3"),
+        ("BatchNorm2d_NHWC bn_group not dividing the world", lambda: BatchNorm2d_NHWC(4, bn_group=2), VE, AE,
+         "must divide the world size"),
+        ("PeerMemoryPool peer rank outside", lambda: PeerMemoryPool(64, 64, [5]), VE, AE, "peer_ranks"),
+        ("PeerMemoryPool dtype", lambda: pool.allocate_peer_tensors([2], torch.float64, False, False), TE, AE,
+         "dtype"),
+        ("PeerMemoryPool exhausted", lambda: pool.allocate_peer_tensors([1000], torch.float32, False, True), RE, AE,
+         "exhausted"),
+        ("DistributedFusedAdam device", lambda: DistributedFusedAdam([nn.Parameter(torch.ones(2))], device="meta"),
+         VE, RE, "device"),
+        ("DistributedFusedAdam.grad_norm norm_type=1", lambda: adam.grad_norm(norm_type=1.0), VE, AE, "norm_type"),
+        ("DistributedFusedAdam.clip_grad_norm max_norm=0", lambda: adam.clip_grad_norm(0.0), VE, AE, "max_norm"),
+        ("DistributedFusedAdam.grad_buffer_view", lambda: adam.grad_buffer_view(p), RE, AE, "contiguous_grad_buffer"),
+    ]
+
+
+def check_distributed_error_paths(rank: int, world_size: int) -> None:
+    failures = []
+    for name, call, ours, apex_type, fragment in _distributed_cases():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - every outcome is recorded and compared below
+            if not (isinstance(e, ours) and isinstance(e, apex_type) and fragment in str(e)):
+                failures.append(f"{name}: {type(e).__name__}{type(e).__mro__[1:-2]}: {e}")
+        else:
+            failures.append(f"{name}: no error")
+    assert not failures, "\n".join(failures)
+
+
+def test_distributed_error_paths():
+    from apex.testing import run_distributed
+    run_distributed(check_distributed_error_paths, 1, timeout_s=60.0)
+
+
+# --------------------------------------------------------------------------------------------- the classes
+@pytest.mark.parametrize("cls,bases", [
+    (_errors.AssertValueError, (ValueError, AssertionError)),
+    (_errors.AssertTypeError, (TypeError, AssertionError)),
+    (_errors.AssertRuntimeError, (RuntimeError, AssertionError)),
+    (_errors.RuntimeValueError, (ValueError, RuntimeError)),
+    (_errors.RuntimeTypeError, (TypeError, RuntimeError)),
+    (_errors.ParallelStateError, (RuntimeError, AssertionError)),
+    (_errors.MicroBatchConfigError, (ValueError, AssertionError)),
+])
+def test_each_class_is_both_types_and_says_which(cls, bases):
+    assert all(issubclass(cls, b) for b in bases)
+    assert all(b.__name__ in cls.__doc__ for b in bases), "the docstring names the pair it stands for"
+
+
+def test_public_classes_keep_their_homes():
+    from apex.transformer import microbatches, parallel_state
+
+    assert parallel_state.ParallelStateError is _errors.ParallelStateError
+    assert microbatches.MicroBatchConfigError is _errors.MicroBatchConfigError
+    for cls in (_errors.ParallelStateError, _errors.MicroBatchConfigError):
+        error = pickle.loads(pickle.dumps(cls("message")))
+        assert type(error) is cls and str(error) == "message"
+    assert parallel_state.ParallelStateError.__module__ == "apex.transformer.parallel_state"
+    assert microbatches.MicroBatchConfigError.__module__ == "apex.transformer.microbatches"
