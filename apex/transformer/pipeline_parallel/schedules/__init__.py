@@ -6,12 +6,19 @@ from collections.abc import Callable
 
 from apex.transformer import parallel_state
 from apex.transformer.pipeline_parallel.schedules.fwd_bwd_no_pipelining import forward_backward_no_pipelining
+from apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_with_interleaving import (
+    _forward_backward_pipelining_with_interleaving,
+)
 from apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_without_interleaving import (
     forward_backward_pipelining_without_interleaving,
 )
 from apex.transformer.pipeline_parallel.utils import get_num_microbatches
 
 __all__ = ["get_forward_backward_func"]
+
+
+class ExperimentalWarning(Warning):
+    """Apex's warning category for experimental pipeline features (defined here, as in Apex)."""
 
 
 def get_forward_backward_func(
@@ -31,8 +38,4 @@ def get_forward_backward_func(
             f"number of microbatches ({num_microbatches}) is not divisible by pipeline-parallel size "
             f"({pipeline_model_parallel_size}) when using interleaved schedule"
         )
-    from apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_with_interleaving import (
-        _forward_backward_pipelining_with_interleaving,
-    )
-
     return _forward_backward_pipelining_with_interleaving
