@@ -82,9 +82,21 @@ def cleanup_distributed(info: DistInfo, ok: bool = True) -> None:
         dist.destroy_process_group()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where its help already says it (a default that depends
+    on other options) or there is none to show (``None``, an off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_runtime_args(group) -> None:
     """``--device``, ``--threads`` and ``--dist-timeout`` on an argparse parser or argument group."""
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="where to train (auto: the GPU when PyTorch sees a CUDA/ROCm one, else the CPU)")
     group.add_argument("--threads", type=int, default=0,
                        help="CPU threads per rank (0: the idle cores, split among the local ranks)")
     group.add_argument("--dist-timeout", type=float, default=120.0,

@@ -212,7 +212,7 @@ class ParallelRun:
             "impl": self.impl, "dtype": str(self.dtype).replace("torch.", ""), "attention": self.attention,
             "opt_level": self.opt_level, "why": self.why, "steps": done, "finished": done >= self.args.steps,
             "params": self.n_params, "tokens_per_s": self.tokens_per_s(), "train_time_s": self.train_time,
-            "final_train_loss": sum(tail) / len(tail), "train_tail": len(tail),
+            "timed_steps": self.timed_steps, "final_train_loss": sum(tail) / len(tail), "train_tail": len(tail),
             "first_val_loss": h["val"][0][1] if h["val"] else float("nan"),
             "final_val_loss": h["val"][-1][1] if h["val"] else float("nan"),
             "state_mib": self.state_mib(), "checksums": [s for _, s in everyone],

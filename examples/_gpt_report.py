@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -26,6 +27,27 @@ def write_progress(directory: Path, runs: list, step: int) -> None:
                 f"step {step} of {runs[0].args.steps} (in progress)")
 
 
+def progress_text(run, loss: float) -> str:
+    """The progress bar's text for ``run``: the step's loss, then the last validation and the speed once each
+    exists (a process does not time its first step, which pays one-off costs, so the speed starts at the
+    second)."""
+    parts = [f"loss {loss:.3f}"]
+    if run.history["val"]:
+        at, v = run.history["val"][-1]
+        parts.append(f"val {v:.3f} (step {at})")
+    rate = run.tokens_per_s()
+    if math.isfinite(rate):
+        parts.append(f"{rate:,.0f} tok/s")
+    return " ".join(parts)
+
+
+def timed_range(r: dict) -> str:
+    """The 1-based steps that a run's tokens/s and train time cover: the last ``timed_steps`` of its steps (a
+    resumed run times only the steps after the resume, and no process times its first step)."""
+    n, last = r.get("timed_steps", 0), r["steps"]
+    return f"steps {last - n + 1}-{last}" if n else "no step timed"
+
+
 def describe(r: dict, norm: str) -> str:
     if "parallel" in r:  # apex.transformer: precision through the schedule's autocast, not amp.initialize
         lay, norm_name = r["parallel"], ("LayerNorm" if norm == "layer" else "RMSNorm")
@@ -42,16 +64,17 @@ def report(out: dict, directory: Path) -> None:
     norm = out["config"]["norm"]
     rel = lambda k: f"{runs[0][k] / runs[1][k] - 1:+.2%}"
     ratio = lambda k: f"{runs[0][k] / runs[1][k]:.2f}x"
+    first, timed = out.get("first_step", 0), timed_range(runs[0])  # runs side by side run the same steps
     rows = [
         ("", [LABELS[r["impl"]] for r in runs], "apex / PyTorch"),
         ("setup", [describe(r, norm) for r in runs], ""),
         ("precision chosen by", [r["why"] for r in runs], ""),
         ("attention", [r["attention"] for r in runs], ""),
         ("parameters", [f"{r['params'] / 1e6:.2f} M" for r in runs], ""),
-        ("steps", [str(r["steps"]) for r in runs], ""),
+        ("steps", [str(r["steps"]) + (f" (resumed at step {first})" if first else "") for r in runs], ""),
         ("ranks x threads", [f"{out['world_size']} x {out['threads']}" for r in runs], ""),
-        ("tokens/s", [f"{r['tokens_per_s']:,.0f}" for r in runs], lambda: ratio("tokens_per_s")),
-        ("train time (s)", [f"{r['train_time_s']:.1f}" for r in runs], lambda: ratio("train_time_s")),
+        (f"tokens/s ({timed})", [f"{r['tokens_per_s']:,.0f}" for r in runs], lambda: ratio("tokens_per_s")),
+        (f"train time (s, {timed})", [f"{r['train_time_s']:.1f}" for r in runs], lambda: ratio("train_time_s")),
         (f"train loss (mean of last {runs[0]['train_tail']} steps)", [f"{r['final_train_loss']:.4f}" for r in runs],
          lambda: rel("final_train_loss")),
         ("final val loss", [f"{r['final_val_loss']:.4f}" for r in runs], lambda: rel("final_val_loss")),

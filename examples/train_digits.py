@@ -39,6 +39,7 @@ from apex.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     DistInfo,
+    HelpFormatter,
     add_runtime_args,
     cleanup_distributed,
     format_table,
@@ -138,18 +139,18 @@ def train(args, info: DistInfo) -> dict:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--epochs", type=int, default=6)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--epochs", type=int, default=6, help="passes over the training images")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank and step")
     p.add_argument("--width", type=int, default=32, help="channels of the first convolutions")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate, then cosine decay")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="FusedSGD's weight decay")
     p.add_argument("--larc", action="store_true", help="wrap FusedSGD in apex.parallel.LARC")
     p.add_argument("--trust-coefficient", type=float, default=0.02, help="LARC's trust coefficient")
     p.add_argument("--opt-level", default="O2", help="apex.amp opt_level")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights, data split and batches")
     add_runtime_args(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     require_positive(p, args, ("epochs", "batch_size", "width"))
     return args

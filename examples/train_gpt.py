@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     CheckpointError,
     DistInfo,
+    HelpFormatter,
     add_runtime_args,
     cleanup_distributed,
     load_checkpoint,
@@ -71,7 +72,7 @@ from _gpt_model import (  # noqa: E402, F401  (the names tests and users reach t
     param_groups,
 )
 from _gpt_parallel_run import ParallelRun, validate_layout  # noqa: E402
-from _gpt_report import report, write_progress  # noqa: E402
+from _gpt_report import progress_text, report, write_progress  # noqa: E402
 from _gpt_run import STEPS_FP32, STEPS_HALF, Run, choose_precision, default_steps  # noqa: E402, F401
 
 
@@ -128,8 +129,7 @@ def train(args, info: DistInfo) -> dict:
     postfix: dict[str, str] = {}
 
     def show(run: Run, loss: float) -> None:
-        at, v = run.history["val"][-1] if run.history["val"] else (0, float("nan"))
-        postfix[run.impl] = f"loss {loss:.3f} val {v:.3f} (step {at}) {run.tokens_per_s():,.0f} tok/s"
+        postfix[run.impl] = progress_text(run, loss)
 
     def validate(step: int) -> None:
         for run in runs:
@@ -163,7 +163,9 @@ def train(args, info: DistInfo) -> dict:
     checkpoint(stop)
 
     peak, peak_kind = peak_memory_mib(info.device)
-    out = {"runs": {run.impl: run.result(stop) for run in runs}, "steps": stop, "finished": stop >= args.steps,
+    # "first_step": where this process began (a resumed run's speed covers only the steps it ran).
+    out = {"runs": {run.impl: run.result(stop) for run in runs}, "steps": stop, "first_step": start,
+           "finished": stop >= args.steps,
            "world_size": info.world_size, "threads": torch.get_num_threads(), "device": str(info.device),
            "tokens_per_step": args.batch_size * args.block_size * (runs[0].dp if parallel else info.world_size),
            "peak_memory_mib": peak, "peak_memory_kind": peak_kind, "data": data_info, "config": vars(args)}
@@ -183,7 +185,7 @@ def train(args, info: DistInfo) -> dict:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     m.add_argument("--n-head", type=int, default=4, help="attention heads")

@@ -6,6 +6,7 @@ worktree on ``PYTHONPATH`` in place of an installed apex.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -73,8 +74,9 @@ def test_gpt_trains_reports_and_plots(tmp_path):
     out = tmp_path / "run"
     proc = ok(gpt("--steps", "12", "--eval-interval", "6", "--norm", "rms", "--sample-len", "16",
                   "--out", out, cwd=tmp_path))
-    for label in ("steps", "tokens/s", "train loss (mean of last 6 steps)", "final val loss", "val loss drop",
-                  "peak memory", "sample"):
+    # The speed covers steps 2-12: a process does not time its first step (one-off warm-up costs).
+    for label in ("steps", "tokens/s (steps 2-12)", "train time (s, steps 2-12)", "train loss (mean of last 6 steps)",
+                  "final val loss", "val loss drop", "peak memory", "sample"):
         assert label in proc.stdout
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     m = metrics(out)["runs"]["apex"]
@@ -120,21 +122,76 @@ def test_gpt_resume_equals_uninterrupted(tmp_path, uninterrupted):
     assert "stopped at step 5 of 10" in stopped.stdout
     resumed = ok(gpt(*common, "--resume", ckpt, cwd=tmp_path))
     assert "resumed from" in resumed.stdout and "at step 5/10" in resumed.stdout
+    # The table says which steps the speed covers: the resumed process ran steps 6-10 and timed 7-10.
+    assert re.search(r"\| steps +\| +10 \(resumed at step 5\) \|", resumed.stdout), resumed.stdout
+    assert "tokens/s (steps 7-10)" in resumed.stdout and "train time (s, steps 7-10)" in resumed.stdout
+    assert metrics(tmp_path / "out")["first_step"] == 5
     full, part = metrics(uninterrupted / "out")["runs"]["apex"], metrics(tmp_path / "out")["runs"]["apex"]
+    assert part["timed_steps"] == 4 and full["timed_steps"] == 9
     # Bit for bit: the loss curves of both runs and the final parameters are the same.
     assert part["history"] == full["history"]
     assert part["checksums"] == full["checksums"]
 
 
+def load_script(path: Path):
+    """An example script as a module, in this process (no interpreter start-up)."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def gpt_main():
     """train_gpt.main, called in this process (a refused checkpoint costs no interpreter start-up)."""
-    spec = importlib.util.spec_from_file_location("train_gpt_under_test", GPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     threads = torch.get_num_threads()
-    yield module.main
+    yield load_script(GPT).main
     torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("script", [GPT, DIGITS], ids=lambda p: p.stem)
+def test_help_shows_each_default_once_and_every_option_has_help(script, capsys, monkeypatch):
+    parsers = []
+    parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: (parsers.append(self),
+                                                                                        parse(self, *a, **k))[1])
+    with pytest.raises(SystemExit) as exit_:
+        load_script(script).main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    (parser,) = parsers
+    for action in parser._actions:
+        name = "/".join(action.option_strings)
+        assert action.help, f"{name} has no help"
+        if isinstance(action, argparse._HelpAction):
+            continue
+        help_text = " ".join(action.help.split())
+        if "default" in help_text or action.default is None or action.default is False:  # said, or nothing to say
+            assert f"{help_text} (default:" not in text, name
+        else:
+            assert f"(default: {action.default})" in text, name
+    if script == GPT:  # the defaults that depend on other options, explained once
+        for explained in ("(default: 400 in a half type, 200 in fp32", "(default: O1 in a half type, O0 in fp32)",
+                          "(default: --batch-size / 2M)"):
+            assert text.count(explained) == 1 and f"{explained} (default:" not in text, explained
+
+
+def test_gpt_progress_shows_speed_and_validation_only_once_measured():
+    progress_text = load_script(GPT).progress_text
+
+    class Run:
+        history = {"val": [], "train": [(0, 5.5)]}
+        rate = float("nan")  # the first step of a process is not timed
+
+        def tokens_per_s(self):
+            return self.rate
+
+    run = Run()
+    assert progress_text(run, 5.5) == "loss 5.500"
+    run.history = {"val": [(0, 5.52)], "train": [(0, 5.5), (1, 5.4)]}
+    run.rate = 12345.6
+    assert progress_text(run, 5.4) == "loss 5.400 val 5.520 (step 0) 12,346 tok/s"
 
 
 def test_gpt_resume_refuses_missing_and_corrupt_checkpoints(tmp_path, uninterrupted, gpt_main, capsys):
