@@ -53,9 +53,9 @@ def _reduce_kernel(partials, first, out, n_tensors, n_chunks, max_chunks, alpha,
         if MAX:
             acc = alpha * old + beta * acc
         else:
-            acc = tl.sqrt(alpha * old * old + beta * acc)
+            acc = tl.sqrt_rn(alpha * old * old + beta * acc)
     elif SQRT:
-        acc = tl.sqrt(acc)
+        acc = tl.sqrt_rn(acc)  # IEEE: these norms feed LAMB's trust ratio and NovoGrad's update
     tl.store(out + row * n_tensors + ts, acc, mask=tm)
 
 

@@ -1,6 +1,7 @@
 """Adagrad over lists of tensors: one launch per (device, dtypes) group, one pass.
 
-Lists: grads, params, sums. 20 bytes per fp32 parameter (g, p, h read; p, h written).
+Lists: grads, params, sums. 20 bytes per fp32 parameter (g, p, h read; p, h written). IEEE fp32 division
+and square root (``tl.div_rn``/``tl.sqrt_rn``; ``/`` and ``tl.sqrt`` are approximate on NVIDIA GPUs).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def _adagrad_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, lr, eps, 
         if MODE == 0:
             g = g + weight_decay * p
             h = h + g * g
-            p = p - lr * (g / (tl.sqrt(h) + eps))
+            p = p - lr * tl.div_rn(g, tl.sqrt_rn(h) + eps)
         else:
             h = h + g * g
-            p = p - lr * (g / (tl.sqrt(h) + eps) + weight_decay * p)
+            p = p - lr * (tl.div_rn(g, tl.sqrt_rn(h) + eps) + weight_decay * p)
         tl.store(p_ptr + idx, cast(p, P_DT), mask=mask)
         tl.store(h_ptr + idx, cast(h, H_DT), mask=mask)
 

@@ -4,21 +4,31 @@ Lists: grads, params, exp_avgs, exp_avg_sqs, masters (the masters list repeats t
 none; it is then never touched). Each element is read once and written once: 28 bytes per fp32
 parameter (g, p, m, v read; p, m, v written), plus the unscaled gradient write-back of the capturable
 variants and the master's read/write with master weights.
+
+Arithmetic is IEEE fp32 (``tl.div_rn``/``tl.sqrt_rn``; Triton's ``/`` and ``tl.sqrt`` are approximate on
+NVIDIA GPUs), so results match PyTorch's fused Adam to about an ulp. ``1 - beta`` is computed on the host in
+double: computed in the kernel from the fp32 ``beta2 = 0.999`` it would be 1.3e-5 off. The capturable
+variants compute the bias corrections of the device-side ``step`` in fp64 from ``beta`` given as two fp32
+parts, so they equal the host's ``1 - beta ** step`` rounded to fp32, as the non-capturable launch gets them.
 """
 
 from __future__ import annotations
+
+import struct
 
 import triton
 import triton.language as tl
 
 from apex._kernels import multi_tensor as mt
 from apex._kernels._rounding import cast
+from apex._kernels.multi_tensor_lamb import _pow_int
 
 
 @triton.jit
 def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                  noop_flag, lr_ptr, step_ptr, inv_scale_ptr,
-                 lr_value, bc1_value, bc2_value, beta1, beta2, eps, weight_decay,
+                 lr_value, bc1_value, bc2_value, beta1, beta2, one_m_b1, one_m_b2, beta1_lo, beta2_lo,
+                 eps, weight_decay,
                  G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                  W_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                  MODE: tl.constexpr, CAPTURABLE: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
@@ -35,9 +45,10 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         lr = tl.load(lr_ptr).to(tl.float32)
         inv_scale = tl.load(inv_scale_ptr).to(tl.float32)
         if BIAS_CORRECTION:
-            step = tl.load(step_ptr).to(tl.float32)
-            bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-            bc2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+            step = tl.load(step_ptr).to(tl.int32)
+            zero = tl.zeros([], tl.float64)
+            bc1 = (1.0 - _pow_int((beta1 + zero) + beta1_lo, step)).to(tl.float32)
+            bc2 = (1.0 - _pow_int((beta2 + zero) + beta2_lo, step)).to(tl.float32)
         else:
             bc1 = 1.0
             bc2 = 1.0
@@ -61,10 +72,10 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
             tl.store(g_ptr + idx, cast(g, G_DT), mask=mask)
         if MODE == 0:
             g = g + weight_decay * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.sqrt(v / bc2) + eps
-        update = (m / bc1) / denom
+        m = beta1 * m + one_m_b1 * g
+        v = beta2 * v + one_m_b2 * g * g
+        denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
+        update = tl.div_rn(tl.div_rn(m, bc1), denom)
         if MODE == 1:
             update = update + weight_decay * p
         p = p - lr * update
@@ -75,16 +86,23 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         tl.store(v_ptr + idx, cast(v, V_DT), mask=mask)
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32, as a launch passes it (the interpreter would pass it unrounded)."""
+    return struct.unpack("f", struct.pack("f", float(x)))[0]
+
+
 def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,
          bias_correction, *, capturable: bool) -> None:
     has_master = len(lists) == 5
     full = lists if has_master else lists + [lists[1]]
     dummy = noop_flag
+    b1_hi, b2_hi = _f32(beta1), _f32(beta2)
     for _, sub in mt.group(full):
         mt.launch(_adam_kernel, mt.table(sub), noop_flag,
                   lr_t if capturable else dummy, step_t if capturable else dummy,
                   inv_t if capturable else dummy,
-                  float(lr), float(bc1), float(bc2), float(beta1), float(beta2), float(eps),
+                  float(lr), float(bc1), float(bc2), b1_hi, b2_hi, 1.0 - float(beta1), 1.0 - float(beta2),
+                  float(beta1) - b1_hi, float(beta2) - b2_hi, float(eps),
                   float(weight_decay), MODE=int(mode), CAPTURABLE=bool(capturable),
                   BIAS_CORRECTION=bool(bias_correction), HAS_MASTER=has_master)
 

@@ -69,7 +69,7 @@ def _reduce_partials(partials, lo, hi, MAX_NORM: tl.constexpr, BLOCK: tl.constex
     if MAX_NORM:
         norm = tl.max(acc, axis=0)
     else:
-        norm = tl.sqrt(tl.sum(acc, axis=0))
+        norm = tl.sqrt_rn(tl.sum(acc, axis=0))  # IEEE: tl.sqrt is sqrt.approx on NVIDIA GPUs
     return norm
 
 
@@ -90,7 +90,7 @@ def _finalize_kernel(partials, n_partials, tensor_first, tensor_last, n_tensors,
                 if MAX_NORM:
                     norm = alpha * old + beta * norm
                 else:
-                    norm = tl.sqrt(alpha * old * old + beta * norm * norm)
+                    norm = tl.sqrt_rn(alpha * old * old + beta * norm * norm)
             tl.store(per_tensor_out + t, norm)
 
 

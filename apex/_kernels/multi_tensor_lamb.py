@@ -9,7 +9,9 @@ Passes per (device, dtype) group, with the global gradient norm already computed
   apply launch reads m, v, p, recomputes the (bit-identical) update from the stored moments and writes p.
   The update is never stored, so the gradients are left untouched (Apex's kernel overwrites them).
 
-Math in fp32 for every storage dtype; bias corrections of a device-side ``step`` are computed in fp64.
+Math in IEEE fp32 for every storage dtype (``tl.div_rn``/``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt``
+are approximate on NVIDIA GPUs); ``1 - beta`` comes from the host in double; bias corrections of a
+device-side ``step`` are computed in fp64.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
         mx = tl.load(max_norm_ptr).to(tl.float32)
     else:
         mx = max_norm
-    clip = tl.where(gn > mx, gn / mx, 1.0)
+    clip = tl.where(gn > mx, tl.div_rn(gn, mx), 1.0)
     if LR_PTR:
         lr = tl.load(lr_ptr).to(tl.float32)
     if STEP_PTR:
@@ -59,7 +61,7 @@ def _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
 
 @triton.jit
 def _direction(m, v, p, bc1, bc2, eps, decay, ADAM_W: tl.constexpr):
-    u = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+    u = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
     if ADAM_W:
         u = u + decay * p
     return u
@@ -100,7 +102,7 @@ def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
             p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        sg = g / clip
+        sg = tl.div_rn(g, clip)
         if not ADAM_W:
             sg = sg + decay * p
         m = m * beta1 + beta3 * sg
@@ -143,7 +145,7 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     u_norm = tl.load(norms + t)
     p_norm = tl.load(norms + n_tensors + t)
     safe = tl.where(u_norm != 0.0, u_norm, 1.0)  # both branches are evaluated: avoid 0/0
-    ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * (p_norm / safe), lr)
+    ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * tl.div_rn(p_norm, safe), lr)
     m_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, M_DT)
     v_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, V_DT)
     p_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, P_DT)
@@ -226,7 +228,7 @@ def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, gr
                    U_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     gn = tl.load(grad_norm).to(tl.float32)
-    clip = tl.where(gn > max_norm, gn / max_norm, 1.0)
+    clip = tl.where(gn > max_norm, tl.div_rn(gn, max_norm), 1.0)
     decay = tl.load(decays + t).to(tl.float32)
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
@@ -236,7 +238,7 @@ def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, gr
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
-        sg = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) / clip
+        sg = tl.div_rn(tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32), clip)
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta1 + one_m_b1 * sg
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32) * beta2 + one_m_b2 * sg * sg
@@ -255,7 +257,7 @@ def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u
     if TRUST:
         pn = tl.load(p_norms + t).to(tl.float32)
         un = tl.load(u_norms + t).to(tl.float32)
-        ratio = tl.where((un != 0.0) & (pn != 0.0), lr * (pn / tl.where(un != 0.0, un, 1.0)), lr)
+        ratio = tl.where((un != 0.0) & (pn != 0.0), lr * tl.div_rn(pn, tl.where(un != 0.0, un, 1.0)), lr)
     p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT)
     u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT)
     for off in range(0, CHUNK, BLOCK):

@@ -2,7 +2,8 @@
 
 Per (device, dtype) group: one launch writes per-chunk partial norms of the gradients (sum of squares, or
 max |g|), one small launch reduces them per tensor and blends them into the running norms in place (one
-writer per tensor, so no race), one launch reads g, p, m and writes p, m. Math in fp32.
+writer per tensor, so no race), one launch reads g, p, m and writes p, m. Math in IEEE fp32
+(``tl.div_rn``; ``/`` is approximate on NVIDIA GPUs); ``beta3`` (``1 - beta1``) comes from the host.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, REG_INSIDE: tl.constexpr,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    denom = tl.load(norms + t) / bc2 + eps
+    denom = tl.div_rn(tl.load(norms + t), bc2) + eps
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
@@ -55,12 +56,12 @@ def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if REG_INSIDE:
-            g = g / denom + decay * p
+            g = tl.div_rn(g, denom) + decay * p
             m = beta1 * m + beta3 * g
-            p = p - lr * (m / bc1)
+            p = p - lr * tl.div_rn(m, bc1)
         else:
             m = beta1 * m + beta3 * g
-            p = p - lr * ((m / bc1) / denom + decay * p)
+            p = p - lr * (tl.div_rn(tl.div_rn(m, bc1), denom) + decay * p)
         tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
         tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
 

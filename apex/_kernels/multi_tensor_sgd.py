@@ -31,7 +31,7 @@ def _rounded(x, DT: tl.constexpr, ROUND: tl.constexpr):
 @triton.jit
 def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                 noop_flag, grad_norms, param_norms,
-                lr, wd, momentum, dampening, scale, trust_coefficient, eps,
+                lr, wd, momentum, one_m_dampening, scale, trust_coefficient, eps,
                 G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
@@ -48,7 +48,7 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         w_norm = tl.load(param_norms + t)
         ok = (g_norm > 0.0) & (w_norm > 0.0)
         denom = tl.where(ok, g_norm + w_norm * wd + eps, 1.0)
-        ratio = tl.where(ok, trust_coefficient * w_norm / denom, 1.0)
+        ratio = tl.where(ok, tl.div_rn(trust_coefficient * w_norm, denom), 1.0)  # IEEE, as PyTorch
         lr = lr * ratio
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
@@ -65,7 +65,7 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                     buf = -lr * g
                 else:
                     buf = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-                    buf = momentum * buf - lr * (1.0 - dampening) * g
+                    buf = momentum * buf - lr * one_m_dampening * g
                 tl.store(m_ptr + idx, cast(buf, M_DT), mask=mask)
                 if NESTEROV:
                     upd = momentum * buf - lr * g
@@ -82,7 +82,7 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                     buf = g
                 else:
                     buf = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-                    buf = _rounded(_rounded(buf * momentum, M_DT, ROUND) + (1.0 - dampening) * g, M_DT, ROUND)
+                    buf = _rounded(_rounded(buf * momentum, M_DT, ROUND) + one_m_dampening * g, M_DT, ROUND)
                 tl.store(m_ptr + idx, cast(buf, M_DT), mask=mask)
                 if NESTEROV:
                     g = _rounded(g + momentum * buf, W_DT, ROUND)
@@ -108,7 +108,8 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
         else:
             gn = pn = noop_flag
         mt.launch(_sgd_kernel, mt.table(sub), noop_flag, gn, pn,
-                  float(lr), float(wd), float(momentum), float(dampening), float(scale),
+                  # 1 - dampening in double: from an fp32 dampening of 0.9 it would be 2.4e-7 off
+                  float(lr), float(wd), float(momentum), 1.0 - float(dampening), float(scale),
                   float(trust_coefficient), float(eps),
                   HAS_MOMENTUM=momentum != 0, FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
                   WD_AFTER=bool(wd_after_momentum), HAS_COPY=has_copy, LARS=bool(lars), ROUND=rounded)

@@ -4,7 +4,9 @@ Lists, in order: grads (on the compute parameters), state parameters, compute pa
 ``exp_avg``, ``exp_avg_sq``. Arithmetic is fp64 for fp64 state parameters and fp32 otherwise; the
 hyperparameters come from a small fp64 tensor (so fp64 state is updated with fp64 ``lr``/``betas``, not
 their fp32 roundings). Per element: read g, p, m, v, s; write p, c, m, v, s (the SWA read is skipped on
-the first average, which is a copy).
+the first average, which is a copy). ``1 - beta`` and ``1 - decay`` are taken in fp64 before the rounding to
+fp32 (from an fp32 ``beta2 = 0.999`` it would be 1.3e-5 off), and fp32 division and square root are the IEEE
+ones (``tl.div_rn``/``tl.sqrt_rn``; ``/`` and ``tl.sqrt`` are approximate on NVIDIA GPUs).
 """
 
 from __future__ import annotations
@@ -28,6 +30,24 @@ def _to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _div(x, y, CT: tl.constexpr):
+    if CT == tl.float64:
+        r = x / y  # fp64 division is IEEE (div.rn.f64)
+    else:
+        r = tl.div_rn(x, y)
+    return r
+
+
+@triton.jit
+def _sqrt(x, CT: tl.constexpr):
+    if CT == tl.float64:
+        r = tl.sqrt(x)  # fp64 square root is IEEE (sqrt.rn.f64)
+    else:
+        r = tl.sqrt_rn(x)
+    return r
+
+
+@triton.jit
 def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, clip_ptr,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, C_DT: tl.constexpr, S_DT: tl.constexpr,
                      M_DT: tl.constexpr, V_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -46,7 +66,9 @@ def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, c
     wd = tl.load(hyper + 4).to(CT)
     bc1 = tl.load(hyper + 5).to(CT)
     bc2 = tl.load(hyper + 6).to(CT)
-    decay = tl.load(hyper + 7).to(CT)
+    one_m_b1 = (1.0 - tl.load(hyper + 1)).to(CT)
+    one_m_b2 = (1.0 - tl.load(hyper + 2)).to(CT)
+    one_m_decay = (1.0 - tl.load(hyper + 7)).to(CT)
     clip = tl.load(clip_ptr).to(CT)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
@@ -57,12 +79,12 @@ def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, c
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(CT)
         if MODE != 1:  # L2 penalty folded into the gradient (Apex Adam, PyTorch Adam)
             g = g + wd * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
+        m = beta1 * m + one_m_b1 * g
+        v = beta2 * v + one_m_b2 * g * g
         if MODE == 2:  # PyTorch's order: step size lr/bc1, denominator sqrt(v)/sqrt(bc2) + eps
-            p = p - (lr / bc1) * (m / (tl.sqrt(v) / tl.sqrt(bc2) + eps))
+            p = p - _div(lr, bc1, CT) * _div(m, _div(_sqrt(v, CT), _sqrt(bc2, CT), CT) + eps, CT)
         else:
-            update = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+            update = _div(_div(m, bc1, CT), _sqrt(_div(v, bc2, CT), CT) + eps, CT)
             if MODE == 1:  # decoupled weight decay (Apex AdamW)
                 update = update + wd * p
             p = p - lr * update
@@ -70,7 +92,7 @@ def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, c
             s = p
         else:
             s = tl.load(s_ptr + idx, mask=mask, other=0.0).to(CT)
-            s = s + (1.0 - decay) * (p - s)
+            s = s + one_m_decay * (p - s)
         tl.store(p_ptr + idx, _to(p, P_DT), mask=mask)
         tl.store(c_ptr + idx, _to(p, C_DT), mask=mask)
         tl.store(s_ptr + idx, _to(s, S_DT), mask=mask)
