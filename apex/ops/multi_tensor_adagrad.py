@@ -18,7 +18,6 @@ from apex import _backend
 from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 
 
-@torch.no_grad()
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
                          mode: int, weight_decay: float, *, validate: bool = True) -> None:
     """``amp_C.multi_tensor_adagrad``: lists ``[grads, params, state_sums]``;
@@ -27,21 +26,28 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     when ``noop_flag`` is set.
     """
     if validate:
-        device = check_tensor_lists(tensor_lists, 3)
+        from apex._kernels._lists import checked
+
+        checked("adagrad", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:  # the caller (an apex optimizer) has checked every tensor
-        device = first_device(tensor_lists)
     if mode not in (0, 1, True, False):
         raise ValueError(f"mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
     if device is None or not tensor_lists[0]:
         return
-    lists = [list(lst) for lst in tensor_lists]
+    lists = list(tensor_lists)  # the inner lists as given: Columns from an optimizer stay Columns
     lr, epsilon, weight_decay, mode = float(lr), float(epsilon), float(weight_decay), int(mode)
     if _backend.select(lists[0]) == "triton":
         from apex._kernels import multi_tensor_adagrad as kernels
 
         kernels.adagrad(lists, lr, epsilon, mode, weight_decay)
         return
+    with torch.no_grad():  # the fused op writes parameters that require grad
+        _adagrad_torch(lists, lr, epsilon, mode, weight_decay, device)
+
+
+def _adagrad_torch(lists, lr: float, epsilon: float, mode: int, weight_decay: float, device) -> None:
     g, p, h = lists
     keys = [(a.dtype, b.dtype, c.dtype) for a, b, c in zip(g, p, h)]
     for key in dict.fromkeys(keys):

@@ -10,27 +10,34 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists, mark_found_inf
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 
 
-@torch.no_grad()
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
                        arg_to_check: int) -> None:
     """``amp_C.multi_tensor_axpby``: lists ``[x, y, out]``, ``out = a*x + b*y`` in fp32;
     ``arg_to_check`` -1 checks both inputs for inf/NaN, 0 only ``x``, 1 only ``y`` (sets ``noop_flag``).
     """
-    device = check_tensor_lists(tensor_lists, 3)
+    from apex._kernels._lists import checked
+
+    checked("axpby", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
+    device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f"arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check!r}")
     if device is None or not tensor_lists[0]:
         return
-    xs, ys, outs = (list(lst) for lst in tensor_lists)
-    if _backend.select(xs) == "triton":
+    if _backend.select(tensor_lists[0]) == "triton":
         from apex._kernels import multi_tensor_axpby as kernels
 
+        xs, ys, outs = (lst if isinstance(lst, (list, tuple)) else list(lst) for lst in tensor_lists)
         kernels.axpby(noop_flag, xs, ys, outs, float(a), float(b), arg_to_check)
         return
+    with torch.no_grad():  # the foreach ops write tensors that may require grad
+        _axpby_torch(noop_flag, *(list(lst) for lst in tensor_lists), a, b, arg_to_check)
+
+
+def _axpby_torch(noop_flag, xs, ys, outs, a, b, arg_to_check) -> None:
     checked = (xs if arg_to_check in (-1, 0) else []) + (ys if arg_to_check in (-1, 1) else [])
     if checked:
         # Any non-finite x or y gives a non-finite norm, no host sync. A float64 L2 norm is non-finite exactly

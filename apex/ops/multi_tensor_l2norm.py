@@ -53,9 +53,17 @@ def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0,
     if _backend.select(xs) == "triton":
         from apex._kernels import multi_tensor_l2norm as kernels
 
-        return kernels.norms(noop_flag, list(xs), per_tensor=per_tensor, outputs=outs, out_scale=scale,
-                             inv_scale=inv_scale, max_norm=ord == float("inf"),
+        # (Lists as given: Columns from an optimizer stay Columns.)
+        return kernels.norms(noop_flag, xs if isinstance(xs, (list, tuple)) else list(xs), per_tensor=per_tensor,
+                             outputs=outs, out_scale=scale, inv_scale=inv_scale, max_norm=ord == float("inf"),
                              skip_if_flagged=skip_if_flagged, blend_into=blend_into, alpha=alpha, beta=beta)
+    with torch.no_grad():  # norms of parameters that require grad must not record a graph
+        return _dispatch_torch(noop_flag, xs, per_tensor, ord=ord, outs=outs, scale=scale, inv_scale=inv_scale,
+                               skip_if_flagged=skip_if_flagged, blend_into=blend_into, alpha=alpha, beta=beta)
+
+
+def _dispatch_torch(noop_flag, xs, per_tensor: bool, *, ord, outs, scale, inv_scale, skip_if_flagged, blend_into,
+                    alpha, beta):
     if outs is not None:
         from apex.ops.multi_tensor_scale import _scale_torch
 
@@ -78,12 +86,14 @@ def _dispatch(noop_flag, xs, per_tensor: bool, *, ord=2.0, outs=None, scale=1.0,
 def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
     if not validate:  # the caller (an apex optimizer) has checked every tensor
         return first_device(tensor_lists)
-    device = check_tensor_lists(tensor_lists, n_lists)
+    from apex._kernels._lists import checked
+
+    checked(("l2norm", n_lists), tensor_lists, lambda: check_tensor_lists(tensor_lists, n_lists))
+    device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     return device
 
 
-@torch.no_grad()
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                         per_tensor: bool | None = False, *,
                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +107,6 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor))
 
 
-@torch.no_grad()
 def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                            per_tensor: bool | None = False, *,
                            validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +119,6 @@ def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_list
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), skip_if_flagged=True)
 
 
-@torch.no_grad()
 def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float,
                               per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``amp_C.multi_tensor_l2norm_scale``: lists ``[in, out]``; the norms of ``in`` (as
@@ -122,7 +130,6 @@ def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_l
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), outs=tensor_lists[1], scale=float(scale))
 
 
-@torch.no_grad()
 def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                                 inv_scale: torch.Tensor,
                                 per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +145,6 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), inv_scale=inv)
 
 
-@torch.no_grad()
 def multi_tensor_norm_out_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, out: torch.Tensor,
                                alpha: float, beta: float, norm_type: int) -> None:
     """``amp_C.multi_tensor_norm_out_cuda``: blends each tensor's norm into ``out``

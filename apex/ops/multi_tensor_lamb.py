@@ -52,7 +52,6 @@ def _check_norm_tensor(t, name: str, device) -> torch.Tensor:
     return t.reshape(-1)[:1].float()
 
 
-@torch.no_grad()
 def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
                       beta2: float, epsilon: float, step: int, bias_correction: int, weight_decay: float,
                       grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
@@ -65,18 +64,23 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     PyTorch path reuses from call to call instead of building its buffers every call. ``validate=False``
     skips the per-tensor checks (for callers, such as apex's optimizers, that have made them, and that
     vouch for the workspace fitting the parameters)."""
-    device = _check(noop_flag, tensor_lists, 4) if validate else first_device(tensor_lists)
+    if validate:
+        from apex._kernels._lists import checked
+
+        checked("lamb", tensor_lists, lambda: _check(noop_flag, tensor_lists, 4), shapes=True)
+    device = first_device(tensor_lists)
+    if validate:
+        check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:
         return
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
-    _run(noop_flag, *[list(x) for x in tensor_lists], None, lr=float(lr), beta1=float(beta1),
+    _run(noop_flag, *tensor_lists, None, lr=float(lr), beta1=float(beta1),
          beta2=float(beta2), eps=float(epsilon), step=int(step), bias_correction=bool(bias_correction),
          weight_decay=float(weight_decay), beta3=1.0 - float(beta1) if grad_averaging else 1.0,
          adam_w=bool(mode), grad_norm=gn, max_grad_norm=float(max_grad_norm), use_nvlamb=bool(use_nvlamb),
          inv_scale=None, skip_on_noop=False, workspace=workspace, trusted=not validate)
 
 
-@torch.no_grad()
 def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor,
                          beta1: float, beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int,
                          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: torch.Tensor,
@@ -90,17 +94,15 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     addition): a ``_cpu_blocks.Workspace`` for the masters' shapes, reused by the PyTorch path from call
     to call; ``validate=False`` skips the per-tensor checks."""
     if validate:
-        device = check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
+        from apex._kernels._lists import checked
+
+        checked("lamb_mp", tensor_lists, lambda: _check_mp(tensor_lists), shapes=True)
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:
-        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
-    lists = [list(x) for x in tensor_lists]
-    for i, (a, b) in enumerate(zip(lists[0], lists[1]) if validate else ()):
-        if a.shape != b.shape:
-            raise ValueError(f"tensor_lists[0][{i}] has shape {tuple(a.shape)} but tensor_lists[1][{i}] has "
-                             f"shape {tuple(b.shape)}")
+    lists = list(tensor_lists)  # the inner lists as given: Columns from an optimizer stay Columns
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
     tensors = {}
     named = (("lr", lr), ("step", step), ("max_grad_norm", max_grad_norm), ("inv_scale", inv_scale))
@@ -123,12 +125,27 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
          workspace=workspace, trusted=not validate)
 
 
+def _check_mp(tensor_lists) -> None:
+    check_tensor_lists(tensor_lists, (4, 5), list_dtypes={0: FLOAT_DTYPES})
+    for i, (a, b) in enumerate(zip(tensor_lists[0], tensor_lists[1])):
+        if a.shape != b.shape:
+            raise ValueError(f"tensor_lists[0][{i}] has shape {tuple(a.shape)} but tensor_lists[1][{i}] has "
+                             f"shape {tuple(b.shape)}")
+
+
 def _run(noop_flag, g, p, m, v, out, workspace=None, trusted=False, **kw) -> None:
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor_lamb as kernels
 
-        kernels.lamb(noop_flag, g, p, m, v, out, **kw)
+        kernels.lamb(noop_flag, *(x if x is None or isinstance(x, (list, tuple)) else list(x)
+                                  for x in (g, p, m, v, out)), **kw)
         return
+    with torch.no_grad():  # the PyTorch path writes parameters that require grad
+        _run_torch(noop_flag, *(x if x is None else list(x) for x in (g, p, m, v, out)), workspace=workspace,
+                   trusted=trusted, **kw)
+
+
+def _run_torch(noop_flag, g, p, m, v, out, workspace=None, trusted=False, **kw) -> None:
     if _lamb_cpu.fusable(g, p, m, v, kw):
         _lamb_cpu.lamb_fused(noop_flag, g, p, m, v, out, workspace=workspace, trusted=trusted, **kw)
         return
@@ -265,13 +282,15 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     (applied when ``use_nvlamb`` or ``weight_decay != 0`` and both norms are non-zero, else ``lr``).
     ``validate=False`` skips the per-tensor checks (for apex's optimizers, which built the lists)."""
     if validate:
-        device = check_tensor_lists(tensor_lists, 2)
+        from apex._kernels._lists import checked
+
+        checked("lamb_stage2", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:
-        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
-    p, upd = [list(x) for x in tensor_lists]
+    p, upd = [x if isinstance(x, (list, tuple)) else list(x) for x in tensor_lists]
     n = len(p)
     for name, t in (("per_tensor_param_norm", per_tensor_param_norm),
                     ("per_tensor_update_norm", per_tensor_update_norm)):

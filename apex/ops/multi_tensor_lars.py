@@ -37,7 +37,6 @@ def _norms(x, n: int, name: str, device) -> torch.Tensor:
     return x.reshape(-1).to(device=device, dtype=torch.float32)
 
 
-@torch.no_grad()
 def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                       param_norms: torch.Tensor, lr: float, trust_coefficient: float, epsilon: float,
                       weight_decay: float, momentum: float, dampening: float, nesterov: bool, first_run: bool,
@@ -45,13 +44,15 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
     """``validate=False`` (apex's addition) skips the per-tensor checks, for callers such as apex's
     ``FusedLARS`` that have made them."""
     if validate:
-        device = check_tensor_lists(tensor_lists, (3, 4))
+        from apex._kernels._lists import checked
+
+        checked("lars", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:
-        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
-    lists = [list(lst) for lst in tensor_lists]
+    lists = list(tensor_lists)  # the inner lists as given: Columns from an optimizer stay Columns
     n = len(lists[0])
     gn = _norms(grad_norms, n, "grad_norms", device)[:n]
     pn = _norms(param_norms, n, "param_norms", device)[:n]
@@ -71,9 +72,10 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
         return
     ok = (gn > 0) & (pn > 0)
     ratio = torch.where(ok, tc * pn / (gn + pn * wd + eps), torch.ones_like(pn))
-    _lars_torch(lists, (lr * ratio).float(), wd=wd, momentum=float(momentum), dampening=float(dampening),
-                nesterov=bool(nesterov), first_run=bool(first_run), wd_after_momentum=bool(wd_after_momentum),
-                scale=float(scale))
+    with torch.no_grad():  # the foreach ops write parameters that require grad
+        _lars_torch(lists, (lr * ratio).float(), wd=wd, momentum=float(momentum), dampening=float(dampening),
+                    nesterov=bool(nesterov), first_run=bool(first_run), wd_after_momentum=bool(wd_after_momentum),
+                    scale=float(scale))
 
 
 def _lars_torch(lists, lrs: torch.Tensor, *, wd, momentum, dampening, nesterov, first_run, wd_after_momentum,

@@ -38,7 +38,6 @@ def _check_norms(grad_norms, n: int, device) -> None:
         raise ValueError(f"grad_norms is on {grad_norms.device} but the tensors are on {device}")
 
 
-@torch.no_grad()
 def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
                           lr: float, beta1: float, beta2: float, epsilon: float, step: int,
                           bias_correction: int, weight_decay: float, grad_averaging: int, moment_mode: int,
@@ -50,10 +49,13 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     ``workspace`` (apex's addition): a ``_cpu_blocks.Workspace`` for the parameters' shapes that the
     PyTorch path reuses from call to call (with ``validate=False`` the caller vouches that it fits)."""
     if validate:
-        device = check_tensor_lists(tensor_lists, 3, same_shape=True)
+        from apex._kernels._lists import checked
+
+        checked("novograd", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3, same_shape=True),
+                shapes=True)
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:
-        device = first_device(tensor_lists)
     if norm_type not in (0, 2):
         raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
     if moment_mode not in (0, 1):
@@ -61,7 +63,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
                          f"got {moment_mode!r}")
     if device is None or not tensor_lists[0]:
         return
-    g, p, m = [list(x) for x in tensor_lists]
+    g, p, m = tensor_lists  # as given: Columns from an optimizer stay Columns
     _check_norms(grad_norms, len(g), device)
     step = int(step)
     bc1, bc2 = 1.0, 1.0
@@ -75,24 +77,28 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     if _backend.select(p) == "triton":
         from apex._kernels import multi_tensor as mt
         from apex._kernels import multi_tensor_novograd as kernels
+        from apex._kernels._lists import columns
 
+        g, p, m = columns([g, p, m])
         for idx, (gs, ps, ms) in mt.group([g, p, m]):
-            whole = idx == list(range(len(g)))
+            whole = len(idx) == len(g)
             norms = grad_norms if whole else grad_norms[idx].contiguous()
             kernels.blend_norms(noop_flag, gs, norms, alpha, beta, norm_type == 0)
             kernels.update(gs, ps, ms, norms, **kw)
             if not whole:
                 grad_norms[idx] = norms
-        empty = [i for i, t in enumerate(g) if t.numel() == 0]
+        empty = [i for i, n in enumerate(g.numels) if n == 0] if 0 in g.numels else None
         if empty:  # no chunks: the blend sees a zero norm
             _blend(grad_norms, empty, torch.zeros(len(empty), device=device), alpha, beta, norm_type)
         return
+    g, p, m = list(g), list(p), list(m)
     if validate and workspace is not None and not workspace.fits(p):
         workspace = None  # (a trusted caller vouches for its workspace)
     # A trusted caller passes lists of one dtype each.
     all32 = None if validate else g[0].dtype == p[0].dtype == m[0].dtype == torch.float32
-    novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type,
-                   workspace=workspace, all32=all32, **kw)
+    with torch.no_grad():  # the PyTorch path writes parameters that require grad
+        novograd_torch(noop_flag, g, p, m, grad_norms, alpha=alpha, beta=beta, norm_type=norm_type,
+                       workspace=workspace, all32=all32, **kw)
 
 
 def _blend(norms: torch.Tensor, idx, new: torch.Tensor, alpha: float, beta: float, norm_type: int) -> None:

@@ -13,27 +13,35 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, mark_found_inf
+from apex.ops._checks import as_scalar_tensor, check_noop_flag, check_tensor_lists, first_device, mark_found_inf
 
 
-@torch.no_grad()
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                        scale: float | torch.Tensor) -> None:
     """``amp_C.multi_tensor_scale``: lists ``[in, out]``, ``out = in * scale`` computed in fp32 and rounded
     once to ``out``'s dtype; sets ``noop_flag`` (a one-element int32 tensor) when an input is inf/NaN.
     """
-    device = check_tensor_lists(tensor_lists, 2)
+    from apex._kernels._lists import checked
+
+    checked("scale", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
+    device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:
         return
-    scale_t = as_scalar_tensor(scale, device, "scale")
     ins, outs = tensor_lists
     if _backend.select(ins) == "triton":
         from apex._kernels import multi_tensor_scale as kernels
 
-        kernels.scale(noop_flag, list(ins), list(outs), scale_t if isinstance(scale, torch.Tensor) else scale)
+        # Lists as given (a tuple or a Column is read as it is); a Python scale is passed by value.
+        kernels.scale(noop_flag, _seq(ins), _seq(outs),
+                      as_scalar_tensor(scale, device, "scale") if isinstance(scale, torch.Tensor) else scale)
         return
-    _scale_torch(noop_flag, list(ins), list(outs), scale_t)
+    with torch.no_grad():  # the foreach ops write tensors that may require grad
+        _scale_torch(noop_flag, list(ins), list(outs), as_scalar_tensor(scale, device, "scale"))
+
+
+def _seq(lst):
+    return lst if isinstance(lst, (list, tuple)) else list(lst)
 
 
 def _scale_torch(noop_flag, ins, outs, scale: float | torch.Tensor) -> None:

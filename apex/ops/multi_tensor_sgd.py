@@ -34,7 +34,6 @@ from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
 from apex.ops._fp32 import as_fp32, write_back
 
 
-@torch.no_grad()
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
                      dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
                      scale: float = 1.0, *, validate: bool = True) -> None:
@@ -44,13 +43,15 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
     the update instead of the gradient. Math in fp32.
     """
     if validate:
-        device = check_tensor_lists(tensor_lists, (3, 4))
+        from apex._kernels._lists import checked
+
+        checked("sgd", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
+    device = first_device(tensor_lists)
+    if validate:
         check_noop_flag(noop_flag, device)
-    else:  # the caller (an apex optimizer) has checked every tensor
-        device = first_device(tensor_lists)
     if device is None or not tensor_lists[0]:
         return
-    lists = [list(lst) for lst in tensor_lists]
+    lists = list(tensor_lists)  # the inner lists as given: Columns from an optimizer stay Columns
     args = dict(lr=float(lr), wd=float(wd), momentum=float(momentum), dampening=float(dampening),
                 nesterov=bool(nesterov), first_run=bool(first_run), wd_after_momentum=bool(wd_after_momentum),
                 scale=float(scale))
@@ -61,7 +62,8 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         return
     if bool(noop_flag.item()):
         return
-    sgd_torch(lists, **args, uniform=not validate)
+    with torch.no_grad():  # the foreach ops write parameters that require grad
+        sgd_torch(lists, **args, uniform=not validate)
 
 
 def sgd_torch(lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,

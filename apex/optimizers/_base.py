@@ -24,7 +24,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import required
 
-from apex.optimizers._plan import Plan
+from apex.optimizers._plan import Plan, step_plans
 
 REDUCED = (torch.float16, torch.bfloat16)
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
@@ -190,6 +190,17 @@ class CopyableOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         for key in _CACHES:
             self.__dict__.setdefault(key, {})
+        self._plans = {}
+
+    # A step plan (apex.optimizers._plan) describes the param groups and state as they were: both of these
+    # change them.
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._plans = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._plans = {}
 
 
 class FusedOptimizerBase(CopyableOptimizer):
@@ -295,10 +306,6 @@ class FusedOptimizerBase(CopyableOptimizer):
         return Checked(ps, gs, None if mixed else dtype)
 
     # -- step plans ------------------------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        self._plans = {}
-
     def _plan_mode(self) -> tuple:
         """Options a plan depends on (a plan built under other values is rebuilt)."""
         return ()
@@ -308,32 +315,10 @@ class FusedOptimizerBase(CopyableOptimizer):
         raise NotImplementedError
 
     def _step_plans(self) -> list[tuple[Plan, list, tuple]]:
-        """Per group, ``(plan, gradients, their addresses)`` for this step (see :mod:`apex.optimizers._plan`).
-
-        A group whose plan no longer holds is checked in full and planned anew; every group is checked
-        before any plan is built, so a failed check changes nothing."""
-        plans = self._plans
-        mode = plans.get("mode")  # the state dict (by identity), its size, the options
-        if mode is None or mode[0] is not self.state or mode[1] != len(self.state) or mode[2] != self._plan_mode():
-            plans.clear()
-        found: list = []
-        stale: dict = {}
+        """Per group, ``(plan, gradients, their addresses)`` for this step (see :mod:`apex.optimizers._plan`)."""
         relayout: list = []
-        for gi, group in enumerate(self.param_groups):
-            entry = plans.get(id(group))
-            got = entry[1].grads(group["params"]) if entry is not None and entry[0] is group else None
-            if got is None:
-                stale[gi] = self._check_group(gi, group, relayout)
-            found.append(None if got is None else (entry[1],) + got)
-        if stale:
-            self._relayout(relayout)
-            for gi, checked in stale.items():
-                group = self.param_groups[gi]
-                plan = self._build_plan(group, checked)
-                plans[id(group)] = (group, plan)
-                found[gi] = (plan, checked.grads, tuple(map(torch.Tensor.data_ptr, checked.grads)))
-            plans["mode"] = (self.state, len(self.state), self._plan_mode())
-        return found
+        return step_plans(self, self._plan_mode(), lambda gi, group: self._check_group(gi, group, relayout),
+                          self._build_plan, lambda: self._relayout(relayout))
 
     def _diagnose(self, gi: int, pi: int, p: torch.Tensor, g: torch.Tensor) -> None:
         """Raise the error for a parameter/gradient pair that failed the fast check (or accept a dense,
@@ -563,7 +548,6 @@ class FusedOptimizerBase(CopyableOptimizer):
                     keep[(id(p), key)] = v
         super().load_state_dict(state_dict)
         self._packed_steps = {}
-        self._plans = {}
         for p in params:
             st = self.state.get(p)
             if not st:

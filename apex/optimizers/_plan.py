@@ -95,6 +95,39 @@ class Plan:
         return (gs, gptrs) if ok else None
 
 
+def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[tuple[Plan, list, tuple]]:
+    """Per group of ``optimizer``, ``(plan, gradients, their addresses)`` for this step.
+
+    ``optimizer._plans`` holds the plans; they are all dropped when ``mode`` (the options plans depend on),
+    the state dict or its size changed. A group whose plan no longer holds is checked in full by
+    ``check(gi, group)`` (which raises on bad input and returns an object with the group's ``params`` that
+    have a gradient and their ``grads``); every group is checked (then ``after_checks()`` runs) before
+    ``build(group, checked)`` makes any new plan, so a failed check changes nothing."""
+    plans = optimizer.__dict__.setdefault("_plans", {})
+    state = optimizer.state
+    held = plans.get("mode")  # the state dict (by identity), its size, the options
+    if held is None or held[0] is not state or held[1] != len(state) or held[2] != mode:
+        plans.clear()
+    found: list = []
+    stale: dict = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        entry = plans.get(id(group))
+        got = entry[1].grads(group["params"]) if entry is not None and entry[0] is group else None
+        if got is None:
+            stale[gi] = check(gi, group)
+        found.append(None if got is None else (entry[1],) + got)
+    if stale:
+        if after_checks is not None:
+            after_checks()
+        for gi, checked in stale.items():
+            group = optimizer.param_groups[gi]
+            plan = build(group, checked)
+            plans[id(group)] = (group, plan)
+            found[gi] = (plan, list(checked.grads), tuple(map(_ptr, checked.grads)))
+        plans["mode"] = (optimizer.state, len(optimizer.state), mode)
+    return found
+
+
 def take(xs, idx: list | None) -> list:
     """``xs`` at the positions ``idx`` (None: all of them), as a list."""
     return list(xs) if idx is None else [xs[i] for i in idx]

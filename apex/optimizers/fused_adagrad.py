@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from apex.optimizers._base import FusedOptimizerBase, check_non_negative, group_by, trusted
+from apex.optimizers._base import FusedOptimizerBase, check_non_negative, fused_step, group_by, trusted
+from apex.optimizers._plan import Bucket, Plan, take
 
 
 class FusedAdagrad(FusedOptimizerBase):
@@ -38,31 +39,45 @@ class FusedAdagrad(FusedOptimizerBase):
 
         self.multi_tensor_adagrad = amp_C.multi_tensor_adagrad
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss, checked = self._begin_step(closure)
-        if checked is None:
+        loss = self._run_closure(closure)
+        planned = self._step_plans()
+        if self._unscale_or_skip(None, planned):
             return loss
-        for group, (params, grads, dtype) in zip(self.param_groups, checked):
-            if not params:
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            if not plan.buckets:
                 continue
-            for p in params:
-                state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            self._increment_steps(group, params)
-            sums = [self.state[p]["sum"] for p in params]
-            if dtype is not None:  # one dtype (and one device): one call on the lists as they are
-                buckets = {(params[0].device, dtype): None}
-            else:
-                buckets = group_by([(p.device, p.dtype) for p in params], len(params))
-            for (device, _), idx in buckets.items():
-                lists = ([grads, params, sums] if idx is None
-                         else [[lst[i] for i in idx] for lst in (grads, params, sums)])
-                self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(device), lists, group["lr"], group["eps"],
-                                          self.adagrad_w_mode, group["weight_decay"],
+            plan.step_buf.add_(1.0)
+            plan.watch(plan.step_buf)
+            for b in plan.buckets:
+                self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(b.device), [b.grads(gs, gptrs)] + b.lists,
+                                          group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"],
                                           **trusted(self.multi_tensor_adagrad))
         return loss
+
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """State (``sum``, ``step`` packed into one buffer) and one bucket per dtype."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        if not params:
+            return plan
+        states = []
+        for p in params:
+            state = self.state[p]
+            if "sum" not in state:
+                state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            states.append(state)
+        plan.step_buf, _ = self._pack_steps(states, torch.device("cpu"))
+        plan.watch(plan.step_buf)
+        device = params[0].device
+        for dtype, idx in group_by(plan.dtypes, len(params)).items():
+            sel = None if len(idx) == len(params) else idx
+            b = Bucket(sel, dtype, device, tuple(take(plan.numels, sel)))
+            b.lists = [b.column(take(params, sel), take(plan.ptrs, sel), dtype=dtype),
+                       b.column([states[i]["sum"] for i in idx])]
+            plan.buckets.append(b)
+        return plan

@@ -9,9 +9,11 @@ from apex.optimizers._base import (
     FusedOptimizerBase,
     check_non_negative,
     check_sgd_hyperparameters,
+    fused_step,
     group_by,
     trusted,
 )
+from apex.optimizers._plan import Bucket, Plan, take
 
 
 class FusedLARS(FusedOptimizerBase):
@@ -57,43 +59,65 @@ class FusedLARS(FusedOptimizerBase):
         self.multi_tensor_l2norm = amp_C.multi_tensor_l2norm
         self.multi_tensor_lars = amp_C.multi_tensor_lars
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
-        loss, checked = self._begin_step(closure)
-        if checked is None:
+        loss = self._run_closure(closure)
+        planned = self._step_plans()
+        if self._unscale_or_skip(None, planned):
             return loss
         scale = 1.0 / self.most_recent_scale
-        for group, (params, _, _) in zip(self.param_groups, checked):
-            if not params:
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            if not plan.buckets:
                 continue
+            if (group["momentum"] != 0) != (plan.momentum != 0):  # momentum switched on or off: plan again
+                self._plans.pop(id(group), None)
+                plan = self._build_plan(group, plan)
             momentum = group["momentum"]
-            fresh = [momentum != 0 and self.state[p].get("momentum_buffer") is None for p in params]
-            keys = [(p.device, p.dtype, f) for p, f in zip(params, fresh)]
-            for (device, _, first_run), idx in group_by(keys, len(params)).items():
-                ps = [params[i] for i in idx]
-                gs = [p.grad for p in ps]
-                flag = self._overflow_buf(device)
+            for b in plan.buckets:
+                flag = self._overflow_buf(b.device)
                 flag.zero_()  # a non-finite norm sets it and skips this update only
+                ps, g = b.lists[0], b.grads(gs, gptrs)
                 w_norms = self.multi_tensor_l2norm(2048 * 32, flag, [ps], True,
                                                    **trusted(self.multi_tensor_l2norm))[1]
-                g_norms = self.multi_tensor_l2norm(2048 * 32, flag, [gs], True,
+                g_norms = self.multi_tensor_l2norm(2048 * 32, flag, [g], True,
                                                    **trusted(self.multi_tensor_l2norm))[1] * abs(scale)
-                if momentum != 0:
-                    for p in ps:
-                        if self.state[p].get("momentum_buffer") is None:
-                            self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                    bufs = [self.state[p]["momentum_buffer"] for p in ps]
-                else:
-                    bufs = ps  # untouched without momentum
-                self.multi_tensor_lars(2048 * 32, flag, [gs, ps, bufs], g_norms, w_norms, group["lr"],
+                self.multi_tensor_lars(2048 * 32, flag, [g] + b.lists, g_norms, w_norms, group["lr"],
                                        group["trust_coefficient"], group["eps"], group["weight_decay"], momentum,
-                                       group["dampening"], group["nesterov"], first_run, self.wd_after_momentum,
+                                       group["dampening"], group["nesterov"], b.first_run, self.wd_after_momentum,
                                        scale, bool(group.get("is_skipped", False)),
                                        **trusted(self.multi_tensor_lars))
+            if any(b.first_run for b in plan.buckets):
+                self._plans.pop(id(group), None)  # the buffers exist now: the next step plans one bucket per dtype
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
+
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """Momentum buffers (made here, zero: the first step's kernel sets them) and one bucket per
+        (dtype, first step of the buffers or not)."""
+        params = list(checked.params if not isinstance(checked, Plan) else checked.with_grad)
+        plan = Plan(group["params"], params)
+        plan.momentum = group["momentum"]
+        if not params:
+            return plan
+        device = params[0].device
+        if plan.momentum != 0:
+            fresh = [self.state[p].get("momentum_buffer") is None for p in params]
+            for p, f in zip(params, fresh):
+                if f:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+        else:
+            fresh, bufs = [False] * len(params), None
+        for (dtype, first_run), idx in group_by([(p.dtype, f) for p, f in zip(params, fresh)], len(params)).items():
+            sel = None if len(idx) == len(params) else idx
+            b = Bucket(sel, dtype, device, tuple(take(plan.numels, sel)))
+            ps = b.column(take(params, sel), take(plan.ptrs, sel), dtype=dtype)
+            b.lists = [ps, ps if bufs is None else b.column(take(bufs, sel), dtype=dtype)]  # ps: never read
+            b.first_run = first_run
+            plan.buckets.append(b)
+        return plan
 
 
 Fused_LARS = FusedLARS  # ROCm Apex's class name

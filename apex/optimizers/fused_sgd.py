@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, group_by, trusted
+from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, fused_step, group_by, trusted
+from apex.optimizers._plan import Bucket, Plan, take
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -64,25 +65,24 @@ class FusedSGD(FusedOptimizerBase):
             momentums.append(state["momentum_buffer"])
         return momentums, first_run
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None):
         """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
         stash = getattr(self, "_amp_stash", None)
-        explicit_master = stash is not None and hasattr(stash, "fp32_from_fp16_groups")
-        if explicit_master:
-            loss, checked = self._run_closure(closure), None
-        else:
-            loss, checked = self._begin_step(closure)
-            if checked is None:
-                return loss
-        scale = 1.0 / self.most_recent_scale
-        for gid, group in enumerate(self.param_groups):
-            if explicit_master:
+        if stash is not None and hasattr(stash, "fp32_from_fp16_groups"):  # amp O2: masters and model copies
+            loss = self._run_closure(closure)
+            scale = 1.0 / self.most_recent_scale
+            for gid, group in enumerate(self.param_groups):
                 for launch in self._amp_sets(stash, gid):
-                    self._launch(group, launch, scale, checked=False)
-            else:
-                c = checked[gid]
-                self._launch(group, [c.grads, c.params], scale, checked=True, dtype=c.dtype)
+                    self._launch(group, launch, scale)
+        else:
+            loss = self._run_closure(closure)
+            planned = self._step_plans()
+            if self._unscale_or_skip(None, planned):
+                return loss
+            scale = 1.0 / self.most_recent_scale
+            for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+                self._step_plan(group, plan, gs, gptrs, scale)
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
@@ -100,9 +100,52 @@ class FusedSGD(FusedOptimizerBase):
             sets.append([[a for a, _, _ in pairs], [b for _, b, _ in pairs], [c for _, _, c in pairs]])
         return sets
 
-    def _launch(self, group, launch, scale: float, checked: bool, dtype: torch.dtype | None = None) -> None:
-        """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket; ``dtype`` is the
-        one dtype of params and grads when the step's checks found it (the buckets then need no scan)."""
+    # -- the usual step: a plan per group (apex.optimizers._plan) ------------------------------------------
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """Momentum buffers (made here, zero: the first step's kernel sets them to the gradient) and one
+        bucket per (dtype, first step of the buffers or not)."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        plan.momentum = group["momentum"]
+        if not params:
+            return plan
+        device = params[0].device
+        if plan.momentum != 0:
+            bufs = [self.state[p].get("momentum_buffer") for p in params]
+            fresh = [b is None for b in bufs]
+            if any(fresh):
+                made, _ = self.get_momentums([p for p, f in zip(params, fresh) if f])
+                it = iter(made)
+                bufs = [next(it) if f else b for b, f in zip(bufs, fresh)]
+        else:
+            bufs, fresh = None, [False] * len(params)
+        for (dtype, first_run), idx in group_by([(p.dtype, f) for p, f in zip(params, fresh)], len(params)).items():
+            sel = None if len(idx) == len(params) else idx
+            b = Bucket(sel, dtype, device, tuple(take(plan.numels, sel)))
+            ps = b.column(take(params, sel), take(plan.ptrs, sel), dtype=dtype)
+            b.lists = [ps, ps if bufs is None else b.column(take(bufs, sel), dtype=dtype)]
+            b.first_run = first_run
+            plan.buckets.append(b)
+        return plan
+
+    def _step_plan(self, group: dict, plan: Plan, gs: list, gptrs: tuple, scale: float) -> None:
+        if not plan.buckets:
+            return
+        if (group["momentum"] != 0) != (plan.momentum != 0):  # momentum switched on or off: plan again
+            self._plans.pop(id(group), None)
+            self._launch(group, [gs, list(plan.with_grad)], scale)
+            return
+        op = self.multi_tensor_sgd
+        for b in plan.buckets:
+            op(2048 * 32, self._overflow_buf(b.device), [b.grads(gs, gptrs)] + b.lists, group["weight_decay"],
+               group["momentum"], group["dampening"], group["lr"], group["nesterov"], b.first_run,
+               self.wd_after_momentum, scale, **trusted(op))
+        if any(b.first_run for b in plan.buckets):
+            self._plans.pop(id(group), None)  # the buffers exist now: the next step plans one bucket per dtype
+
+    def _launch(self, group, launch, scale: float) -> None:
+        """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket (amp O2's lists, and
+        a step whose group changed its momentum)."""
         grads, params = launch[0], launch[1]
         copies = launch[2] if len(launch) == 3 else None
         if not params:
@@ -112,24 +155,18 @@ class FusedSGD(FusedOptimizerBase):
         existing = [state[p].get("momentum_buffer") for p in params] if momentum != 0 else None
         fresh = [b is None for b in existing] if existing is not None else [False] * len(params)
         device = params[0].device
-        uniform = dtype is not None or (len({p.dtype for p in params}) == 1 and len({g.dtype for g in grads}) == 1)
-        if uniform and (not any(fresh) or all(fresh)):
-            buckets = {(None, None, fresh[0]): range(len(params))}  # the usual step: one bucket
-        else:
-            buckets = group_by([(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)], len(params))
+        buckets = group_by([(p.dtype, g.dtype, f) for p, g, f in zip(params, grads, fresh)], len(params))
         for (_, _, first_run), idx in buckets.items():
-            whole = len(idx) == len(params)  # the usual step: the lists as they are, no copies
-            ps = params if whole else [params[i] for i in idx]
+            ps = [params[i] for i in idx]
             if momentum == 0:
                 bufs = ps  # never read nor written without momentum
             elif first_run:
                 bufs, _ = self.get_momentums(ps)
             else:
-                bufs = existing if whole else [existing[i] for i in idx]
-            lists = [grads if whole else [grads[i] for i in idx], ps, bufs]
+                bufs = [existing[i] for i in idx]
+            lists = [[grads[i] for i in idx], ps, bufs]
             if copies is not None:
-                lists.append(copies if whole else [copies[i] for i in idx])
+                lists.append([copies[i] for i in idx])
             self.multi_tensor_sgd(2048 * 32, self._overflow_buf(device), lists, group["weight_decay"],
                                   momentum, group["dampening"], group["lr"], group["nesterov"], first_run,
-                                  self.wd_after_momentum, scale,
-                                  **(trusted(self.multi_tensor_sgd) if checked else {}))
+                                  self.wd_after_momentum, scale)
