@@ -10,7 +10,9 @@ from typing import NamedTuple
 
 import torch
 
+from apex._kernels._lists import Column, column
 from apex.optimizers._base import _number, check_betas, check_non_negative
+from apex.optimizers._plan import Bucket, Plan
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,29 +59,31 @@ class GroupGrads(NamedTuple):
 def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
                       dtypes=SUPPORTED_DTYPES) -> list[GroupGrads]:
     """For each param group, its parameters that have a gradient and their gradients (a contiguous copy
-    of a strided one), after checking every one of them.
+    of a strided one), after checking every one of them."""
+    return [group_grads(name, gi, group, dtypes) for gi, group in enumerate(optimizer.param_groups)]
+
+
+def group_grads(name: str, gi: int, group: dict, dtypes=SUPPORTED_DTYPES) -> GroupGrads:
+    """:func:`params_with_grads` for one group (``gi``: its index, for the messages).
 
     The checks run as one list comprehension per property (a per-parameter loop of tests costs more than
     a small tensor's update); only when one fails does the per-parameter pass build the message."""
-    out = []
     allowed = frozenset(dtypes)
-    for gi, group in enumerate(optimizer.param_groups):
-        params = group["params"]
-        grads = [p.grad for p in params]
-        if any(g is None for g in grads):
-            ps = [p for p, g in zip(params, grads) if g is not None]
-            gs = [g for g in grads if g is not None]
-        else:
-            ps, gs = list(params), grads
-        p_dtypes = [p.dtype for p in ps]
-        seen = frozenset(p_dtypes)
-        shapes = [p.shape for p in ps]
-        if params and not _fit(params, ps, gs, p_dtypes, seen, allowed, shapes):
-            _diagnose_group(name, gi, params, allowed)
-        if not all([g.is_contiguous() for g in gs]):
-            gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
-        out.append(GroupGrads(ps, gs, seen, shapes))
-    return out
+    params = group["params"]
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads):
+        ps = [p for p, g in zip(params, grads) if g is not None]
+        gs = [g for g in grads if g is not None]
+    else:
+        ps, gs = list(params), grads
+    p_dtypes = [p.dtype for p in ps]
+    seen = frozenset(p_dtypes)
+    shapes = [p.shape for p in ps]
+    if params and not _fit(params, ps, gs, p_dtypes, seen, allowed, shapes):
+        _diagnose_group(name, gi, params, allowed)
+    if not all([g.is_contiguous() for g in gs]):
+        gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+    return GroupGrads(ps, gs, seen, shapes)
 
 
 def _fit(params: list, ps: list, gs: list, p_dtypes: list, seen: frozenset, allowed: frozenset,
@@ -133,3 +137,26 @@ def pack_state(workspace, states: list, key: str, tensors: list) -> list:
     for i in pk.index:
         states[i][key] = tensors[i]
     return tensors
+
+
+def lamb_bucket(plan: Plan, params: list, *states: list) -> Bucket:
+    """One launch over all of a plan's parameters (of one dtype or several: LAMB's kernels group them) and
+    their ``states`` (lists of state tensors in the parameters' order)."""
+    dtype = plan.dtypes[0] if plan.dtypes.count(plan.dtypes[0]) == len(plan.dtypes) else None
+    b = Bucket(None, dtype, params[0].device, plan.numels)
+    b.lists = [b.column(params, plan.ptrs, dtype=dtype)] + [b.column(s) for s in states]
+    return b
+
+
+def all_grads(planned: list) -> Column | None:
+    """The gradients of every group of a step (``step_plans``'s result) as one Column, or None without any:
+    for the global gradient norm."""
+    cols = [b.grads(gs, gptrs) for plan, gs, gptrs in planned for b in plan.buckets]
+    if not cols:
+        return None
+    if len(cols) == 1:
+        return cols[0]
+    dtype = cols[0].dtype if all(c.dtype is cols[0].dtype for c in cols) else None
+    device = cols[0].device if all(c.device == cols[0].device for c in cols) else None
+    return column([t for c in cols for t in c], ptrs=[p for c in cols for p in c.ptrs],
+                  numels=tuple(n for c in cols for n in c.numels), dtype=dtype, device=device)

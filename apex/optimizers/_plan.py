@@ -11,7 +11,7 @@ holds, with one C-level pass per fact over the group (``map`` over the tensors, 
   every plan outright);
 * each parameter still lives at the same address (``param.data = ...`` moves it);
 * the same parameters have a gradient (a gradient set to None, or one that appears);
-* every gradient has its parameter's dtype and size and is contiguous (or has its parameter's strides).
+* every gradient has its parameter's dtype and shape and is contiguous (or has its parameter's strides).
 
 Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
 tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
@@ -32,6 +32,7 @@ from apex._kernels._lists import Column, column
 
 _grad = attrgetter("grad")
 _dtype = attrgetter("dtype")
+_shape = attrgetter("shape")
 _ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _contiguous = torch.Tensor.is_contiguous
@@ -52,6 +53,7 @@ class Plan:
         self.ptrs = tuple(map(_ptr, self.with_grad))
         self.dtypes = tuple(map(_dtype, self.with_grad))
         self.numels = tuple(map(_numel, self.with_grad))
+        self.shapes = tuple(map(_shape, self.with_grad))
         contiguous = tuple(map(_contiguous, self.with_grad))
         # Dense parameters that are not contiguous (channels_last): their gradients must have their strides.
         self.strided = tuple(i for i, c in enumerate(contiguous) if not c)
@@ -86,7 +88,7 @@ class Plan:
         try:
             gptrs = tuple(map(_ptr, gs))
             ok = (tuple(map(_ptr, self.with_grad)) == self.ptrs and tuple(map(_dtype, gs)) == self.dtypes
-                  and tuple(map(_numel, gs)) == self.numels)
+                  and tuple(map(_shape, gs)) == self.shapes)
             if ok and (self.strided or not all(map(_contiguous, gs))):
                 ok = (all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
                       and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided))

@@ -7,12 +7,15 @@ import torch
 from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
-from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, fused_step, run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
+    all_grads,
     check_group_hyperparameters,
     check_hyperparameters,
-    params_with_grads,
+    group_grads,
+    lamb_bucket,
 )
+from apex.optimizers._plan import Plan, step_plans
 
 _CHUNK_SIZE = 2048 * 32
 
@@ -81,41 +84,53 @@ class FusedLAMB(CopyableOptimizer):
         """Clear the gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` option)."""
         zero_grad(self, set_to_none)
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
-        per_group = params_with_grads(self, "FusedLAMB")
-        grads = [g for gg in per_group for g in gg.grads]
-        if grads:
-            device = grads[0].device
+        planned = step_plans(self, (), lambda gi, group: group_grads("FusedLAMB", gi, group), self._build_plan)
+        grads = all_grads(planned)
+        if grads is not None:
+            device = grads.device if grads.device is not None else grads[0].device
             if self._dummy_overflow_buf.device != device:
                 self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
             global_grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads],
                                                         False, **trusted(self.multi_tensor_l2norm))[0]
         max_grad_norm = self.defaults["max_grad_norm"]
-        for gi, (group, (p, g, _, shapes)) in enumerate(zip(self.param_groups, per_group)):
+        for gi, (group, (plan, gs, gptrs)) in enumerate(zip(self.param_groups, planned)):
             group["step"] = group.get("step", 0) + 1
-            if not p:
+            if not plan.buckets:
                 continue
             beta1, beta2 = group["betas"]
-            m, v = [], []
-            for param in p:
-                state = self.state[param]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                m.append(state["exp_avg"])
-                v.append(state["exp_avg_sq"])
-            args = (_CHUNK_SIZE, self._dummy_overflow_buf, [g, p, m, v], group["lr"], beta1, beta2,
+            b = plan.buckets[0]
+            g = b.grads(gs, gptrs)
+            args = (_CHUNK_SIZE, self._dummy_overflow_buf, [g] + b.lists, group["lr"], beta1, beta2,
                     group["eps"], group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm, max_grad_norm,
                     self.use_nvlamb)
             if self.multi_tensor_lamb is multi_tensor_lamb:
-                self.multi_tensor_lamb(*args, workspace=self._workspace_for(gi, p, shapes), validate=False)
+                self.multi_tensor_lamb(*args, workspace=self._workspace_for(gi, b.lists[0], list(plan.shapes)),
+                                       validate=False)
             else:  # a subclass's own op, called the Apex way
-                self.multi_tensor_lamb(*args)
+                self.multi_tensor_lamb(*args[:2], [list(x) for x in args[2]], *args[3:])
         return loss
+
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """State (``exp_avg``, ``exp_avg_sq``) and one launch for the group's parameters with a gradient."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        if not params:
+            return plan
+        m, v = [], []
+        for param in params:
+            state = self.state[param]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            m.append(state["exp_avg"])
+            v.append(state["exp_avg_sq"])
+        plan.buckets.append(lamb_bucket(plan, params, m, v))
+        return plan
 
     def _workspace_for(self, gi: int, params: list, shapes: list) -> Workspace | None:
         """The CPU path's reusable buffers for group ``gi`` (building them every step costs more than the

@@ -11,12 +11,14 @@ from apex.ops._cpu_norms import fp32_norms
 from apex.ops._lamb_cpu import grads_to_workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm_mp
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb_mp
-from apex.optimizers._base import CopyableOptimizer, run_closure, scaler_state, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, fused_step, run_closure, scaler_state, trusted, zero_grad
 from apex.optimizers._lamb_common import (
+    all_grads,
     check_group_hyperparameters,
     check_hyperparameters,
-    params_with_grads,
+    group_grads,
 )
+from apex.optimizers._plan import Bucket, Plan, step_plans, take
 
 _CHUNK_SIZE = 2048 * 32
 
@@ -133,22 +135,15 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
             self._tensorize(group, group["params"][0].device)
         self.param_groups_full_precision = []
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None, grad_scaler=None):
         """One step. ``grad_scaler`` (Apex's argument, which ``torch.amp.GradScaler.step`` passes): the
         scaler whose scale the gradients carry; after ``grad_scaler.unscale_(optimizer)`` they carry none
         and the inf check already made is used. Without it, the ``grad_scale``/``found_inf`` attributes
         that a scaler may set on the optimizer are honoured."""
         loss = run_closure(closure)
-        per_group = params_with_grads(self, "FusedMixedPrecisionLamb")
-        for gi, group in enumerate(self.param_groups):
-            if len({p.dtype for p in group["params"]}) > 1:
-                raise RuntimeError(f"FusedMixedPrecisionLamb: the parameters of param_groups[{gi}] are "
-                                   "not all of one dtype")
-        if not self.param_groups_full_precision:
-            self._setup_full_precision_params()
+        planned = step_plans(self, (self.reduced_precision_dtype,), self._check_group, self._build_plan)
         device = self.param_groups[0]["params"][0].device
-        grads = [g for gg in per_group for g in gg.grads]
         if grad_scaler is not None:
             found_inf, scale = scaler_state(self, grad_scaler, device)
             inv_scale = scale.double().reciprocal().float()
@@ -163,43 +158,20 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
             scale = torch.ones(1, device=device)
             inv_scale = torch.ones(1, device=device)
         self._dummy_overflow_buf.copy_(found_inf.reshape(1))
-        if not grads:
-            return loss
         # The per-group lists: [grads, masters, m, v, model params] for parameters with fp32 masters,
-        # [grads, params, m, v] for the others.
-        lists = {}
-        for gi, (group, full, ps) in enumerate(zip(self.param_groups, self.param_groups_full_precision,
-                                                   per_group)):
-            if not ps.params:
-                continue
-            grad_by_id = {id(p): g for p, g in zip(ps.params, ps.grads)}
-            mixed = [[], [], [], [], []]
-            plain = [[], [], [], []]
-            for p, master in zip(group["params"], full["params"]):
-                g = grad_by_id.get(id(p))
-                if g is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    dtype = torch.float32 if master is not None else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                if master is not None:
-                    for lst, t in zip(mixed, (g, master, state["exp_avg"], state["exp_avg_sq"], p)):
-                        lst.append(t)
-                else:
-                    for lst, t in zip(plain, (g, p, state["exp_avg"], state["exp_avg_sq"])):
-                        lst.append(t)
-            for kind, kind_lists in enumerate((mixed, plain)):
-                if kind_lists[0]:
-                    lists[gi, kind] = kind_lists
+        # [grads, params, m, v] for the others (a new outer list each step: the CPU path may swap the grads).
+        lists = {(gi, b.kind): [b.grads(gs, gptrs)] + b.lists
+                 for gi, (plan, gs, gptrs) in enumerate(planned) for b in plan.buckets}
+        if not lists:
+            return loss
+        grads = all_grads(planned)
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
         cpu = self.multi_tensor_lamb is multi_tensor_lamb_mp and device.type == "cpu"
         # The CPU path's workspaces, one per list, looked up once per step.
         workspaces = {key: self._workspace_for(key, lst[1]) for key, lst in lists.items()} if cpu else {}
         if (cpu and self.multi_tensor_l2norm is multi_tensor_l2norm_mp and _backend.select(grads) == "torch"
-                and any(g.dtype != torch.float32 for g in grads)):
+                and grads.dtype is not torch.float32):
             grad_norm = self._cpu_grad_norm(lists, workspaces)
         else:
             grad_norm = self.multi_tensor_l2norm(_CHUNK_SIZE, self._dummy_overflow_buf, [grads], False,
@@ -218,9 +190,55 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
                         self.use_nvlamb, found_inf, inv_scale)
                 if cpu:
                     self.multi_tensor_lamb(*args, workspace=workspaces[gi, kind], validate=False)
-                else:
-                    self.multi_tensor_lamb(*args)
+                elif self.multi_tensor_lamb is multi_tensor_lamb_mp:
+                    self.multi_tensor_lamb(*args, validate=False)
+                else:  # a subclass's own op, called the Apex way
+                    self.multi_tensor_lamb(*args[:2], [list(x) for x in args[2]], *args[3:])
         return loss
+
+    def _check_group(self, gi: int, group: dict):
+        gg = group_grads("FusedMixedPrecisionLamb", gi, group)
+        if len({p.dtype for p in group["params"]}) > 1:
+            raise RuntimeError(f"FusedMixedPrecisionLamb: the parameters of param_groups[{gi}] are "
+                               "not all of one dtype")
+        return gg
+
+    def _build_plan(self, group: dict, checked) -> Plan:
+        """State (fp32 moments for parameters with masters), masters, and up to two launches: the
+        parameters with fp32 masters (kind 0) and the others (kind 1)."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        if not params:
+            return plan
+        if not self.param_groups_full_precision:
+            self._setup_full_precision_params()
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        master_of = {id(p): m for p, m in zip(group["params"], self.param_groups_full_precision[gi]["params"])}
+        masters = [master_of[id(p)] for p in params]
+        states = []
+        for p, master in zip(params, masters):
+            state = self.state[p]
+            if "exp_avg" not in state:
+                dtype = torch.float32 if master is not None else p.dtype
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+            states.append(state)
+        device = params[0].device
+        for kind, keep in ((0, [i for i, m in enumerate(masters) if m is not None]),
+                           (1, [i for i, m in enumerate(masters) if m is None])):
+            if not keep:
+                continue
+            sel = None if len(keep) == len(params) else keep
+            dtype = plan.dtypes[keep[0]]
+            b = Bucket(sel, dtype, device, tuple(take(plan.numels, sel)))
+            ps = b.column(take(params, sel), take(plan.ptrs, sel), dtype=dtype)
+            m = b.column([states[i]["exp_avg"] for i in keep])
+            v = b.column([states[i]["exp_avg_sq"] for i in keep])
+            b.lists = [b.column([masters[i] for i in keep], dtype=torch.float32), m, v, ps] if kind == 0 \
+                else [ps, m, v]
+            b.kind = kind
+            plan.buckets.append(b)
+        return plan
 
     def _cpu_grad_norm(self, lists: dict, workspaces: dict) -> torch.Tensor:
         """The global gradient norm on the CPU, as ``multi_tensor_l2norm_mp`` computes it (zero when the

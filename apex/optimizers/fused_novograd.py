@@ -7,15 +7,16 @@ import torch
 from apex.ops._cpu_blocks import Workspace
 from apex.ops._cpu_norms import fp32_norms
 from apex.ops.multi_tensor_novograd import multi_tensor_novograd
-from apex.optimizers._base import CopyableOptimizer, run_closure, trusted, zero_grad
+from apex.optimizers._base import CopyableOptimizer, fused_step, run_closure, trusted, zero_grad
 from apex.optimizers._lamb_common import (
     GroupGrads,
     ParamMismatchError,
     check_group_hyperparameters,
     check_hyperparameters,
+    group_grads,
     pack_state,
-    params_with_grads,
 )
+from apex.optimizers._plan import Bucket, Plan, step_plans, take
 
 _CHUNK_SIZE = 2048 * 32
 # Slots of group["exp_avg_sq"]: Apex's [fp16 norms, fp32 norms], plus bf16 norms when the group has any.
@@ -89,15 +90,47 @@ class FusedNovoGrad(CopyableOptimizer):
         """Clear the gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` option)."""
         zero_grad(self, set_to_none)
 
-    @torch.no_grad()
+    @fused_step
     def step(self, closure=None):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
-        per_group = [_by_dtype(gg) for gg in params_with_grads(self, "FusedNovoGrad")]
-        # Check the stored norms against this step's parameters before changing anything.
-        for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
+        planned = step_plans(self, (), self._check_group, self._build_plan)
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            device = plan.buckets[0].device if plan.buckets else self._dummy_overflow_buf.device
+            if self._dummy_overflow_buf.device != device:
+                self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+            grads = {b.slot: b.grads(gs, gptrs) for b in plan.buckets}
             if "exp_avg_sq" not in group:
-                continue
+                norms = []
+                for slot, dt in enumerate(_SLOTS):
+                    g = grads.get(slot, ())
+                    if dt is torch.bfloat16 and not g:
+                        continue
+                    if group["init_zero"] or not g:
+                        norms.append(torch.zeros(len(g), dtype=torch.float32, device=device))
+                    else:  # start from the first step's norms, so the first blend changes nothing
+                        ord_ = float("inf") if group["norm_type"] == 0 else 2.0
+                        norms.append(fp32_norms(list(g), ord_))
+                group["exp_avg_sq"] = norms
+            for b in plan.buckets:
+                extra = trusted(self.multi_tensor_novograd)
+                if b.workspace is not None:
+                    extra["workspace"] = b.workspace
+                self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [grads[b.slot]] + b.lists,
+                                           group["exp_avg_sq"][b.slot], group["lr"], beta1, beta2, group["eps"],
+                                           group["step"], 1 if group["bias_correction"] else 0,
+                                           group["weight_decay"], 1 if group["grad_averaging"] else 0,
+                                           self.moment_mode, group["norm_type"], **extra)
+        return loss
+
+    def _check_group(self, gi: int, group: dict) -> GroupGrads:
+        """The group's checks, and its stored norms against this step's parameters (before anything
+        changes)."""
+        gg = group_grads("FusedNovoGrad", gi, group)
+        if "exp_avg_sq" in group:
+            by_dtype = _by_dtype(gg)
             norms = group["exp_avg_sq"]
             for slot, dt in enumerate(_SLOTS):
                 count = len(by_dtype[dt][0]) if dt in by_dtype else 0
@@ -107,47 +140,36 @@ class FusedNovoGrad(CopyableOptimizer):
                         f"FusedNovoGrad: param_groups[{gi}] has {count} {dt} parameters with gradients but "
                         f"{have} running norms; the set of parameters with gradients must not change "
                         "between steps")
-        state = self.state
-        for gi, (group, by_dtype) in enumerate(zip(self.param_groups, per_group)):
-            group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            first = next((ps[0] for ps, _, _ in by_dtype.values()), None)
-            device = first.device if first is not None else self._dummy_overflow_buf.device
-            if self._dummy_overflow_buf.device != device:
-                self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
-            if "exp_avg_sq" not in group:
-                norms = []
-                for dt in _SLOTS:
-                    grads = by_dtype[dt][1] if dt in by_dtype else []
-                    if dt is torch.bfloat16 and not grads:
-                        continue
-                    if group["init_zero"] or not grads:
-                        norms.append(torch.zeros(len(grads), dtype=torch.float32, device=device))
-                    else:  # start from the first step's norms, so the first blend changes nothing
-                        ord_ = float("inf") if group["norm_type"] == 0 else 2.0
-                        norms.append(fp32_norms(grads, ord_))
-                group["exp_avg_sq"] = norms
-            for slot, dt in enumerate(_SLOTS):
-                if dt not in by_dtype:
-                    continue
-                params, g, shapes = by_dtype[dt]
-                states = [state[p] for p in params]
-                if not all(states):
-                    for p, st in zip(params, states):
-                        if not st:
-                            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                m = [st["exp_avg"] for st in states]
-                extra = trusted(self.multi_tensor_novograd)
-                if self.multi_tensor_novograd is multi_tensor_novograd and params[0].is_cpu:
-                    ws = extra["workspace"] = self._workspace_for((gi, slot), shapes)
-                    if dt is torch.float32:
-                        m = pack_state(ws, states, "exp_avg", m)
-                self.multi_tensor_novograd(_CHUNK_SIZE, self._dummy_overflow_buf, [g, params, m],
-                                           group["exp_avg_sq"][slot], group["lr"], beta1, beta2, group["eps"],
-                                           group["step"], 1 if group["bias_correction"] else 0,
-                                           group["weight_decay"], 1 if group["grad_averaging"] else 0,
-                                           self.moment_mode, group["norm_type"], **extra)
-        return loss
+        return gg
+
+    def _build_plan(self, group: dict, checked: GroupGrads) -> Plan:
+        """State (``exp_avg``) and one launch per dtype slot of ``group["exp_avg_sq"]``."""
+        params = checked.params
+        plan = Plan(group["params"], params)
+        if not params:
+            return plan
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        device = params[0].device
+        for slot, dt in enumerate(_SLOTS):
+            idx = [i for i, d in enumerate(plan.dtypes) if d is dt]
+            if not idx:
+                continue
+            sel = None if len(idx) == len(params) else idx
+            ps = take(params, sel)
+            states = [self.state[p] for p in ps]
+            for p, st in zip(ps, states):
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            m = [st["exp_avg"] for st in states]
+            b = Bucket(sel, dt, device, tuple(take(plan.numels, sel)))
+            b.slot, b.workspace = slot, None
+            if self.multi_tensor_novograd is multi_tensor_novograd and device.type == "cpu":
+                b.workspace = self._workspace_for((gi, slot), list(take(plan.shapes, sel)))
+                if dt is torch.float32:
+                    m = pack_state(b.workspace, states, "exp_avg", m)
+            b.lists = [b.column(ps, take(plan.ptrs, sel), dtype=dt), b.column(m)]
+            plan.buckets.append(b)
+        return plan
 
     def _workspace_for(self, key: tuple[int, int], shapes: list) -> Workspace:
         """The CPU path's reusable buffers for one dtype slot of a group; kept outside the state dict."""
