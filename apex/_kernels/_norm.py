@@ -37,6 +37,13 @@ def _row_tile(pid, t, tiles_per_prog, M, cmask, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _rstd(var, eps):
+    """``1 / sqrt(var + eps)`` correctly rounded: one per row, so the IEEE forms cost nothing (``tl.rsqrt``
+    and ``1 / tl.sqrt`` are ``rsqrt.approx`` / ``sqrt.approx`` and ``div.full`` on NVIDIA GPUs)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+
+
+@triton.jit
 def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, tiles_per_prog,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -56,14 +63,14 @@ def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, til
             tl.store(H + rows64[:, None] * N + cols[None, :], h, mask=mask)
             x = h.to(tl.float32)
         if IS_RMS:
-            var = tl.sum(x * x, axis=1) / N
-            rstd = 1.0 / tl.sqrt(var + eps)
+            var = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
+            rstd = _rstd(var, eps)
             xhat = x * rstd[:, None]
         else:
-            mean = tl.sum(x, axis=1) / N
+            mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
             xc = tl.where(mask, x - mean[:, None], 0.0)
-            var = tl.sum(xc * xc, axis=1) / N
-            rstd = 1.0 / tl.sqrt(var + eps)
+            var = tl.div_rn(tl.sum(xc * xc, axis=1), N * 1.0)
+            rstd = _rstd(var, eps)
             xhat = xc * rstd[:, None]
             tl.store(Mean + rows, mean, mask=rmask)
         tl.store(Rstd + rows, rstd, mask=rmask)
@@ -77,9 +84,10 @@ def _fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, M, N, stride_x, stride_r, eps, til
 
 @triton.jit
 def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stride_v, stride_dr,
-                tiles_per_prog,
+                tiles_per_prog, eps,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MEM_EFF: tl.constexpr,
-                HAS_DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_DR: tl.constexpr, ONE_DIRECTION: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -113,12 +121,23 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
             wdy = dy * w[None, :]
         else:
             wdy = dy
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        if IS_RMS:
-            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        if ONE_DIRECTION:
+            # Rows with one direction left to vary in (RMSNorm of one element, LayerNorm of two): dx is
+            # (centred) w·dy times (1 − mean(x̂²))·rstd, and 1 − mean(x̂²) = eps·rstd² exactly. The general
+            # form below reaches it by cancelling terms equal to within eps/var, which leaves about
+            # log10(var/eps) digits fewer than fp32 has (all of them at var/eps ~ 1e7).
+            if IS_RMS:
+                dx = wdy * (eps * rstd * rstd * rstd)[:, None]
+            else:
+                c2 = tl.div_rn(tl.sum(wdy, axis=1), N * 1.0)
+                dx = tl.where(mask, wdy - c2[:, None], 0.0) * (eps * rstd * rstd * rstd)[:, None]
         else:
-            c2 = tl.sum(wdy, axis=1) / N
-            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            c1 = tl.div_rn(tl.sum(xhat * wdy, axis=1), N * 1.0)
+            if IS_RMS:
+                dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.div_rn(tl.sum(wdy, axis=1), N * 1.0)
+                dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         if HAS_DR:
             dr = tl.load(DR + rows64[:, None] * stride_dr + cols[None, :], mask=mask, other=0.0)
             dx += dr.to(tl.float32)
@@ -208,8 +227,10 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
 
 
 def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory_efficient: bool,
-             is_rms: bool, dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None):
-    """``dy``, ``v`` (input, or output when memory-efficient), ``dresidual``: 2-D ``(M, N)``.
+             is_rms: bool, dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None,
+             eps: float | None = None):
+    """``dy``, ``v`` (input, or output when memory-efficient), ``dresidual``: 2-D ``(M, N)``. ``eps``: the
+    forward's epsilon; with it, rows of one element (RMSNorm) or two (LayerNorm) keep fp32 accuracy.
 
     Returns ``(dx, dweight, dbias)``; ``dweight``/``dbias`` are None without weight/bias.
     """
@@ -234,7 +255,9 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
         dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
         dresidual if dresidual is not None else dy, dx, dwp, dbp,
         m, n, dy.stride(0), v.stride(0), dresidual.stride(0) if dresidual is not None else 0, per,
+        float(eps) if eps is not None else 0.0,
         IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, MEM_EFF=memory_efficient, HAS_DR=dresidual is not None,
+        ONE_DIRECTION=eps is not None and n <= (1 if is_rms else 2),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if has_w:
         if _interpreting():

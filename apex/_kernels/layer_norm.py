@@ -14,6 +14,7 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype,
 
 
 def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory_efficient: bool,
-             dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None):
-    """Returns ``(dx, dweight, dbias)``; ``dresidual`` is added to ``dx``."""
-    return _norm.backward(dy, v, weight, bias, mean, rstd, memory_efficient, False, dx_dtype, dresidual)
+             dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None, eps: float | None = None):
+    """Returns ``(dx, dweight, dbias)``; ``dresidual`` is added to ``dx``; ``eps``: the forward's (see
+    ``_norm``)."""
+    return _norm.backward(dy, v, weight, bias, mean, rstd, memory_efficient, False, dx_dtype, dresidual, eps)

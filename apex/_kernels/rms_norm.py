@@ -15,7 +15,8 @@ def forward(x: torch.Tensor, weight, eps: float, out_dtype: torch.dtype,
 
 
 def backward(dy: torch.Tensor, v: torch.Tensor, weight, rstd, memory_efficient: bool,
-             dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None):
-    """Returns ``(dx, dweight)``; ``dresidual`` is added to ``dx``."""
-    dx, dw, _ = _norm.backward(dy, v, weight, None, None, rstd, memory_efficient, True, dx_dtype, dresidual)
+             dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None, eps: float | None = None):
+    """Returns ``(dx, dweight)``; ``dresidual`` is added to ``dx``; ``eps``: the forward's (see ``_norm``)."""
+    dx, dw, _ = _norm.backward(dy, v, weight, None, None, rstd, memory_efficient, True, dx_dtype, dresidual,
+                               eps)
     return dx, dw

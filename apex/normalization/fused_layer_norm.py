@@ -124,7 +124,7 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         v, weight, bias, mean, invvar = ctx.saved_tensors
         dx, dw, db = layer_norm_backward(grad_output, mean, invvar, v, ctx.normalized_shape, weight, bias,
-                                         ctx.memory_efficient, ctx.input_dtype)
+                                         ctx.memory_efficient, ctx.input_dtype, eps=ctx.eps)
         return dx, dw, db, None, None, None
 
 
@@ -151,7 +151,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         v, mean, invvar = ctx.saved_tensors
         dx, _, _ = layer_norm_backward(grad_output, mean, invvar, v, ctx.normalized_shape, None, None,
-                                       ctx.memory_efficient)
+                                       ctx.memory_efficient, eps=ctx.eps)
         return dx, None, None, None
 
 
@@ -174,7 +174,7 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         v, weight, invvar = ctx.saved_tensors
         dx, dw = rms_norm_backward(grad_output, invvar, v, ctx.normalized_shape, weight, ctx.memory_efficient,
-                                   ctx.input_dtype)
+                                   ctx.input_dtype, eps=ctx.eps)
         return dx, dw, None, None, None
 
 
@@ -197,7 +197,8 @@ class FusedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         v, invvar = ctx.saved_tensors
-        dx, _ = rms_norm_backward(grad_output, invvar, v, ctx.normalized_shape, None, ctx.memory_efficient)
+        dx, _ = rms_norm_backward(grad_output, invvar, v, ctx.normalized_shape, None, ctx.memory_efficient,
+                                  eps=ctx.eps)
         return dx, None, None, None
 
 

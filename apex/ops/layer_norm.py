@@ -94,9 +94,10 @@ def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = 
 
 def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
                         normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
-                        memory_efficient: bool = False, dx_dtype: torch.dtype | None = None
-                        ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(grad_input, grad_weight, grad_bias)`` from the saved statistics and input (or output)."""
+                        memory_efficient: bool = False, dx_dtype: torch.dtype | None = None,
+                        eps: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(grad_input, grad_weight, grad_bias)`` from the saved statistics and input (or output). ``eps``, the
+    forward's, keeps the Triton path's rows of two elements accurate (see ``apex._kernels._norm``)."""
     shape, m, n = check_args(input_or_output, normalized_shape, weight, bias)
     if tuple(grad_output.shape) != tuple(input_or_output.shape):
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
@@ -111,7 +112,7 @@ def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, 
                                       weight.contiguous() if weight is not None else None,
                                       bias.contiguous() if bias is not None else None,
                                       mean.reshape(-1) if mean is not None else None,
-                                      rstd.reshape(-1).float(), memory_efficient, dx_dtype)
+                                      rstd.reshape(-1).float(), memory_efficient, dx_dtype, eps=eps)
         return dx.view(input_or_output.shape), dw, db
     return _backward_torch(grad_output, mean, rstd, input_or_output, shape, weight, bias,
                            memory_efficient, dx_dtype)
@@ -143,15 +144,18 @@ def _numel(shape) -> int:
 @torch.library.custom_op("apex::layer_norm_bwd", mutates_args=())
 def _bwd_op(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
             weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int], memory_efficient: bool,
-            dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+            dx_dtype: torch.dtype, eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    # eps has a default so that graphs compiled before it was passed (AOTAutograd's cache keys on the
+    # forward only) still run.
     dx, dw, db = layer_norm_backward(grad_output, mean, rstd, input_or_output, normalized_shape, weight,
-                                     bias, memory_efficient, dx_dtype)
+                                     bias, memory_efficient, dx_dtype, eps)
     empty = grad_output.new_empty((0,))
     return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
 
 
 @_bwd_op.register_fake
-def _(grad_output, mean, rstd, input_or_output, weight, bias, normalized_shape, memory_efficient, dx_dtype):
+def _(grad_output, mean, rstd, input_or_output, weight, bias, normalized_shape, memory_efficient, dx_dtype,
+      eps=None):
     return (input_or_output.new_empty(input_or_output.shape, dtype=dx_dtype),
             torch.empty_like(weight) if weight is not None else grad_output.new_empty((0,)),
             torch.empty_like(bias) if bias is not None else grad_output.new_empty((0,)))
@@ -163,6 +167,7 @@ def _setup(ctx, inputs, output):
     ctx.normalized_shape = normalized_shape
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
+    ctx.eps = eps
     if memory_efficient:
         ctx.save_for_backward(y, weight, bias, None, rstd)
     else:
@@ -172,7 +177,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_y, grad_mean, grad_rstd):
     v, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = torch.ops.apex.layer_norm_bwd(grad_y, mean, rstd, v, weight, bias, ctx.normalized_shape,
-                                               ctx.memory_efficient, ctx.input_dtype)
+                                               ctx.memory_efficient, ctx.input_dtype, ctx.eps)
     return (dx, dw if weight is not None else None, db if bias is not None else None,
             None, None, None, None)
 
@@ -226,7 +231,7 @@ def backward(dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output:
              epsilon: float, memory_efficient: bool = False) -> Tensor:
     """``fused_layer_norm_cuda.backward``: ``grad_input``."""
     return layer_norm_backward(dout, mean, invvar, input_or_output, normalized_shape, None, None,
-                               memory_efficient)[0]
+                               memory_efficient, eps=epsilon)[0]
 
 
 def backward_affine(dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor,
@@ -234,4 +239,4 @@ def backward_affine(dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_
                     memory_efficient: bool = False) -> list[Tensor]:
     """``fused_layer_norm_cuda.backward_affine``: ``[grad_input, grad_gamma, grad_beta]``."""
     return list(layer_norm_backward(dout, mean, invvar, input_or_output, normalized_shape, gamma, beta,
-                                    memory_efficient))
+                                    memory_efficient, eps=epsilon))

@@ -37,7 +37,7 @@ def _forward_torch(x, n, weight, eps, out_dtype):
     return y.to(out_dtype).reshape(x.shape), rstd
 
 
-def _backward_torch(dy, rstd, v, n, weight, memory_efficient, dx_dtype):
+def _backward_torch(dy, rstd, v, n, weight, memory_efficient, dx_dtype, eps=None):
     # PyTorch's fused LayerNorm backward with mean 0 gives rstd·(g − mean(g) − x̂·mean(g·x̂)) for
     # g = weight·dy, and Σ dy·x̂ for the weight; RMSNorm's dx lacks the −mean(g) term, so it is added
     # back: three passes over the data instead of the six of an operator-by-operator backward.
@@ -51,8 +51,12 @@ def _backward_torch(dy, rstd, v, n, weight, memory_efficient, dx_dtype):
         # operator-by-operator form, whose cost does not matter at this size.
         xhat = (v2 / w if w is not None else v2) if memory_efficient else v2 * r
         g = dy2 * w if w is not None else dy2
-        c = torch.linalg.vecdot(g, xhat).div_(max(n, 1)).unsqueeze(-1)
-        dx = torch.addcmul(g, xhat, c, value=-1).mul_(r)
+        if n == 1 and eps is not None:
+            # One element: 1 − x̂² (which the general form computes by cancellation) is eps·rstd² exactly.
+            dx = g * (eps * r * r * r)
+        else:
+            c = torch.linalg.vecdot(g, xhat).div_(max(n, 1)).unsqueeze(-1)
+            dx = torch.addcmul(g, xhat, c, value=-1).mul_(r)
         dw = torch.linalg.vecdot(dy2, xhat, dim=0) if w is not None else None
     else:
         dx, dw = _backward_long_rows(dy2, v2, r, w, n, memory_efficient)
@@ -88,8 +92,11 @@ def rms_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = No
 
 def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, normalized_shape,
                       weight: Tensor | None = None, memory_efficient: bool = False,
-                      dx_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """``(grad_input, grad_weight)`` from the saved ``rstd`` and input (or output)."""
+                      dx_dtype: torch.dtype | None = None, eps: float | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
+    """``(grad_input, grad_weight)`` from the saved ``rstd`` and input (or output). ``eps``, the forward's,
+    keeps rows of one element accurate: there ``dx = w·dy·eps·rstd³``, which the general form only reaches by
+    cancellation (relative error about 1e-7·x²/eps); without it they take the general form."""
     shape, m, n = check_args(input_or_output, normalized_shape, weight)
     if tuple(grad_output.shape) != tuple(input_or_output.shape):
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
@@ -100,9 +107,9 @@ def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor
 
         dx, dw = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
                                   weight.contiguous() if weight is not None else None,
-                                  rstd.reshape(-1).float(), memory_efficient, dx_dtype)
+                                  rstd.reshape(-1).float(), memory_efficient, dx_dtype, eps=eps)
         return dx.view(input_or_output.shape), dw
-    return _backward_torch(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype)
+    return _backward_torch(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype, eps)
 
 
 # ------------------------------------------------------------------------------------------ custom ops
@@ -129,15 +136,17 @@ def _(input, weight, normalized_shape, eps, memory_efficient, out_dtype):
 
 @torch.library.custom_op("apex::rms_norm_bwd", mutates_args=())
 def _bwd_op(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, weight: Tensor | None,
-            normalized_shape: list[int], memory_efficient: bool, dx_dtype: torch.dtype
-            ) -> tuple[Tensor, Tensor]:
+            normalized_shape: list[int], memory_efficient: bool, dx_dtype: torch.dtype,
+            eps: float | None = None) -> tuple[Tensor, Tensor]:
+    # eps has a default so that graphs compiled before it was passed (AOTAutograd's cache keys on the
+    # forward only) still run.
     dx, dw = rms_norm_backward(grad_output, rstd, input_or_output, normalized_shape, weight,
-                               memory_efficient, dx_dtype)
+                               memory_efficient, dx_dtype, eps)
     return dx, dw if dw is not None else grad_output.new_empty((0,))
 
 
 @_bwd_op.register_fake
-def _(grad_output, rstd, input_or_output, weight, normalized_shape, memory_efficient, dx_dtype):
+def _(grad_output, rstd, input_or_output, weight, normalized_shape, memory_efficient, dx_dtype, eps=None):
     return (input_or_output.new_empty(input_or_output.shape, dtype=dx_dtype),
             torch.empty_like(weight) if weight is not None else grad_output.new_empty((0,)))
 
@@ -148,13 +157,14 @@ def _setup(ctx, inputs, output):
     ctx.normalized_shape = normalized_shape
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
+    ctx.eps = eps
     ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
 
 
 def _backward(ctx, grad_y, grad_rstd):
     v, weight, rstd = ctx.saved_tensors
     dx, dw = torch.ops.apex.rms_norm_bwd(grad_y, rstd, v, weight, ctx.normalized_shape, ctx.memory_efficient,
-                                         ctx.input_dtype)
+                                         ctx.input_dtype, ctx.eps)
     return dx, dw if weight is not None else None, None, None, None, None
 
 
@@ -205,10 +215,12 @@ def rms_forward_affine_mixed_dtypes(input: Tensor, normalized_shape, gamma: Tens
 def rms_backward(dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape, epsilon: float,
                  memory_efficient: bool = False) -> Tensor:
     """``fused_layer_norm_cuda.rms_backward``: ``grad_input``."""
-    return rms_norm_backward(dout, invvar, input_or_output, normalized_shape, None, memory_efficient)[0]
+    return rms_norm_backward(dout, invvar, input_or_output, normalized_shape, None, memory_efficient,
+                             eps=epsilon)[0]
 
 
 def rms_backward_affine(dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape,
                         gamma: Tensor, epsilon: float, memory_efficient: bool = False) -> list[Tensor]:
     """``fused_layer_norm_cuda.rms_backward_affine``: ``[grad_input, grad_gamma]``."""
-    return list(rms_norm_backward(dout, invvar, input_or_output, normalized_shape, gamma, memory_efficient))
+    return list(rms_norm_backward(dout, invvar, input_or_output, normalized_shape, gamma, memory_efficient,
+                                  eps=epsilon))
