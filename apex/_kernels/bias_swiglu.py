@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
+
 
 @triton.jit
 def _load_h(X, Bias, rows, cols, mask, sxr, sxc, N, HAS_BIAS: tl.constexpr):
@@ -61,11 +63,14 @@ def _bwd_kernel(DY, X, Bias, DX, M, N, sdr, sdc, sxr, sxc, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _bwd_db_kernel(DY, X, Bias, DX, DB, M, N, sdr, sdc, sxr, sxc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_db_kernel(DY, X, Bias, DX, DB, M, N, sdr, sdc, sxr, sxc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   STAGES: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, M, BLOCK_M):
+    # STAGES > 1: the loads of the next row blocks are issued (cp.async) while this one is computed, so a
+    # program that walks all rows keeps more than one block in flight.
+    for start in tl.range(0, M, BLOCK_M, num_stages=STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         d1, d2 = _bwd_tile(DY, X, Bias, DX, rows, cols, M, N, sdr, sdc, sxr, sxc, True)
         acc1 += tl.sum(d1, axis=0)
@@ -81,14 +86,22 @@ def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
     return bm, bn, (triton.cdiv(M, bm), triton.cdiv(N, bn))
 
 
+def _config(op: str, x: torch.Tensor, M: int, N: int) -> dict:
+    """``{"rows", "cols", "warps"}`` of the one-tile-per-program kernels (``op`` ``bias_swiglu.fwd`` or
+    ``.bwd``): the formula's tiles of 4096 elements, 4 warps, unless measured (``_tuning``)."""
+    bm, bn, _ = _tiles(M, N)
+    return _tuning.pick(op, x.device, x.element_size(), (M, N), {"rows": bm, "cols": bn, "warps": 4})
+
+
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, 2N]`` view; returns ``[M, N]``."""
     M, N = x.shape[0], x.shape[1] // 2
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M * N:
-        bm, bn, grid = _tiles(M, N)
+        cfg = _config("bias_swiglu.fwd", x, M, N)
+        grid = (triton.cdiv(M, cfg["rows"]), triton.cdiv(N, cfg["cols"]))
         _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
-                          HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
+                          HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
     return y
 
 
@@ -97,9 +110,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
     M, N = x.shape[0], x.shape[1] // 2
     dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
     if M * N:
-        bm, bn, grid = _tiles(M, N)
+        cfg = _config("bias_swiglu.bwd", x, M, N)
+        grid = (triton.cdiv(M, cfg["rows"]), triton.cdiv(N, cfg["cols"]))
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
-                          x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
+                          x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"],
+                          BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
     return dx
 
 
@@ -118,7 +133,10 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
     db = torch.empty((2 * N,), dtype=bias.dtype, device=x.device)
     if N:
-        bm, bn, grid = column_tiles(M, N)
-        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                             BLOCK_M=bm, BLOCK_N=bn)
+        bm, bn, _ = column_tiles(M, N)
+        cfg = _tuning.pick("bias_swiglu.bwd_db", x.device, x.element_size(), (M, N),
+                           {"rows": bm, "cols": bn, "warps": 4, "stages": 1})
+        _bwd_db_kernel[(triton.cdiv(N, cfg["cols"]),)](
+            dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+            BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], STAGES=cfg["stages"], num_warps=cfg["warps"])
     return dx, db

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
@@ -129,7 +131,9 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
     BLOCK_D = triton.next_power_of_2(D)
     # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
     cap = 16384 if _interpreting() else 4096
-    BLOCK_H = max(1, min(triton.next_power_of_2(H), cap // BLOCK_D))
+    cfg = _tuning.pick("fused_rope.bwd" if backward else "fused_rope.fwd", x.device, x.element_size(),
+                       (S * B, H, D), {"heads": max(1, min(triton.next_power_of_2(H), cap // BLOCK_D)), "warps": 4})
+    BLOCK_H = cfg["heads"]
     n_cu = cu.numel() if cu is not None else 1
     grid = (S * B, triton.cdiv(H, BLOCK_H))
     strides = [*_strides2(ta), *_strides2(tb), *_strides2(tc), *_strides2(td)]
@@ -138,5 +142,5 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
                        B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
                        MODE=mode, BACKWARD=backward, ROUND=y.dtype in (torch.float16, torch.bfloat16),
                        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                       BLOCK_CU=triton.next_power_of_2(max(n_cu, 2)))
+                       BLOCK_CU=triton.next_power_of_2(max(n_cu, 2)), num_warps=cfg["warps"])
     return y

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
@@ -21,7 +23,7 @@ def interpreting() -> bool:
 
 @triton.jit
 def _xent_fwd(x_ptr, lab_ptr, loss_ptr, lse_ptr, M, V, stride_x, smoothing, padding_idx,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+              ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
@@ -31,7 +33,8 @@ def _xent_fwd(x_ptr, lab_ptr, loss_ptr, lse_ptr, M, V, stride_x, smoothing, padd
     s = tl.zeros((ROWS,), tl.float32)
     sum_x = tl.zeros((ROWS,), tl.float32)
     x_lab = tl.zeros((ROWS,), tl.float32)
-    for start in range(0, V, BLOCK):
+    # STAGES > 1: the next chunks' loads are issued (cp.async) while this one is reduced.
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < V)[None, :]
         x = tl.load(base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
@@ -88,9 +91,11 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
     if m == 0:
         return losses, lse
     block = _block(v)
-    rows = _rows_per_program(m, v, block)
-    _xent_fwd[(triton.cdiv(m, rows),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
-                                       int(padding_idx), ROWS=rows, BLOCK=block)
+    cfg = _tuning.pick("xentropy.fwd", x.device, x.element_size(), (m, v),
+                       {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4, "stages": 1})
+    _xent_fwd[(triton.cdiv(m, cfg["rows"]),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
+                                              int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"],
+                                              STAGES=cfg["stages"], num_warps=cfg["warps"])
     return losses, lse
 
 
@@ -101,8 +106,9 @@ def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: tor
     if m == 0 or v == 0:
         return out
     block = min(_block(v), 1024 if not interpreting() else 8192)
-    rows = _rows_per_program(m, v, block)
-    grid = (triton.cdiv(m, rows), triton.cdiv(v, block))
+    cfg = _tuning.pick("xentropy.bwd", x.device, x.element_size(), (m, v),
+                       {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
+    grid = (triton.cdiv(m, cfg["rows"]), triton.cdiv(v, cfg["block"]))
     _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride(0), out.stride(0), grad.stride(0),
-                    float(smoothing), int(padding_idx), ROWS=rows, BLOCK=block)
+                    float(smoothing), int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"], num_warps=cfg["warps"])
     return out
