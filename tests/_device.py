@@ -11,7 +11,7 @@ device those cases are skipped, with the reason.
 The interpreter's memory tracer cannot watch a compiled kernel: under the switch ``apex.testing.TritonTrace``
 becomes :class:`LaunchCounter`, which counts launches and kernels the same way (a launch is one
 ``kernel[grid](...)``; an autotuned kernel's benchmarking runs are not counted) and skips the rest of a test
-that asks for byte counts.
+that asks for byte counts. Autotuned kernels keep two of their configs there (:func:`cap_autotuning`).
 """
 
 from __future__ import annotations
@@ -93,3 +93,26 @@ class LaunchCounter:
 
         jit.JITFunction.run = self._saved["jit"]
         autotuner.Autotuner.run = self._saved["auto"]
+
+
+def cap_autotuning() -> None:
+    """Under ``APEX_TEST_DEVICE=cuda``: each ``triton.autotune`` kernel keeps at most
+    ``APEX_TEST_AUTOTUNE_CONFIGS`` of its configs (default 2, spread over its list; ``0`` keeps all).
+
+    OpenFold's LayerNorm kernels hold 24 configs each, and the autotuner compiles and times every one for
+    each new ``(M, N)``: over the tests' many shapes that took minutes. With two configs a test still
+    autotunes on the GPU (a timed choice, a cache to save and load) in a second or two.
+    """
+    value = os.environ.get("APEX_TEST_AUTOTUNE_CONFIGS", "").strip() or "2"
+    if not value.isdigit():
+        raise pytest.UsageError(f"APEX_TEST_AUTOTUNE_CONFIGS must be a whole number (0: all configs), got {value!r}")
+    limit = int(value)
+    if limit == 0:
+        return
+    from apex.contrib.openfold_triton._tuning import KERNELS  # the registry of the autotuned kernels
+
+    for fn in KERNELS.get().values():
+        configs = list(fn.configs)
+        if len(configs) > limit:
+            picks = sorted({round(i * (len(configs) - 1) / max(limit - 1, 1)) for i in range(limit)})
+            fn.configs = [configs[i] for i in picks]

@@ -37,6 +37,7 @@ elif HAS_TRITON:
     import apex.testing  # noqa: E402
 
     apex.testing.TritonTrace = _device.LaunchCounter
+    _device.cap_autotuning()
 
 BACKENDS = ["torch", "triton"] if HAS_TRITON else ["torch"]
 
@@ -126,6 +127,32 @@ def triton_device():
     under the switch, and creates the test's tensors on the device that the kernels run on."""
     with _triton_case() as where:
         yield where
+
+
+@pytest.fixture
+def dist_device():
+    """The device the ranks of a distributed test compute on (``run_distributed(..., device=dist_device)``):
+    the CPU, or under ``APEX_TEST_DEVICE=cuda`` the GPU that all the Gloo ranks share (skipped, with the
+    reason, where none is visible). Tests taking it carry the ``dist_device`` marker, so
+    ``APEX_TEST_DEVICE=cuda python -m pytest tests -m dist_device`` runs exactly them on the GPU."""
+    if DEVICE != "cuda":  # meta: Gloo carries no meta tensors; the ranks stay on the CPU
+        return torch.device("cpu")
+    where, why = _device.triton_device()
+    if where is None:
+        pytest.skip(why)
+    return where
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "dist_device: a distributed test whose ranks compute on the device of "
+                                       "APEX_TEST_DEVICE (it takes the dist_device fixture)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "dist_device" in getattr(item, "fixturenames", ()):
+            item.add_marker("dist_device")
 
 
 @pytest.fixture(autouse=True)

@@ -153,7 +153,7 @@ def _more_scenarios(rank, world):
     # GradScaler hands itself to step: an inf on one rank skips the step everywhere and halves the scale
     model = _model()
     opt = DistributedFusedLAMB(_groups(model), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, init_scale=256.0)
     for s in range(2):
         opt.zero_grad()
         loss = _loss(model, *_batch(rank, s)) * (float("inf") if s == 1 and rank == 0 else 1.0)
@@ -197,8 +197,8 @@ def _all_scenarios(rank, world):
     _more_scenarios(rank, world)
 
 
-def test_two_ranks_match_fused_lamb_clip_overflow_accumulation_checkpoint():
-    run_distributed(_all_scenarios, 2, timeout_s=60)
+def test_two_ranks_match_fused_lamb_clip_overflow_accumulation_checkpoint(dist_device):
+    run_distributed(_all_scenarios, 2, timeout_s=60, device=dist_device)
 
 
 def test_three_ranks_match_fused_lamb():

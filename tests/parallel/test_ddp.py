@@ -258,8 +258,9 @@ def _ddp_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ddp_every_option_training_accumulation_refresh_and_reducer(world):
-    run_distributed(_ddp_worker, world)
+def test_ddp_every_option_training_accumulation_refresh_and_reducer(world, dist_device):
+    # on a GPU: the buckets are all-reduced on CUDA tensors, from side streams with num_allreduce_streams
+    run_distributed(_ddp_worker, world, device=dist_device)
 
 
 def test_ddp_bad_input_without_process_group():

@@ -150,5 +150,6 @@ def _syncbn_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sync_batchnorm_matches_batchnorm_over_the_concatenated_batch(world):
-    run_distributed(_syncbn_worker, world)
+def test_sync_batchnorm_matches_batchnorm_over_the_concatenated_batch(world, dist_device):
+    # on a GPU: SyncBatchNorm's Triton kernels against cuDNN's batch norm, statistics exchanged by Gloo
+    run_distributed(_syncbn_worker, world, device=dist_device)

@@ -4,6 +4,9 @@ Spawning Gloo ranks costs seconds each time, so every ``check_*`` function of th
 ``MODULES`` runs inside a single spawn per world size; each rank records per-check outcomes in a JSON
 file and the tests assert on the merged outcome. A check that breaks the collective order makes the
 following ones fail with the process group's (short) timeout instead of hanging.
+
+On a GPU (``APEX_TEST_DEVICE=cuda``: the ``dist_device`` fixture) one more spawn per world size runs the
+checks of ``DEVICE_MODULES`` with every rank on that GPU, through Gloo.
 """
 
 from __future__ import annotations
@@ -28,11 +31,20 @@ MODULES = (
 )
 
 
+# The modules whose checks also run with the ranks on a GPU; the tensor-parallel layers first, since a
+# failing check stops the ones after it.
+DEVICE_MODULES = (
+    "tests.transformer.test_layers",
+    "tests.transformer.test_mappings",
+    "tests.transformer.test_cross_entropy",
+)
+
+
 def checks_of(module) -> list[str]:
     return sorted(n for n in vars(module) if n.startswith("check_") and callable(getattr(module, n)))
 
 
-def _all_checks(rank: int, world_size: int, out_dir: str) -> None:
+def _all_checks(rank: int, world_size: int, out_dir: str, modules: tuple[str, ...] = MODULES) -> None:
     import torch
 
     from apex.transformer import parallel_state
@@ -42,7 +54,7 @@ def _all_checks(rank: int, world_size: int, out_dir: str) -> None:
         import faulthandler
         faulthandler.dump_traceback_later(60, exit=True)
     results = {}
-    for name in MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -79,7 +91,7 @@ def _all_checks(rank: int, world_size: int, out_dir: str) -> None:
     else:
         stopped = None
     if stopped is not None:
-        for name in MODULES:
+        for name in modules:
             try:
                 module = importlib.import_module(name)
             except ModuleNotFoundError:
@@ -91,9 +103,12 @@ def _all_checks(rank: int, world_size: int, out_dir: str) -> None:
 
 
 @functools.cache
-def results(world_size: int) -> dict:
+def results(world_size: int, device: str = "cpu") -> dict:
+    modules = MODULES if device == "cpu" else DEVICE_MODULES
     with tempfile.TemporaryDirectory() as d:
-        run_distributed(_all_checks, world_size, d, timeout_s=30.0)
+        # On a GPU a rank may wait on another that compiles Triton kernels: a longer timeout there.
+        run_distributed(_all_checks, world_size, d, modules, timeout_s=30.0 if device == "cpu" else 120.0,
+                        device=device)
         merged: dict = {}
         for rank in range(world_size):
             with open(os.path.join(d, f"rank{rank}.json")) as f:
@@ -105,8 +120,13 @@ def results(world_size: int) -> dict:
     return merged
 
 
-def assert_check(module_name: str, check: str, world_size: int) -> None:
-    res = results(world_size)
+def assert_check(module_name: str, check: str, world_size: int, device=None) -> None:
+    """Fail with the ranks' tracebacks if ``check`` of ``module_name`` failed on any rank. ``device``: the
+    ``dist_device`` fixture's value (the CPU by default)."""
+    device = str(device or "cpu")
+    if device != "cpu" and module_name not in DEVICE_MODULES:
+        raise ValueError(f"{module_name} is not in DEVICE_MODULES: its checks run on the CPU only")
+    res = results(world_size, device)
     key = f"{module_name}:{check}"
     assert key in res, f"{key} did not run"
     if res[key] is not None:

@@ -85,5 +85,5 @@ def check_mappings_forward_backward(rank, world):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("check", _dist.checks_of(sys.modules[__name__]))
-def test_distributed(check, world_size):
-    _dist.assert_check(__name__, check, world_size)
+def test_distributed(check, world_size, dist_device):
+    _dist.assert_check(__name__, check, world_size, dist_device)
