@@ -8,7 +8,9 @@ accumulated in fp32 and rounded to the parameters' dtype.
 Paths: CUDA/ROCm tensors run ``apex._kernels.openfold_layer_norm`` (several short rows per program,
 strided 4-D inputs read in place, deterministic two-step ``dweight``/``dbias``); rows longer than
 ``MAX_N`` and fp64 inputs go to PyTorch there too. CPU tensors run PyTorch's fused
-``native_layer_norm`` forward and ``native_layer_norm_backward``.
+``native_layer_norm`` forward and ``native_layer_norm_backward``. Those take one dtype on CUDA (its kernels
+raise "expected scalar type BFloat16 but found Float" for bf16 activations with fp32 parameters): with
+mixed dtypes they run in the promoted dtype, and the results are rounded back to each tensor's dtype.
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ def _use_kernel(x: Tensor, shape, n: int, *tensors) -> bool:
     return x.dtype in _KERNEL_DTYPES and 0 < n <= _MAX_N
 
 
+def _mixed_dtype(*tensors) -> torch.dtype | None:
+    """None when the tensors given (None entries skipped) share a dtype, else their promoted dtype (fp32 or
+    wider, since any two distinct floating dtypes promote to at least fp32), which PyTorch's path then
+    computes in."""
+    dts = {t.dtype for t in tensors if t is not None}
+    if len(dts) == 1:
+        return None
+    ct = dts.pop()
+    for dt in dts:
+        ct = torch.promote_types(ct, dt)
+    return ct
+
+
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return t.to(dtype) if t is not None else None
+
+
 def _kernel_view(x: Tensor, shape) -> Tensor:
     """A view the kernels read in place: strided ≤4-D over the last dim, else contiguous rows."""
     if len(shape) == 1 and x.dim() <= 4:
@@ -77,7 +96,12 @@ def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = 
                                         weight.reshape(-1).contiguous() if weight is not None else None,
                                         bias.reshape(-1).contiguous() if bias is not None else None, eps)
         return y.view(input.shape), mean, rstd
-    y, mean, rstd = torch.native_layer_norm(input, list(shape), weight, bias, eps)
+    ct = _mixed_dtype(input, weight, bias)
+    if ct is None:
+        y, mean, rstd = torch.native_layer_norm(input, list(shape), weight, bias, eps)
+    else:
+        y, mean, rstd = torch.native_layer_norm(input.to(ct), list(shape), _as(weight, ct), _as(bias, ct), eps)
+        y = y.to(input.dtype)
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
@@ -103,7 +127,14 @@ def layer_norm_backward(grad_output: Tensor, input: Tensor, normalized_shape, we
         return (dx.view(input.shape) if needs[0] else None,
                 dw.view(shape) if dw is not None else None, db.view(shape) if db is not None else None)
     lead = input.shape[: input.dim() - len(shape)]
+    mean, rstd = (s.view(*lead, *([1] * len(shape))) for s in (mean, rstd))
+    mask = [needs[0], need_dw, need_db]
+    ct = _mixed_dtype(input, grad_output, weight, bias)
+    if ct is None:
+        return torch.ops.aten.native_layer_norm_backward(grad_output, input, list(shape), mean, rstd, weight,
+                                                         bias, mask)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        grad_output, input, list(shape), mean.view(*lead, *([1] * len(shape))),
-        rstd.view(*lead, *([1] * len(shape))), weight, bias, [needs[0], need_dw, need_db])
-    return dx, dw, db
+        grad_output.to(ct), input.to(ct), list(shape), mean.to(ct), rstd.to(ct), _as(weight, ct), _as(bias, ct),
+        mask)
+    return (_as(dx, input.dtype), _as(dw, weight.dtype) if weight is not None else None,
+            _as(db, bias.dtype) if bias is not None else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
@@ -16,6 +16,17 @@ from apex.contrib.openfold_triton import (
 from apex.testing import assert_rel_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _torch_layer_norm(x, ns, w, b, eps):
+    """F.layer_norm in the tensors' dtypes; with mixed dtypes, which CUDA's kernel refuses, in the promoted
+    dtype with the output rounded to the input's (what PyTorch's CPU kernel does for them)."""
+    dts = {t.dtype for t in (x, w, b) if t is not None}
+    if len(dts) == 1:
+        return F.layer_norm(x, ns, w, b, eps)
+    ct = torch.float64 if torch.float64 in dts else torch.float32
+    cast = (lambda t: t.to(ct) if t is not None else None)
+    return F.layer_norm(x.to(ct), ns, cast(w), cast(b), eps).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ LayerNorm
@@ -30,7 +41,7 @@ def _ln_case(x, ns, w, b, dy, eps=1e-5):
     b64 = next(rest) if b is not None else None
     y64 = F.layer_norm(x64, ns, w64, b64, eps)
     ref = [y64, *torch.autograd.grad(y64, d64, dy.double())]
-    yl = F.layer_norm(x, ns, w, b, eps)
+    yl = _torch_layer_norm(x, ns, w, b, eps)
     base = [yl, *torch.autograd.grad(yl, leaves, dy)]
     return got, ref, base
 
@@ -82,9 +93,45 @@ def test_layer_norm_bf16_input_fp32_params(backend_name):
         assert_rel_close(g, r, torch.bfloat16, baseline=bl, name=name)
 
 
-@settings(max_examples=4, deadline=None)
+@pytest.fixture
+def cuda_dtype_rules(monkeypatch):
+    """PyTorch's LayerNorm operators refuse mixed dtypes here as their CUDA kernels do ("expected scalar
+    type BFloat16 but found Float"); the CPU kernels accept bf16 activations with fp32 parameters, which
+    hid a path that failed on the GPU."""
+    def strict(op, x_at, same_at):
+        # The CUDA kernels read weight, bias (and the output gradient) as the input's scalar type; the
+        # statistics may be fp32.
+        def call(*args):
+            x = args[x_at]
+            for i in same_at:
+                if args[i] is not None and args[i].dtype != x.dtype:
+                    raise RuntimeError(f"expected scalar type {x.dtype} but found {args[i].dtype} (argument {i}, "
+                                       "as CUDA's kernel)")
+            return op(*args)
+        return call
+
+    monkeypatch.setattr(torch, "native_layer_norm", strict(torch.native_layer_norm, 0, (2, 3)))
+    monkeypatch.setattr(torch.ops.aten, "native_layer_norm_backward",
+                        strict(torch.ops.aten.native_layer_norm_backward, 1, (0, 5, 6)))
+
+
+@pytest.mark.parametrize("n", [40, 16385], ids=["kernel-sized", "beyond-MAX_N"])
+def test_layer_norm_bf16_input_fp32_params_under_cuda_dtype_rules(backend_name, cuda_dtype_rules, n):
+    # Rows beyond MAX_N go to PyTorch's operators on both paths; all rows do on the PyTorch path. With mixed
+    # dtypes those must run in one dtype, as they must on a GPU.
+    x = torch.randn(3, n).to(torch.bfloat16).requires_grad_()
+    w, b = _param(n, torch.float32), torch.randn(n).requires_grad_()
+    dy = torch.randn(x.shape).to(torch.bfloat16)
+    got, ref, base = _ln_case(x, (n,), w, b, dy)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    for name, g, r, bl in zip(["y", "dx", "dw", "db"], got, ref, base):
+        assert_rel_close(g, r, torch.bfloat16, baseline=bl, name=name)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 70), n=st.integers(3, 130))  # n ≤ 2: dx is 0 up to rounding noise
-def test_layer_norm_ragged_shapes_triton(m, n):
+def test_layer_norm_ragged_shapes_triton(triton_device, m, n):
+    # triton_device: on the GPU under APEX_TEST_DEVICE=cuda (the tensors below are made there).
     x = torch.randn(m, n, dtype=torch.float32).requires_grad_()
     w, b = _param(n, torch.float32), torch.randn(n).requires_grad_()
     with apex.backend("triton"):
