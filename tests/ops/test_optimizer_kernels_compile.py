@@ -23,11 +23,12 @@ from apex._kernels import multi_tensor_adagrad as G, multi_tensor_adam as A, mul
 base = {"ptrs": "*i64", "sizes": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "n_tensors": "i32"}
 c = "constexpr"
 adam = dict(base, noop_flag="*i32", lr_ptr="*fp32", step_ptr="*fp32", inv_scale_ptr="*fp32", lr_value="fp32",
-            bc1_value="fp32", bc2_value="fp32", beta1="fp32", beta2="fp32", eps="fp32", weight_decay="fp32",
+            bc1_value="fp32", bc2_value="fp32", beta1="fp32", beta2="fp32", one_m_b1="fp32", one_m_b2="fp32",
+            beta1_lo="fp32", beta2_lo="fp32", eps="fp32", weight_decay="fp32",
             G_DT=c, P_DT=c, M_DT=c, V_DT=c, W_DT=c, CHUNK=c, BLOCK=c, MODE=c, CAPTURABLE=c, BIAS_CORRECTION=c,
             HAS_MASTER=c)
 sgd = dict(base, noop_flag="*i32", grad_norms="*fp32", param_norms="*fp32", lr="fp32", wd="fp32", momentum="fp32",
-           dampening="fp32", scale="fp32", trust_coefficient="fp32", eps="fp32", G_DT=c, W_DT=c, M_DT=c, C_DT=c,
+           one_m_dampening="fp32", scale="fp32", trust_coefficient="fp32", eps="fp32", G_DT=c, W_DT=c, M_DT=c, C_DT=c,
            CHUNK=c, BLOCK=c, HAS_MOMENTUM=c, FIRST_RUN=c, NESTEROV=c, WD_AFTER=c, HAS_COPY=c, LARS=c, ROUND=c)
 ada = dict(base, lr="fp32", eps="fp32", weight_decay="fp32", G_DT=c, P_DT=c, H_DT=c, CHUNK=c, BLOCK=c, MODE=c)
 f32, bf16, f16 = tl.float32, tl.bfloat16, tl.float16
