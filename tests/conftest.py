@@ -6,6 +6,9 @@ reason, where no CUDA device is visible::
 
     APEX_TEST_DEVICE=cuda python -m pytest tests/ops tests/optimizers tests/normalization
 
+``APEX_TEST_DEVICE=meta`` checks without a GPU that the Triton-path cases would run on one (every launch
+checked for tensors left on the CPU, none run; ``tests/_device.py``).
+
 ``TRITON_INTERPRET`` must be set before any module that defines ``@triton.jit`` kernels is imported.
 """
 
@@ -14,7 +17,7 @@ import os
 from tests import _device
 
 DEVICE = _device.requested()
-if DEVICE == "cpu":
+if DEVICE != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, never the interpreter
@@ -28,10 +31,15 @@ import torch  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-if HAS_TRITON and DEVICE == "cpu":
+if HAS_TRITON and DEVICE != "cuda":
     from apex.testing import prepare_interpreter  # noqa: E402
 
     prepare_interpreter()
+    if DEVICE == "meta":  # launches are checked, not run (tests/_device.py, MetaCheck)
+        import apex.testing  # noqa: E402
+
+        _device.CHECK.install()
+        apex.testing.TritonTrace = _device.MetaLaunchCounter
 elif HAS_TRITON:
     # Test modules import TritonTrace after this file runs: they get the compiled-kernel launch counter.
     import apex.testing  # noqa: E402
@@ -80,6 +88,8 @@ def pytest_report_header(config):
     where, why = _device.triton_device()
     if DEVICE == "cpu":
         return "apex Triton-path tests: CPU tensors under the Triton interpreter (APEX_TEST_DEVICE=cuda for a GPU)"
+    if DEVICE == "meta":
+        return "apex Triton-path tests: meta tensors, every Triton launch checked for the device switch, none run"
     if where is None:
         return f"apex Triton-path tests: skipped ({why})"
     return f"apex Triton-path tests: compiled on {torch.cuda.get_device_name(where)} ({where})"
@@ -91,11 +101,30 @@ def _triton_case():
     where, why = _device.triton_device()
     if where is None:
         pytest.skip(why)
-    if where.type == "cuda":
-        with _device.OnDevice(where):
-            yield where
-    else:
+    if where.type == "cpu":
         yield where
+        return
+    _device.CHECK.in_case += 1
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_device.OnDevice(where))
+            if where.type == "meta":
+                stack.enter_context(_device.RealOpsOnMeta())
+                stack.enter_context(_device.autocast_as_cuda())
+            yield where
+    finally:
+        _device.CHECK.in_case -= 1
+
+
+if DEVICE == "meta":
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):
+        _device.CHECK.launches = 0
+        try:
+            return (yield)
+        except BaseException as exc:
+            _device.CHECK.outcome(exc)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -1,6 +1,7 @@
 """The test suite's device switch (tests/_device.py, ``APEX_TEST_DEVICE``), checked without a GPU."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,9 @@ def test_switch_skips_triton_cases_with_a_reason_without_gpu():
     assert "APEX_TEST_DEVICE=cuda, but no CUDA device is visible" in proc.stdout
 
 
-def test_benchmark_gpu_rows_are_rates_of_the_minimum_bytes(monkeypatch):
-    """benchmarks/run.py --device cuda, with the CUDA-event timers replaced (no GPU here)."""
+def test_benchmark_gpu_rows_are_rates_of_the_minimum_bytes(monkeypatch, triton_device):
+    """benchmarks/run.py --device cuda, with the CUDA-event timers replaced: the case runs where the
+    Triton-path tests do (interpreted on the CPU, or compiled on the GPU under APEX_TEST_DEVICE=cuda)."""
     import apex.testing.device as dev
     from benchmarks.ops.bench_multi_tensor_scale import cases
     from benchmarks.run import format_gpu_table, gpu_case
@@ -93,7 +95,7 @@ def test_benchmark_gpu_rows_are_rates_of_the_minimum_bytes(monkeypatch):
     monkeypatch.setattr(dev, "cuda_time_pair", lambda a, b: (a(), b(), 0.5, 2.0)[2:])
     monkeypatch.setattr(dev, "cuda_time", lambda fn: (fn(), 0.25)[1])
     (case,) = cases()
-    row = gpu_case(case, torch.device("cpu"), peak_gbps=100.0)
+    row = gpu_case(case, triton_device, peak_gbps=100.0)
     assert "error" not in row, row
     assert row["ratio"] == 0.25 and row["counted_bytes"] > 0
     assert row["gbps"] == pytest.approx(row["counted_bytes"] / 0.25e-3 / 1e9)
@@ -124,3 +126,72 @@ def test_on_device_leaves_the_ops_own_host_tensors_alone():
     assert dev._called_from_library(os.path.join(dev._APEX, "_kernels", "multi_tensor.py"))
     assert not dev._called_from_library(os.path.join(dev._APEX, "normalization", "fused_layer_norm.py"))
     assert not dev._called_from_library(__file__) and not dev._called_from_library(torch.nn.modules.linear.__file__)
+
+
+_PLANTED = '''
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import apex
+from apex.ops import bias_gelu as G
+
+
+@triton.jit
+def _zero(X):
+    tl.store(X, 0.0)
+
+
+def test_outside_the_switch():
+    with apex.backend("triton"):
+        G.bias_gelu(torch.randn(4, 8), torch.randn(8))
+
+
+def test_cpu_tensor_at_a_launch(triton_device):
+    _zero[(1,)](torch.ones(1))  # made inside the switch: checked, not run
+    _zero[(1,)](torch.ones(1, device="cpu"))
+
+
+def test_cpu_tensor_in_an_argument_check(backend_name):
+    G.bias_gelu(torch.randn(4, 8), torch.randn(8, device="cpu"))
+
+
+def test_numpy_of_a_device_tensor(backend_name):
+    torch.randn(3).numpy()
+
+
+def test_ready_for_a_gpu(backend_name):
+    x, b = torch.randn(4, 8), torch.randn(8)
+    assert torch.allclose(G.bias_gelu(x, b), torch.nn.functional.gelu(x + b, approximate="tanh"), atol=1e-6)
+'''
+
+
+def test_meta_mode_fails_what_a_gpu_run_would_fail(tmp_path):
+    """APEX_TEST_DEVICE=meta (tests/_device.py, MetaCheck) on planted tests: each way of leaving tensors on
+    the CPU in a Triton-path case fails, the PyTorch-path cases pass, a ready test skips after its launch."""
+    pytest.importorskip("triton")
+    if _device.requested() == "cuda":
+        pytest.skip("the meta mode is the CPU machines' stand-in for this GPU run")
+    (tmp_path / "test_planted.py").write_text(_PLANTED)
+    env = dict(os.environ, APEX_TEST_DEVICE="meta", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "-p", "tests.conftest", "-v", "-rs", "--tb=line", str(tmp_path / "test_planted.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "meta tensors, every Triton launch checked" in out, out + proc.stderr
+    outcomes = dict(re.findall(r"::(\S+) (PASSED|FAILED|SKIPPED)", out))
+    assert outcomes == {
+        "test_outside_the_switch": "FAILED",
+        "test_cpu_tensor_at_a_launch": "FAILED",
+        "test_cpu_tensor_in_an_argument_check[torch]": "PASSED",
+        "test_cpu_tensor_in_an_argument_check[triton]": "FAILED",
+        "test_numpy_of_a_device_tensor[torch]": "PASSED",
+        "test_numpy_of_a_device_tensor[triton]": "FAILED",
+        "test_ready_for_a_gpu[torch]": "PASSED",
+        "test_ready_for_a_gpu[triton]": "SKIPPED",
+    }, out
+    assert "_fwd_kernel launched outside the device switch" in out
+    assert "_zero got tensors that are on the CPU under APEX_TEST_DEVICE=cuda: 0 (1,) torch.float32" in out
+    assert "stopped after 1 checked Triton launches" in out
