@@ -222,23 +222,17 @@ def test_gradient_clipping_on_master_grads():
     assert all((m - b).abs().max() <= 0.1 * 1e-3 + 1e-6 for m, b in zip(masters, before))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_channels_last_gradients(backend):
-    import apex
+def test_channels_last_gradients(backend_name):
     from tests.amp._models import cnn, cnn_data
-    from tests.conftest import HAS_TRITON
 
-    if backend == "triton" and not HAS_TRITON:
-        pytest.skip("triton is not installed")
     model = cnn().to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     x, y = cnn_data(8)
-    with apex.backend(backend):
-        _step(model, optimizer, x.to(memory_format=torch.channels_last), y)
-        assert any(not p.grad.is_contiguous() for p in model.parameters() if p.grad is not None)
-        before = _state(model, optimizer)
-        _step(model, optimizer, x, y, inject=float("nan"))
+    _step(model, optimizer, x.to(memory_format=torch.channels_last), y)
+    assert any(not p.grad.is_contiguous() for p in model.parameters() if p.grad is not None)
+    before = _state(model, optimizer)
+    _step(model, optimizer, x, y, inject=float("nan"))
     assert _equal(before, _state(model, optimizer))
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
 

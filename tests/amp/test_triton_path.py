@@ -1,4 +1,7 @@
-"""amp's unscale on the Triton path (interpreted here): same results as the PyTorch path, O(1) launches."""
+"""amp's unscale on the Triton path: same results as the PyTorch path on the same device, O(1) launches.
+
+Each test runs both paths inside the device switch (``triton_device``): on CPU tensors with the Triton kernels
+interpreted, or on the GPU under ``APEX_TEST_DEVICE=cuda``."""
 
 import pytest
 import torch
@@ -40,7 +43,7 @@ def _two_steps(backend, inject_second=False, accumulate=False):
 
 
 @pytest.mark.parametrize("inject", [False, True])
-def test_o2_steps_match_torch_path(inject):
+def test_o2_steps_match_torch_path(triton_device, inject):
     ref, ref_sd, _ = _two_steps("torch", inject)
     got, sd, launches = _two_steps("triton", inject)
     assert sd == ref_sd
@@ -50,7 +53,7 @@ def test_o2_steps_match_torch_path(inject):
     assert launches == [2, 2]
 
 
-def test_accumulation_uses_one_axpby_launch():
+def test_accumulation_uses_one_axpby_launch(triton_device):
     ref, _, _ = _two_steps("torch", accumulate=True)
     got, _, launches = _two_steps("triton", accumulate=True)
     # First backward of a step: scale into fresh master grads; second: axpby onto them. One launch per

@@ -43,7 +43,7 @@ def test_compiled_two_layer_model_matches_eager():
     _assert_matches_eager(torch.compile(model, fullgraph=True), model, x, model.parameters())
 
 
-def test_triton_path_traces_as_custom_ops():
+def test_triton_path_traces_as_custom_ops(triton_device):
     """With the Triton backend the norms are apex:: custom ops in the graph (fake + autograd kernels);
     aot_eager runs them (interpreted here) without Inductor's compile time."""
     import apex

@@ -79,7 +79,7 @@ def test_bias_gelu_bad_input(backend_name, call, match):
         call()
 
 
-def test_bias_gelu_triton_moves_the_minimum_bytes():
+def test_bias_gelu_triton_moves_the_minimum_bytes(triton_device):
     x = torch.randn(40, 300, requires_grad=True)
     b = torch.randn(300)
     with apex.backend("triton"), TritonTrace(bounds=True) as tr:
@@ -90,7 +90,7 @@ def test_bias_gelu_triton_moves_the_minimum_bytes():
     assert tr.launches == 1 and tr.bytes_unique <= 1.05 * (3 * x.nbytes + b.nbytes)
 
 
-def test_bias_gelu_bias_grad_in_the_same_launch():
+def test_bias_gelu_bias_grad_in_the_same_launch(triton_device):
     # One backward launch writes dx once and reduces dbias in registers, deterministically.
     x = torch.randn(53, 70, requires_grad=True)
     b = torch.randn(70, requires_grad=True)

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
@@ -68,15 +68,13 @@ def test_bias_swiglu_non_contiguous_and_fp32_bias(backend_name):
     assert_rel_close([y, dx, db], [ry, rdx, rdb], torch.bfloat16)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 40), half=st.integers(1, 300))
-def test_bias_swiglu_random_shapes(rows, half):
+def test_bias_swiglu_random_shapes(backend_name, rows, half):
     x = torch.randn(rows, 2 * half, requires_grad=True)
     b = torch.randn(2 * half, requires_grad=True)
     dy = torch.randn(rows, half)
-    for name in ("torch", "triton"):
-        with apex.backend(name):
-            _check(x, b, dy, torch.float32, name)
+    _check(x, b, dy, torch.float32, backend_name)
 
 
 def test_swiglu_without_bias_is_megatrons_swiglu(backend_name):
@@ -111,7 +109,7 @@ def test_bias_swiglu_bad_input(backend_name, call, exc, match):
         call()
 
 
-def test_bias_swiglu_triton_moves_the_minimum_bytes():
+def test_bias_swiglu_triton_moves_the_minimum_bytes(triton_device):
     x = torch.randn(48, 200, requires_grad=True)
     b = torch.randn(200)
     dy = torch.randn(48, 100)
@@ -123,7 +121,7 @@ def test_bias_swiglu_triton_moves_the_minimum_bytes():
     assert tr.launches == 1 and tr.bytes_unique <= 1.05 * (2 * x.nbytes + b.nbytes + dy.nbytes)
 
 
-def test_bias_swiglu_bias_grad_in_the_same_launch():
+def test_bias_swiglu_bias_grad_in_the_same_launch(triton_device):
     # With the bias needing a gradient the backward is still one launch: dx written once, dbias reduced in
     # registers (no pass over dx), deterministic (a fixed summation order, no atomics).
     x = torch.randn(37, 2 * 45, requires_grad=True)

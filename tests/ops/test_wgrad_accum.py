@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
@@ -95,16 +95,14 @@ def test_wgrad_accumulates_over_calls(backend_name):
     assert_rel_close(mg, ref, tol=1e-6)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(1, 70), n_in=st.integers(1, 70), n_out=st.integers(1, 70))
-def test_wgrad_random_shapes(k, n_in, n_out):
+def test_wgrad_random_shapes(backend_name, k, n_in, n_out):
     inp, go = torch.randn(k, n_in), torch.randn(k, n_out)
-    for name in ("torch", "triton"):
-        mg = torch.randn(n_out, n_in)
-        ref = _ref(inp, go, mg)
-        with apex.backend(name):
-            _run(W.wgrad_gemm_accum_fp32, inp, go, mg, name)
-        assert_rel_close(mg, ref, tol=1e-6)
+    mg = torch.randn(n_out, n_in)
+    ref = _ref(inp, go, mg)
+    _run(W.wgrad_gemm_accum_fp32, inp, go, mg, backend_name)
+    assert_rel_close(mg, ref, tol=1e-6)
 
 
 def _bad():
@@ -133,7 +131,7 @@ def test_wgrad_bad_input_leaves_main_grad_untouched():
     assert torch.equal(mg, before)
 
 
-def test_wgrad_triton_reads_and_writes_main_grad_once():
+def test_wgrad_triton_reads_and_writes_main_grad_once(triton_device):
     inp, go = torch.randn(300, 96), torch.randn(300, 80)
     mg = torch.randn(80, 96)
     with apex.backend("triton"), TritonTrace(bounds=True) as tr:
