@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
@@ -95,13 +95,11 @@ def test_no_bias(backend_name, act):
     check_chain(backend_name, 11, [7, 129, 5], (act, act), torch.float32, bias=False)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(1, 40), sizes=st.lists(st.integers(1, 70), min_size=2, max_size=4),
        act=st.sampled_from(["none", "relu", "sigmoid"]))
-def test_random_shapes(batch, sizes, act):
-    for be in ("torch", "triton"):
-        with apex.backend(be):
-            check_chain(be, batch, sizes, (act,) * (len(sizes) - 1), torch.float32)
+def test_random_shapes(backend_name, batch, sizes, act):
+    check_chain(backend_name, batch, sizes, (act,) * (len(sizes) - 1), torch.float32)
 
 
 def test_leading_dims_and_non_contiguous(backend_name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
@@ -168,15 +168,16 @@ def test_group_norm_float64():
     assert_rel_close([y] + list(grads), [ref_y] + list(ref_g), tol=1e-12)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), groups=st.integers(1, 4), cg=st.integers(1, 5), h=st.integers(2, 9),
-       w=st.integers(1, 9), nhwc=st.booleans(), silu=st.booleans(), backend=st.sampled_from(["torch", "triton"]))
-def test_group_norm_random_shapes(n, groups, cg, h, w, nhwc, silu, backend):
+       w=st.integers(1, 9), nhwc=st.booleans(), silu=st.booleans())
+def test_group_norm_random_shapes(backend_name, n, groups, cg, h, w, nhwc, silu):
     torch.manual_seed(n * 1000 + groups * 100 + h * 10 + w)
     shape = (n, groups * cg, h, w)
     x, wt, b, dy = _inputs(shape, torch.float32)
     fmt = torch.channels_last if nhwc else None
-    with apex.backend(backend), trace(backend, x, wt, b, dy):
+    with trace(backend_name, x, wt, b, dy):
         y, grads = _run(x, groups, wt, b, 1e-5, "silu" if silu else "", dy, fmt)
     _check(y, grads, x, groups, wt, b, 1e-5, silu, dy, torch.float32)
 

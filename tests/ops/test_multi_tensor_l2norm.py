@@ -1,7 +1,7 @@
 import amp_C
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apex.testing import TritonTrace, assert_rel_close
@@ -158,16 +158,12 @@ def test_norm_out_blends(backend_name, norm_type):
     assert_rel_close(out, ref, tol=1e-5)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
-       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       backend=st.sampled_from(["torch", "triton"]))
-def test_l2norm_property(sizes, dtype, backend):
-    import apex
-
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_l2norm_property(backend_name, sizes, dtype):
     xs = ragged(dtype, sizes=sizes, seed=len(sizes))
-    with apex.backend(backend):
-        total, per = amp_C.multi_tensor_l2norm(2048, flag(), [xs], True)
+    total, per = amp_C.multi_tensor_l2norm(2048, flag(), [xs], True)
     ref_total, ref_per = _norms64(xs)
     assert_rel_close(total, ref_total, tol=1e-5)
     assert_rel_close(per, ref_per, tol=1e-5)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import apex
 from apex.ops import xentropy as X
 from apex.testing import assert_rel_close
 from tests.ops._norms import DTYPES, trace
@@ -186,14 +185,14 @@ def test_xentropy_float64_uses_float64():
     assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-12)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
-@given(m=st.integers(1, 20), v=st.integers(1, 3000), smoothing=st.sampled_from([0.0, 0.05, 1.0]),
-       backend=st.sampled_from(["torch", "triton"]))
-def test_xentropy_random_shapes(m, v, smoothing, backend):
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 20), v=st.integers(1, 3000), smoothing=st.sampled_from([0.0, 0.05, 1.0]))
+def test_xentropy_random_shapes(backend_name, m, v, smoothing):
     torch.manual_seed(m * 10000 + v)
     x, lab = _inputs(m, v, torch.float32)
     dy = torch.randn(m)
-    with apex.backend(backend), trace(backend, x, lab, dy):
+    with trace(backend_name, x, lab, dy):
         losses, dx = _run(x, lab, smoothing, 0, dy)
     ref_l, ref_dx = _ref(x, lab, smoothing, 0, dy)
     assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-5)

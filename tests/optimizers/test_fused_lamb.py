@@ -262,8 +262,9 @@ def test_bad_gradients_change_nothing(backend_name, bad):
         params[2].grad.set_(torch.randn(2, 2))  # the setter checks the shape; set_ does not
         err = RuntimeError
     else:
+        other = "cpu" if params[0].device.type == "meta" else "meta"  # meta: APEX_TEST_DEVICE=meta's device
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2)),
-                                        torch.nn.Parameter(torch.randn(2, device="meta"))]})
+                                        torch.nn.Parameter(torch.randn(2, device=other))]})
         err = ValueError
     with pytest.raises(err, match="sparse|gradient|device"):
         opt.step()
