@@ -48,20 +48,22 @@ class Column(tuple):
 
 def column(tensors: Sequence[torch.Tensor], *, ptrs: Sequence[int] | None = None,
            numels: tuple | None = None, dtype: torch.dtype | None = None,
-           device: torch.device | None = None) -> Column:
+           device: torch.device | None = None, dtypes: tuple | None = None,
+           devices: tuple | None = None) -> Column:
     """A :class:`Column` of ``tensors``. Facts the caller already holds (``ptrs``, ``numels``, the one
-    ``dtype`` and ``device`` of every tensor) are taken as given; the others are read here."""
+    ``dtype`` and ``device`` of every tensor, or their ``dtypes`` / ``devices`` one per tensor) are taken as
+    given; the others are read here."""
     col = Column(tensors)
     col.ptrs = tuple(map(_ptr, col)) if ptrs is None else tuple(ptrs)
     col.numels = tuple(map(_numel, col)) if numels is None else numels
     if dtype is None:
-        dtypes = tuple(map(_dtype, col))
+        dtypes = tuple(map(_dtype, col)) if dtypes is None else dtypes
         dtype = dtypes[0] if dtypes and dtypes.count(dtypes[0]) == len(dtypes) else None
         col.dtypes = dtypes
     else:
         col.dtypes = (dtype,) * len(col)
     if device is None:
-        devices = tuple(map(_device, col))
+        devices = tuple(map(_device, col)) if devices is None else devices
         device = devices[0] if devices and devices.count(devices[0]) == len(devices) else None
         col.devices = devices
     else:
@@ -117,32 +119,40 @@ def _signature(lst, shapes: bool) -> tuple:
     return sig
 
 
-def checked(op: str, tensor_lists, check: Callable[[], object], *extra, shapes: bool = False) -> None:
+def checked(op, tensor_lists, check: Callable[[], object], *extra, shapes: bool = False) -> list:
     """Run ``check()`` (an op's argument checks, which raise on bad input) unless a call of ``op`` with lists
     of exactly these tensors' metadata (and the same ``extra`` facts) passed it before. ``shapes``: the
     checks compare shapes, not only sizes.
 
-    Columns (lists apex made and checked itself) count as checked. Anything that is not a list of dense
-    tensors goes to ``check()``, which raises the right error."""
-    if all(type(lst) is Column for lst in tensor_lists) and tensor_lists:
-        return
+    Returns the lists to work on: Columns made from what was read (so the engine reads nothing again), or
+    ``tensor_lists`` itself when they are Columns already (lists apex made and checked itself)."""
+    if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(lst, (list, tuple))
+                                                              for lst in tensor_lists):
+        check()  # (raises the TypeError)
+        return tensor_lists
+    if tensor_lists and all(type(lst) is Column for lst in tensor_lists):
+        return list(tensor_lists)
     try:
-        if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(lst, (list, tuple))
-                                                                  for lst in tensor_lists):
-            raise TypeError
         seen_lists: list = []
-        sig = []
+        sigs: list = []
         for lst in tensor_lists:
             j = next((i for i, other in enumerate(seen_lists) if other is lst), None)
-            sig.append(j if j is not None else _signature(lst, shapes))
+            sigs.append(j if j is not None else _signature(lst, shapes))
             seen_lists.append(lst)
-        sig.extend(extra)
-        sig = tuple(sig)
+        sig = tuple(sigs) + extra
         key = (op, len(tensor_lists), tuple(len(lst) for lst in tensor_lists))
     except (TypeError, AttributeError, RuntimeError, NotImplementedError):
         check()  # not tensors, or sparse ones: the checks say what is wrong
-        return
-    if _checked.seen(key, sig):
-        return
-    check()
-    _checked.put(key, sig)
+        return list(tensor_lists)
+    if not _checked.seen(key, sig):
+        check()
+        _checked.put(key, sig)
+    out: list = []
+    for lst, s in zip(tensor_lists, sigs):
+        if isinstance(s, int):  # the same list object as an earlier one
+            out.append(out[s])
+            continue
+        ptrs, sizes, dtypes, devices = s[:4]
+        numels = tuple(map(_numel, lst)) if shapes else sizes
+        out.append(column(lst, ptrs=ptrs, numels=numels, dtypes=dtypes, devices=devices))
+    return out

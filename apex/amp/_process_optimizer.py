@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import types
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import torch
 
 from apex.amp._amp_state import maybe_print
 from apex.fp16_utils._scaling import copy_masters_to_model
 from apex.fp16_utils.fp16util import _masters_for_group
+
+_grad = attrgetter("grad")
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -103,6 +107,14 @@ def lazy_init_with_master_weights(self) -> None:
 def post_backward_models_are_masters(scaler, params, stashed_grads, scale_override=None) -> None:
     """Unscale the fresh grads of ``params`` in place, adding the stashed ones. ``scale_override``:
     ``(grads_have_scale, stashed_have_scale, out_scale)``, the sums then kept at ``out_scale``."""
+    if not any(map(is_not, stashed_grads, repeat(None))):  # nothing accumulated (the usual step): no loop
+        grads = list(map(_grad, params))
+        if not all(map(is_not, grads, repeat(None))):
+            grads = [g for g in grads if g is not None]
+        if grads:
+            scaler.unscale(grads, grads, scaler.loss_scale(), models_are_masters=True,
+                           scale_override=None if scale_override is None else scale_override[0] / scale_override[2])
+        return
     grads_needing_unscale, grads_with_stash, stashed = [], [], []
     for i, (param, stashed_grad) in enumerate(zip(params, stashed_grads)):
         if param.grad is None and stashed_grad is not None:
@@ -203,9 +215,10 @@ def prepare_backward_no_master_weights(self) -> None:
     self._amp_lazy_init()
     for params, grad_stash in ((stash.all_fp16_params, stash.all_fp16_grad_stash),
                                (stash.all_fp32_params, stash.all_fp32_grad_stash)):
-        for i, param in enumerate(params):
-            grad_stash[i] = param.grad
-            param.grad = None
+        grad_stash[:] = map(_grad, params)
+        if any(map(is_not, grad_stash, repeat(None))):  # (after zero_grad(set_to_none=True): none to clear)
+            for param in params:
+                param.grad = None
 
 
 def post_backward_no_master_weights(self, scaler) -> None:

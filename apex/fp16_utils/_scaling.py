@@ -16,6 +16,8 @@ and patches them.
 from __future__ import annotations
 
 import warnings
+from itertools import repeat
+from operator import is_not
 
 import torch
 
@@ -29,6 +31,8 @@ _CHUNK = 2048 * 32
 
 def _split_contiguous(*lists):
     """Indices of the positions where every list's tensor is contiguous, and of the others."""
+    if all(all(map(torch.Tensor.is_contiguous, lst)) for lst in lists):  # the usual case, without a loop
+        return range(len(lists[0])), []
     good, bad = [], []
     for i in range(len(lists[0])):
         (good if all(lst[i].is_contiguous() for lst in lists) else bad).append(i)
@@ -48,8 +52,10 @@ def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: floa
     if _backend.select(inputs) == "torch":
         _scale_into_torch(noop_flag, inputs, outputs, scale)
         return
-    good, bad = _split_contiguous(inputs, outputs)
-    if good:
+    good, bad = _split_contiguous(inputs) if inputs is outputs else _split_contiguous(inputs, outputs)
+    if not bad:  # the lists as they are (an in-place unscale passes one list twice: read once)
+        multi_tensor_scale(_CHUNK, noop_flag, [inputs, outputs], scale)
+    elif good:
         multi_tensor_scale(_CHUNK, noop_flag, [[inputs[i] for i in good], [outputs[i] for i in good]], scale)
     if bad:
         _scale_into_torch(noop_flag, [inputs[i] for i in bad], [outputs[i] for i in bad], scale)
@@ -134,6 +140,8 @@ class LossScaler:
     def _warn_non_fp32(self, master_grads) -> None:
         if LossScaler.warned_unscaling_non_fp32_grad:
             return
+        if all(m is None or m.dtype is torch.float32 for m in master_grads):
+            return
         for m in master_grads:
             if m is not None and m.dtype != torch.float32:
                 warnings.warn(f"Attempting to unscale a grad with type {m.type()} "
@@ -151,10 +159,13 @@ class LossScaler:
         scale = self._loss_scale if scale_override is None else float(scale_override)
         if scale == 1.0 and models_are_masters and not self.dynamic:
             return
-        pairs = [(a, b) for a, b in zip(model_grads, master_grads) if a is not None]
-        if not pairs:
+        if model_grads is master_grads and all(map(is_not, model_grads, repeat(None))):
+            ins = outs = model_grads  # in place (amp O1): one list, read once
+        else:
+            pairs = [(a, b) for a, b in zip(model_grads, master_grads) if a is not None]
+            ins, outs = [p[0] for p in pairs], [p[1] for p in pairs]
+        if not ins:
             return
-        ins, outs = [p[0] for p in pairs], [p[1] for p in pairs]
         if scale_override is None:  # with an override (FusedSGD's half model grads) half grads are the plan
             self._warn_non_fp32(outs)
         scale_into(self._buf_for(ins), ins, outs, 1.0 / scale)

@@ -28,7 +28,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     if validate:
         from apex._kernels._lists import checked
 
-        checked("adagrad", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
+        tensor_lists = checked("adagrad", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)

@@ -69,7 +69,7 @@ def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_corre
     if validate:
         from apex._kernels._lists import checked
 
-        checked(("adam", n_lists), tensor_lists, lambda: _check_lists(tensor_lists, n_lists))
+        tensor_lists = checked(("adam", n_lists), tensor_lists, lambda: _check_lists(tensor_lists, n_lists))
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)

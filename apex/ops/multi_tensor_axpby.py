@@ -20,7 +20,7 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     """
     from apex._kernels._lists import checked
 
-    checked("axpby", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
+    tensor_lists = checked("axpby", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3))
     device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     if arg_to_check not in (-1, 0, 1):

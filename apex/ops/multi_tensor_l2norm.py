@@ -84,14 +84,16 @@ def _dispatch_torch(noop_flag, xs, per_tensor: bool, *, ord, outs, scale, inv_sc
 
 
 def _prologue(noop_flag, tensor_lists, n_lists, validate: bool = True):
-    if not validate:  # the caller (an apex optimizer) has checked every tensor
-        return first_device(tensor_lists)
+    """``(device, lists)``: the lists checked (see ``_lists.checked``) unless the caller (an apex optimizer)
+    has checked every tensor."""
+    if not validate:
+        return first_device(tensor_lists), tensor_lists
     from apex._kernels._lists import checked
 
-    checked(("l2norm", n_lists), tensor_lists, lambda: check_tensor_lists(tensor_lists, n_lists))
+    tensor_lists = checked(("l2norm", n_lists), tensor_lists, lambda: check_tensor_lists(tensor_lists, n_lists))
     device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
-    return device
+    return device, tensor_lists
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
@@ -101,7 +103,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     ``tensor_lists[0]``, in fp32; per-tensor norms only with ``per_tensor=True`` (an empty tensor otherwise).
     Sets ``noop_flag`` on a non-finite value.
     """
-    device = _prologue(noop_flag, tensor_lists, 1, validate)
+    device, tensor_lists = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor))
@@ -113,7 +115,7 @@ def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_list
     """As :func:`multi_tensor_l2norm`, but returns zeros without reading the tensors when ``noop_flag``
     is already set.
     """
-    device = _prologue(noop_flag, tensor_lists, 1, validate)
+    device, tensor_lists = _prologue(noop_flag, tensor_lists, 1, validate)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), skip_if_flagged=True)
@@ -124,7 +126,7 @@ def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_l
     """``amp_C.multi_tensor_l2norm_scale``: lists ``[in, out]``; the norms of ``in`` (as
     :func:`multi_tensor_l2norm`) and ``out = in * scale`` in one pass.
     """
-    device = _prologue(noop_flag, tensor_lists, 2)
+    device, tensor_lists = _prologue(noop_flag, tensor_lists, 2)
     if device is None or not tensor_lists[0]:
         return _empty_result(noop_flag.device, 0, bool(per_tensor))
     return _dispatch(noop_flag, tensor_lists[0], bool(per_tensor), outs=tensor_lists[1], scale=float(scale))
@@ -136,7 +138,7 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
     """``amp_C.multi_tensor_unscale_l2norm``: the norms of ``in * inv_scale`` (a one-element tensor);
     nothing is written.
     """
-    device = _prologue(noop_flag, tensor_lists, 1)
+    device, tensor_lists = _prologue(noop_flag, tensor_lists, 1)
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
         raise TypeError("inv_scale must be a one-element tensor")
     if device is None or not tensor_lists[0]:
@@ -150,7 +152,7 @@ def multi_tensor_norm_out_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_
     """``amp_C.multi_tensor_norm_out_cuda``: blends each tensor's norm into ``out``
     (``out = alpha * out + beta * norm``; ``norm_type`` 2 = L2, 0 = max norm), as NovoGrad needs.
     """
-    device = _prologue(noop_flag, tensor_lists, 1)
+    device, tensor_lists = _prologue(noop_flag, tensor_lists, 1)
     if norm_type not in (0, 2):
         raise ValueError(f"norm_type must be 0 (max norm) or 2 (L2 norm), got {norm_type!r}")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or \

@@ -67,7 +67,8 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     if validate:
         from apex._kernels._lists import checked
 
-        checked("lamb", tensor_lists, lambda: _check(noop_flag, tensor_lists, 4), shapes=True)
+        tensor_lists = checked("lamb", tensor_lists, lambda: _check(noop_flag, tensor_lists, 4),
+                               shapes=True)
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)
@@ -96,7 +97,7 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     if validate:
         from apex._kernels._lists import checked
 
-        checked("lamb_mp", tensor_lists, lambda: _check_mp(tensor_lists), shapes=True)
+        tensor_lists = checked("lamb_mp", tensor_lists, lambda: _check_mp(tensor_lists), shapes=True)
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)
@@ -284,7 +285,7 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     if validate:
         from apex._kernels._lists import checked
 
-        checked("lamb_stage2", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
+        tensor_lists = checked("lamb_stage2", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)

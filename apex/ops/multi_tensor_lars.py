@@ -46,7 +46,7 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
     if validate:
         from apex._kernels._lists import checked
 
-        checked("lars", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
+        tensor_lists = checked("lars", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)

@@ -51,8 +51,8 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     if validate:
         from apex._kernels._lists import checked
 
-        checked("novograd", tensor_lists, lambda: check_tensor_lists(tensor_lists, 3, same_shape=True),
-                shapes=True)
+        tensor_lists = checked("novograd", tensor_lists,
+                               lambda: check_tensor_lists(tensor_lists, 3, same_shape=True), shapes=True)
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)

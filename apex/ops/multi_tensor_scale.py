@@ -23,7 +23,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     """
     from apex._kernels._lists import checked
 
-    checked("scale", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
+    tensor_lists = checked("scale", tensor_lists, lambda: check_tensor_lists(tensor_lists, 2))
     device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:

@@ -45,7 +45,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
     if validate:
         from apex._kernels._lists import checked
 
-        checked("sgd", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
+        tensor_lists = checked("sgd", tensor_lists, lambda: check_tensor_lists(tensor_lists, (3, 4)))
     device = first_device(tensor_lists)
     if validate:
         check_noop_flag(noop_flag, device)
