@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
@@ -172,32 +174,35 @@ def _reduce_kernel(DWp, DBp, DW, DB, P, N, HAS_B: tl.constexpr, BLOCK_P: tl.cons
         tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=cmask)
 
 
-def _tiling(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_M, num_warps) for rows of length ``n``."""
+def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool) -> dict:
+    """``{"rows", "warps", "programs_per_sm"}`` for rows of length ``n``: ``rows`` rows per tile,
+    ``programs_per_sm`` caps the grid at that many programs per SM (each then walks several tiles; 0: one
+    program per tile). The measured table or an override (``_tuning``) may replace the formula's values.
+    No ``num_stages``: Triton pipelines only ``tl.range(num_stages=...)`` loops and loads that feed a dot,
+    so the launch option leaves these loops' code unchanged (the compiled code is the same for 1 and 3)."""
     block_n = triton.next_power_of_2(max(n, 1))
     if _interpreting():
-        # The interpreter pays per operation, not per element: big tiles.
-        block_m = max(1, min(triton.next_power_of_2(max(m, 1)), 65536 // block_n))
-        return block_n, block_m, 1
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = max(1, min(16, block_m * block_n // 256))
-    return block_n, block_m, num_warps
+        # The interpreter pays per operation, not per element: big tiles, few programs.
+        default = {"rows": max(1, min(triton.next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
+                   "programs_per_sm": 1}
+    else:
+        rows = max(1, min(16, 4096 // block_n))
+        # The backward writes one fp32 partial row per program and parameter: one wave of programs keeps
+        # that buffer (and its second read) small next to the 3 passes over x, dy and dx.
+        default = {"rows": rows, "warps": max(1, min(16, rows * block_n // 256)),
+                   "programs_per_sm": 1 if backward else 0}
+    op = ("rms_norm" if is_rms else "layer_norm") + (".bwd" if backward else ".fwd")
+    return _tuning.pick(op, dev, itemsize, (m, n), default)
 
 
-def _grid(n_tiles: int, max_programs: int) -> tuple[int, int]:
-    """(programs, tiles per program) covering ``n_tiles`` with at most ``max_programs`` programs."""
-    progs = max(1, min(n_tiles, max_programs))
+def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
+    """(programs, tiles per program) covering the ``m`` rows in tiles of ``cfg["rows"]``."""
+    n_tiles = triton.cdiv(m, cfg["rows"])
+    # Without a GPU (the interpreter) a program per SM stands for a program per hundredth of the rows.
+    sms = _tuning.device(dev)[1] or 100
+    progs = n_tiles if cfg["programs_per_sm"] <= 0 else max(1, min(n_tiles, cfg["programs_per_sm"] * sms))
     per = triton.cdiv(n_tiles, progs)
     return triton.cdiv(n_tiles, per), per
-
-
-def _max_programs(device: torch.device, backward: bool) -> int:
-    if _interpreting() or device.type != "cuda":
-        return 100
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # The backward writes one fp32 partial row per program and parameter: one wave of programs keeps
-    # that buffer (and its second read) small next to the 3 passes over x, dy and dx.
-    return sms if backward else 1 << 30
 
 
 def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, is_rms: bool,
@@ -215,14 +220,15 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
         if n == 0:
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
-    block_n, block_m, warps = _tiling(m, n)
-    progs, per = _grid(triton.cdiv(m, block_m), _max_programs(dev, False))
+    block_n = triton.next_power_of_2(n)
+    cfg = _config(m, n, dev, x.element_size(), is_rms, False)
+    progs, per = _grid(m, dev, cfg)
     _fwd_kernel[(progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
         weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), per,
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        BLOCK_M=cfg["rows"], BLOCK_N=block_n, num_warps=cfg["warps"])
     return y, (None if is_rms else mean), rstd, h
 
 
@@ -246,8 +252,9 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
         if dresidual is not None:
             dx.copy_(dresidual)
         return dx, dw, db
-    block_n, block_m, warps = _tiling(m, n)
-    progs, per = _grid(triton.cdiv(m, block_m), _max_programs(dev, True))
+    block_n = triton.next_power_of_2(n)
+    cfg = _config(m, n, dev, v.element_size(), is_rms, True)
+    progs, per = _grid(m, dev, cfg)
     has_w, has_b = weight is not None, bias is not None
     dwp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_w else dx
     dbp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_b else dx
@@ -258,7 +265,7 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
         float(eps) if eps is not None else 0.0,
         IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, MEM_EFF=memory_efficient, HAS_DR=dresidual is not None,
         ONE_DIRECTION=eps is not None and n <= (1 if is_rms else 2),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        BLOCK_M=cfg["rows"], BLOCK_N=block_n, num_warps=cfg["warps"])
     if has_w:
         if _interpreting():
             rn = min(block_n, 4096)

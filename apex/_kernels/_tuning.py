@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 _overrides: dict[str, dict] = {}
+last: dict[str, dict] = {}  # the configuration each op's latest launch took (what a sweep reports)
 _assumed: list[tuple[str, int]] = []
 
 
@@ -93,6 +94,9 @@ def pick(op: str, dev: torch.device, itemsize: int, key: tuple[int, ...], defaul
     Keys the override or the table leave out keep the formula's value."""
     forced = _overrides.get(op)
     if forced is not None:
-        return {**default, **forced}
-    measured = lookup(op, device(dev)[0], itemsize, key)
-    return {**default, **measured} if measured else default
+        chosen = {**default, **forced}
+    else:
+        measured = lookup(op, device(dev)[0], itemsize, key)
+        chosen = {**default, **measured} if measured else default
+    last[op] = chosen
+    return chosen
