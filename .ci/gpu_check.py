@@ -6,10 +6,10 @@
     python3 .ci/gpu_check.py --export-upstream --mirror GIT_DIR   # NVIDIA Apex's tests into .upstream-tests/
 
 It runs with the machine's own torch and triton and needs no network: the children get
-``PYTHONPATH=<repo>:<repo>/apex/_compat``, nothing is installed. OUTDIR defaults to ``$OUT``, else
-``gpu-check/`` (ignored by git). Compiled kernels are cached in OUTDIR/cache (``TRITON_CACHE_DIR``,
-``TORCHINDUCTOR_CACHE_DIR``) so later phases reuse the earlier ones' compiles; it is removed at the end
-unless ``--keep-cache``.
+``PYTHONPATH=<repo>:<repo>/apex/_compat``, nothing is installed. OUTDIR defaults to ``$OUT`` (where the
+logs end up packed in OUTDIR/logs.tar.gz beside the summary: ``--pack``), else ``gpu-check/`` (ignored by
+git). Compiled kernels are cached in OUTDIR/cache (``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) so
+later phases reuse the earlier ones' compiles; it is removed at the end unless ``--keep-cache``.
 
 Phases run in stages: the phases of a stage side by side (16 cores), the stages one after another; the
 benchmarks alone, since they time. Each phase has a cap: at the cap its processes are interrupted (pytest
@@ -41,6 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,7 +247,7 @@ def build_plan(out: Path, probe: dict, phases: list[str], jobs: int, scale: floa
         for i, group in enumerate(groups, 1):
             mlog = out / f"sanitizer-{i}.memcheck.log"
             argv = [tool or "compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", "--print-limit",
-                    "100", "--target-processes", "application-only", "--log-file", str(mlog),
+                    "100", "--log-file", str(mlog),
                     py, "-m", "pytest", *sorted(group), "-k", "triton", "-p", "no:xdist",
                     *pytest_args(150, "signal", probe)]
             # Without PyTorch's caching allocator every tensor is its own allocation, so memcheck sees a
@@ -350,7 +351,7 @@ class Runner:
                     s["done"].append(StepResult(step, rc, now - t0, capped=s["capped"]))
                     s["end"] = now
                     del s["running"][i]
-                    if not s["capped"]:
+                    if not s["capped"] and now - s["t0"] < s["cap"] and not self.stopping:
                         self._next(s, i)
                 over = now - s["t0"] >= s["cap"] or self.stopping
                 if over and not s["capped"] and s["running"]:
@@ -407,7 +408,7 @@ def judge(name: str, res: dict) -> dict:
             p = parse_pytest(text)
             for k, v in p["counts"].items():
                 counts[k] = counts.get(k, 0) + v
-            failures += [f"{t}" for t in p["failures"]]
+            failures += [t for t in p["failures"] if t not in p["crashed"]]
             failures += [f"{t} (its worker crashed: a per-test timeout or a fatal error)" for t in p["crashed"]]
             if p["running"]:
                 notes.append(f"running when {step.name} stopped: " + ", ".join(p["running"][:5])
@@ -597,6 +598,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pytest-xdist workers of the triton phase (default: CPUs - 4, at least 2)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--keep-cache", action="store_true", help="keep OUTDIR/cache (the compiled kernels)")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                   help="at the end, pack the logs into OUTDIR/logs.tar.gz beside summary.md and summary.json "
+                        "(default: when OUTDIR comes from $OUT)")
     p.add_argument("--export-upstream", action="store_true",
                    help=f"write NVIDIA Apex's test sources to {UPSTREAM.name}/ and exit (needs --mirror)")
     p.add_argument("--mirror", default=os.environ.get("APEX_UPSTREAM_GIT", ""),
@@ -611,9 +615,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--time-limit and --scale must be positive")
     if args.jobs is not None and args.jobs < 1:
         p.error("--jobs must be at least 1")
+    from_env = args.outdir is None and bool(os.environ.get("OUT"))
     if args.outdir is None:
-        args.outdir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "gpu-check"
+        args.outdir = Path(os.environ["OUT"]) if from_env else ROOT / "gpu-check"
     args.outdir = args.outdir.resolve()
+    if args.pack is None:
+        args.pack = from_env
     return args
 
 
@@ -657,11 +664,28 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_cache:
             shutil.rmtree(out / "cache", ignore_errors=True)
     verdicts = [judge(p.name, results[p.name]) for p in plan]
-    text = render(verdicts, header, out, runner.elapsed(), args.time_limit)
+    text = render(verdicts, header, out / "logs.tar.gz" if args.pack else out, runner.elapsed(), args.time_limit)
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps({"machine": info, "phases": verdicts}, indent=1, default=str))
+    if args.pack:
+        pack_logs(out)
     print("\n" + text, flush=True)
     return exit_status(verdicts)
+
+
+KEEP = ("summary.md", "summary.json", "logs.tar.gz")
+
+
+def pack_logs(out: Path) -> None:
+    """Everything in ``out`` but the summaries into ``out/logs.tar.gz``, then removed: three files to copy
+    back from the GPU machine instead of dozens."""
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for path in sorted(out.iterdir()):
+            if path.name not in KEEP:
+                tar.add(path, arcname=path.name)
+    for path in out.iterdir():
+        if path.name not in KEEP:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from pathlib import Path
@@ -63,8 +64,11 @@ def test_arguments(monkeypatch, tmp_path):
     monkeypatch.delenv("OUT", raising=False)
     args = gc.parse_args([])
     assert args.phases == list(gc.CAPS) and args.outdir == ROOT / "gpu-check" and args.time_limit == 570
+    assert args.pack is False
     monkeypatch.setenv("OUT", str(tmp_path / "o"))
-    assert gc.parse_args([]).outdir == tmp_path / "o"  # $OUT, as the GPU machine sets it
+    args = gc.parse_args([])
+    assert args.outdir == tmp_path / "o" and args.pack is True  # $OUT, as the GPU machine sets it: packed
+    assert gc.parse_args(["--no-pack"]).pack is False and gc.parse_args([str(tmp_path)]).pack is False
     args = gc.parse_args([str(tmp_path / "x"), "--phases", "bench, triton", "--scale", "0.5", "--jobs", "3"])
     assert args.outdir == tmp_path / "x" and args.phases == ["bench", "triton"] and args.jobs == 3
     for bad in (["--phases", "triton,gpu"], ["--phases", ","], ["--time-limit", "0"], ["--scale", "-1"],
@@ -183,11 +187,12 @@ def test_passing_phase_and_the_time_limit(tmp_path):
 
 
 def test_whole_check_on_a_cpu_machine(tmp_path):
-    """No GPU here: the script still runs end to end, says why each phase did not run, exits 2."""
+    """No GPU here: the script still runs end to end, says why each phase did not run, exits 2; with $OUT
+    (as on the GPU machine) the logs are packed, so three files come back."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "CUDA_VISIBLE_DEVICES")}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # even on a machine with a GPU
-    run = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=ROOT, capture_output=True, text=True, env=env,
+    env.update(CUDA_VISIBLE_DEVICES="", OUT=str(out))  # no GPU, even on a machine with one
+    run = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, env=env,
                          timeout=600)
     assert run.returncode == 2, run.stdout + run.stderr
     summary = (out / "summary.md").read_text()
@@ -196,4 +201,6 @@ def test_whole_check_on_a_cpu_machine(tmp_path):
         assert f"{phase:<12} skipped: no CUDA device" in summary
     data = json.loads((out / "summary.json").read_text())
     assert data["machine"]["cuda"] is False and "torch" in data["machine"]
-    assert not (out / "cache").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "probe.json" in tar.getnames() and not any(n.startswith("cache") for n in tar.getnames())
