@@ -19,9 +19,9 @@ shrink to the time left.
 
   stage 1  triton       APEX_TEST_DEVICE=cuda pytest tests -k triton -n JOBS (CPUs - 4)     cap 230 s
            distributed  APEX_TEST_DEVICE=cuda pytest tests -m dist_device -n 2              cap 230 s
-  stage 2  sanitizer    compute-sanitizer memcheck, tests/ops/test_<kernel>.py -k triton, 4 processes  cap 130 s
-           upstream     NVIDIA Apex's tests/L0 and one-GPU contrib folders, natively, 4 lanes        cap 130 s
-  stage 3  bench        benchmarks/run.py --device cuda, its budget 30 s under the cap              cap 150 s
+  stage 2  sanitizer    compute-sanitizer memcheck, tests/ops/test_<kernel>.py -k triton, 6 processes  cap 150 s
+           upstream     NVIDIA Apex's tests/L0 and one-GPU contrib folders, natively, 4 lanes        cap 150 s
+  stage 3  bench        benchmarks/run.py --device cuda, its budget 30 s under the cap              cap 130 s
 
 The summary (printed last, also OUTDIR/summary.md) has one row per phase: the result, pytest's counts (from
 its final line, or counted from the per-test lines of a run that did not finish), time against cap, and the
@@ -59,7 +59,8 @@ UPSTREAM_FOLDERS = {
     "apex/contrib/test/openfold_triton": 1, "apex/contrib/test/focal_loss": 0.5,
     "apex/contrib/test/index_mul_2d": 0.5, "apex/contrib/test/clip_grad": 0.5,
 }
-CAPS = {"triton": 230.0, "distributed": 230.0, "sanitizer": 130.0, "upstream": 130.0, "bench": 150.0}
+CAPS = {"triton": 230.0, "distributed": 230.0, "sanitizer": 150.0, "upstream": 150.0, "bench": 130.0}
+SANITIZER_LANES = 6
 STAGES = {"triton": 1, "distributed": 1, "sanitizer": 2, "upstream": 2, "bench": 3}
 GRACE_S = 15.0  # after the interrupt, before the kill
 MIN_CAP_S = 20.0  # a phase with less time than this left is not started
@@ -217,12 +218,34 @@ def kernel_test_files() -> list[Path]:
     return [f for f in (ROOT / "tests" / "ops" / f"test_{op}.py" for op in ops) if f.exists()]
 
 
+def count_tests(files: list[Path], env: dict) -> dict[str, int]:
+    """Tests per file that ``-k triton`` selects (a collection on the CPU: the cases are the same), to spread
+    the files evenly over the sanitizer's processes; file sizes stand in when the collection fails."""
+    rel = [str(f.relative_to(ROOT)) for f in files]
+    counts = {r: 0 for r in rel}
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p",
+                              "no:cacheprovider", *rel, "-k", "triton"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=180, env={**os.environ, **env, "APEX_TEST_DEVICE": "cpu"})
+        for line in run.stdout.splitlines():
+            m = re.match(r"^(\S+\.py)(?::: ?|: )(\d+)?", line)
+            if m and m.group(1) in counts:
+                counts[m.group(1)] += int(m.group(2)) if m.group(2) else 1
+    except (subprocess.SubprocessError, OSError):
+        pass
+    if not any(counts.values()):
+        return {str(f.relative_to(ROOT)): f.stat().st_size for f in files}
+    return counts
+
+
 def sanitizer_path() -> str | None:
     return shutil.which("compute-sanitizer") or next(
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.access(p, os.X_OK)), None)
 
 
-def build_plan(out: Path, probe: dict, phases: list[str], jobs: int, scale: float = 1.0) -> list[Phase]:
+def build_plan(out: Path, probe: dict, phases: list[str], jobs: int, scale: float = 1.0,
+               weights: dict[str, int] | None = None) -> list[Phase]:
+    """The phases to run; ``weights``: the sanitizer's tests per kernel test file (file sizes if not given)."""
     py = sys.executable
     gpu = "" if probe.get("cuda") else f"no CUDA device ({probe.get('why', 'torch.cuda.is_available() is False')})"
     xdist = probe.get("xdist", True)
@@ -242,7 +265,9 @@ def build_plan(out: Path, probe: dict, phases: list[str], jobs: int, scale: floa
     if "sanitizer" in phases:
         tool = sanitizer_path()
         files = kernel_test_files()
-        groups = _lanes({str(f.relative_to(ROOT)): f.stat().st_size for f in files}, 4)
+        weights = weights or {str(f.relative_to(ROOT)): f.stat().st_size for f in files}
+        groups = _lanes({str(f.relative_to(ROOT)): weights.get(str(f.relative_to(ROOT)), 1) for f in files},
+                        SANITIZER_LANES)
         lanes = []
         for i, group in enumerate(groups, 1):
             mlog = out / f"sanitizer-{i}.memcheck.log"
@@ -422,6 +447,12 @@ def judge(name: str, res: dict) -> dict:
                 bad = True
                 if r.rc not in (0, 1, 2):
                     notes.append(f"{step.name}: exit status {r.rc}" + (" (no tests collected)" if r.rc == 5 else ""))
+                elif not p["failures"] and not p["crashed"] and not p["counts"].get("failed"):
+                    # failed without a failed test (a conftest's session check, an internal error): say why
+                    said = [ln.strip() for ln in text.splitlines()
+                            if ln.startswith(("FAILED:", "ERROR:", "INTERNALERROR"))]
+                    notes.append(f"{step.name}: exit status {r.rc} without a failed test"
+                                 + (f": {said[-1][:200]}" if said else " (see its log)"))
         if step.kind == "sanitizer":
             mtext = step.memcheck_log.read_text(errors="replace") if step.memcheck_log and \
                 step.memcheck_log.exists() else ""
@@ -657,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "probe.json").write_text(json.dumps(info, indent=1))
     header = describe(info)
     print(f"GPU check: {header}", flush=True)
-    plan = build_plan(out, info, args.phases, jobs, args.scale)
+    weights = count_tests(kernel_test_files(), env) if "sanitizer" in args.phases and info.get("cuda") else None
+    plan = build_plan(out, info, args.phases, jobs, args.scale, weights)
     try:
         results = runner.run(plan)
     finally:

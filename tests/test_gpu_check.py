@@ -85,7 +85,7 @@ def test_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     for stage, phase in ((1, "triton"), (1, "distributed"), (2, "sanitizer"), (2, "upstream"), (3, "bench")):
         assert f"stage {stage}  {phase}" in text
     assert "APEX_TEST_DEVICE=cuda" in text and "-k triton" in text and "-n 10" in text and "-m dist_device" in text
-    assert "--tool memcheck" in text and "benchmarks/run.py --device cuda --budget 120" in text
+    assert "--tool memcheck" in text and "benchmarks/run.py --device cuda --budget 100" in text
     assert f"TRITON_CACHE_DIR={out}/cache/triton" in text
     assert not out.exists()
 
@@ -97,7 +97,7 @@ def test_plan_covers_every_kernel_test_file_once():
     assert {f.stem.removeprefix("test_") for f in files} <= kernels
     plan = gc.build_plan(Path("/o"), {"cuda": True}, ["sanitizer"], 10)
     listed = [a for lane in plan[0].lanes for step in lane for a in step.argv if a.startswith("tests/ops/")]
-    assert sorted(listed) == sorted(str(f.relative_to(ROOT)) for f in files) and len(plan[0].lanes) == 4
+    assert sorted(listed) == sorted(str(f.relative_to(ROOT)) for f in files) and len(plan[0].lanes) == 6
 
 
 def test_no_gpu_skips_every_phase_with_the_reason(tmp_path):
@@ -170,6 +170,16 @@ def test_a_phase_past_its_cap_is_reported_with_what_it_reached(tmp_path):
     summary = gc.render([v], "a machine", tmp_path, 20, 600)
     assert "PAST ITS CAP (15 s)" in summary and "6 passed, 2 failed" in summary
     assert "capped: quick: 3 passed, 1 failed, 3 deselected" in summary  # one line per step
+
+
+def test_a_failed_run_without_a_failed_test_says_why(tmp_path):
+    said = "FAILED: the test run left new files in the repository: ['x']"
+    step = gc.Step("t", [sys.executable, "-c", f"print('3 passed in 0.1s'); print({said!r}); raise SystemExit(1)"],
+                   tmp_path / "t.log")
+    results = gc.Runner(tmp_path, {}, 600).run([gc.Phase("p", 60.0, [[step]])])
+    v = gc.judge("p", results["p"])
+    assert v["status"] == "FAILED" and v["counts"] == {"passed": 3}
+    assert v["notes"] == [f"t: exit status 1 without a failed test: {said}"]
 
 
 def test_passing_phase_and_the_time_limit(tmp_path):
