@@ -24,6 +24,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import required
 
+from apex import _backend
 from apex.optimizers._plan import Plan, step_plans
 
 REDUCED = (torch.float16, torch.bfloat16)
@@ -149,11 +150,12 @@ def group_by(keys: Sequence, n: int) -> dict:
     return buckets
 
 
-def scaler_state(optimizer: torch.optim.Optimizer, grad_scaler, device: torch.device
+def scaler_state(optimizer: torch.optim.Optimizer, grad_scaler, device: torch.device, grads: list | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(found_inf, scale)``, fp32 one-element tensors on ``device``, from a ``torch.amp.GradScaler``
     passed to ``optimizer.step`` (Apex's protocol): its inf check of the optimizer's gradients (any device)
-    and its scale, or, when ``grad_scaler.unscale_(optimizer)`` already ran, that call's check and 1."""
+    and its scale, or, when ``grad_scaler.unscale_(optimizer)`` already ran, that call's check and 1.
+    ``grads``: the step's gradient lists, when the caller has them (else read from the param groups)."""
     from torch.amp.grad_scaler import OptState
 
     opt_state = grad_scaler._per_optimizer_states[id(optimizer)]
@@ -161,12 +163,45 @@ def scaler_state(optimizer: torch.optim.Optimizer, grad_scaler, device: torch.de
         per_dev = opt_state["found_inf_per_device"]
         scale = torch.ones(1, dtype=torch.float32, device=device)
     else:
-        per_dev = grad_scaler._check_inf_per_device(optimizer)
+        per_dev = check_inf_per_device(optimizer, grad_scaler, grads)
         scale = grad_scaler._get_scale_async().to(device=device, dtype=torch.float32).reshape(1)
     found = torch.zeros(1, dtype=torch.float32, device=device)
     for t in per_dev.values():
         found = found + t.to(device=device, dtype=torch.float32).reshape(1)
     return found, scale
+
+
+def check_inf_per_device(optimizer: torch.optim.Optimizer, grad_scaler, grads: list | None = None) -> dict:
+    """``grad_scaler._check_inf_per_device(optimizer)``: ``{device: found_inf}`` (0-d fp32, 1 where a
+    gradient on that device holds an inf or NaN), recorded in the scaler for its ``update()``.
+
+    Where apex's Triton path runs (GPUs) the check is apex's own multi-tensor one (``multi_tensor_l2norm``,
+    which flags a non-finite value), one pass per device that reads each gradient once: PyTorch's CUDA
+    ``_amp_foreach_non_finite_check_and_unscale_`` has no bfloat16 kernel, and bf16 gradients are what a
+    GradScaler meets with bf16 models. Elsewhere PyTorch's check runs, unchanged."""
+    if grads is None:
+        grads = [[p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]]
+    lists = [lst for lst in grads if len(lst)]
+    if not lists or _backend.select(lists[0]) != "triton":
+        return grad_scaler._check_inf_per_device(optimizer)
+    from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+
+    flags: dict = {}
+    for lst in lists:
+        if all(g.device == lst[0].device for g in lst):
+            by_dev = {lst[0].device: lst}
+        else:
+            by_dev = {}
+            for g in lst:
+                by_dev.setdefault(g.device, []).append(g)
+        for device, gs in by_dev.items():
+            flag = flags.get(device)
+            if flag is None:
+                flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+            multi_tensor_l2norm(2048 * 32, flag, [gs], False, validate=type(gs) is list)
+    found = {device: flag.to(torch.float32).reshape(()) for device, flag in flags.items()}
+    grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+    return found
 
 
 # Caches an optimizer rebuilds on use: left out of its pickled state.
@@ -220,6 +255,9 @@ class FusedOptimizerBase(CopyableOptimizer):
         self._overflow_bufs: dict = {}
         self._packed_steps: dict = {}
         self._plans: dict = {}
+        # torch.amp.GradScaler.step then hands itself to step(grad_scaler=...), which checks the gradients
+        # with apex's own kernel on GPUs (PyTorch's CUDA unscale has no bf16 kernel): see scaler_state.
+        self._step_supports_amp_scaling = True
 
     # -- Apex attributes --------------------------------------------------------------------------------
     @property
@@ -469,7 +507,7 @@ class FusedOptimizerBase(CopyableOptimizer):
         return buf, values
 
     # -- mixed-precision scaling --------------------------------------------------------------------------
-    def _scaler_tensors(self, grad_scaler, device: torch.device):
+    def _scaler_tensors(self, grad_scaler, device: torch.device, grads: list | None = None):
         """``(found_inf, inv_scale)`` as fp32 one-element tensors on ``device``, or ``None`` without scaler.
 
         With ``grad_scaler`` (Apex's protocol) the gradients are checked here unless the user already
@@ -477,7 +515,7 @@ class FusedOptimizerBase(CopyableOptimizer):
         ``torch.amp.GradScaler``'s ``grad_scale``/``found_inf`` attributes are used when present.
         """
         if grad_scaler is not None:
-            found, scale = scaler_state(self, grad_scaler, device)
+            found, scale = scaler_state(self, grad_scaler, device, grads)
             return found, scale.double().reciprocal().float()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -502,22 +540,23 @@ class FusedOptimizerBase(CopyableOptimizer):
         """Host-synchronising scaler handling for non-capturable optimizers: returns True to skip the step
         (an inf/NaN was found), otherwise unscales the gradients (those of ``planned``, the step's
         :meth:`_step_plans`, default: every parameter's) in place."""
-        info = self._scaler_tensors(grad_scaler, self._first_device())
+        step_grads = None if planned is None else [b.grads(gs, gptrs) for plan, gs, gptrs in planned
+                                                   for b in plan.buckets]
+        info = self._scaler_tensors(grad_scaler, self._first_device(), step_grads)
         if info is None:
             return False
         found, inv_scale = info
         if found.item() != 0:
             return True
         if inv_scale.item() != 1.0:
-            if planned is None:
-                grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            else:
-                grads = [g for _, gs, _ in planned for g in gs]
-            by_dev: dict = {}
-            for g in grads:
-                by_dev.setdefault(g.device, []).append(g)
-            for dev, gs in by_dev.items():
-                torch._foreach_mul_(gs, inv_scale.to(dev))
+            if step_grads is None:
+                step_grads = [[p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]]
+            for grads in step_grads:
+                one = getattr(grads, "device", None)  # (a plan's Column knows its device)
+                by_dev = ({one or grads[0].device: grads} if one or all(g.device == grads[0].device for g in grads)
+                          else {g.device: [h for h in grads if h.device == g.device] for g in grads})
+                for dev, gs in by_dev.items():
+                    torch._foreach_mul_(list(gs), inv_scale.to(dev).reshape(()))
         return False
 
     # -- step ---------------------------------------------------------------------------------------------

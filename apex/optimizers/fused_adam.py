@@ -175,7 +175,9 @@ class FusedAdam(FusedOptimizerBase):
 
         def scaling_on(device):
             if device not in scaling:
-                info = self._scaler_tensors(grad_scaler, device)
+                grads = None if grad_scaler is None else [b.grads(gs, gptrs) for plan, gs, gptrs in planned
+                                                          for b in plan.buckets]
+                info = self._scaler_tensors(grad_scaler, device, grads)
                 scaling[device] = info if info is not None else self._no_scaling(device)
             return scaling[device]
 

@@ -60,11 +60,13 @@ class FusedLARS(FusedOptimizerBase):
         self.multi_tensor_lars = amp_C.multi_tensor_lars
 
     @fused_step
-    def step(self, closure=None):
-        """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
+    def step(self, closure=None, grad_scaler=None):
+        """Perform one update. ``closure`` re-evaluates the model and returns the loss. ``grad_scaler``: the
+        ``torch.amp.GradScaler`` whose scale the gradients carry (what ``GradScaler.step`` passes): the step
+        is skipped when a gradient is not finite, else the gradients are unscaled first."""
         loss = self._run_closure(closure)
         planned = self._step_plans()
-        if self._unscale_or_skip(None, planned):
+        if self._unscale_or_skip(grad_scaler, planned):
             return loss
         scale = 1.0 / self.most_recent_scale
         for group, (plan, gs, gptrs) in zip(self.param_groups, planned):

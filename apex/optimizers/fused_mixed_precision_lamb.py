@@ -145,7 +145,8 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         planned = step_plans(self, (self.reduced_precision_dtype,), self._check_group, self._build_plan)
         device = self.param_groups[0]["params"][0].device
         if grad_scaler is not None:
-            found_inf, scale = scaler_state(self, grad_scaler, device)
+            found_inf, scale = scaler_state(self, grad_scaler, device,
+                                            [b.grads(gs, gptrs) for plan, gs, gptrs in planned for b in plan.buckets])
             inv_scale = scale.double().reciprocal().float()
         elif getattr(self, "grad_scale", None) is not None:
             found_inf = getattr(self, "found_inf", None)

@@ -66,11 +66,15 @@ class FusedSGD(FusedOptimizerBase):
         return momentums, first_run
 
     @fused_step
-    def step(self, closure=None):
-        """Perform one update. ``closure`` re-evaluates the model and returns the loss."""
+    def step(self, closure=None, grad_scaler=None):
+        """Perform one update. ``closure`` re-evaluates the model and returns the loss. ``grad_scaler``: the
+        ``torch.amp.GradScaler`` whose scale the gradients carry (what ``GradScaler.step`` passes): the step
+        is skipped when a gradient is not finite, else the gradients are unscaled first."""
         stash = getattr(self, "_amp_stash", None)
         if stash is not None and hasattr(stash, "fp32_from_fp16_groups"):  # amp O2: masters and model copies
             loss = self._run_closure(closure)
+            if self._unscale_or_skip(grad_scaler):
+                return loss
             scale = 1.0 / self.most_recent_scale
             for gid, group in enumerate(self.param_groups):
                 for launch in self._amp_sets(stash, gid):
@@ -78,7 +82,7 @@ class FusedSGD(FusedOptimizerBase):
         else:
             loss = self._run_closure(closure)
             planned = self._step_plans()
-            if self._unscale_or_skip(None, planned):
+            if self._unscale_or_skip(grad_scaler, planned):
                 return loss
             scale = 1.0 / self.most_recent_scale
             for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
