@@ -304,6 +304,40 @@ def check_schedule_errors(rank, world_size):
         forward_step(_forward_step, _data(1), torch.nn.Linear(2, 2), None, [], torch.float32)
 
 
+def check_1f1b_through_host_copies(rank, world_size):
+    """What Gloo does with GPU tensors (send from a host copy, receive into one, copy into place once the
+    receive completes), here with every tensor treated so: the same losses and gradients."""
+    from apex.transformer import parallel_state
+    from apex.transformer.pipeline_parallel import p2p_communication as p2p
+
+    staged = []
+    keep = p2p._needs_host_copy
+    p2p._needs_host_copy = lambda t: staged.append(t.shape) or True
+    try:
+        _run_pp(rank, world_size, 4, False)
+        parallel_state.destroy_model_parallel()
+        _run_pp(rank, world_size, 3, False, async_comm=True)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, world_size)
+        shape = (SEQ, MBS, HIDDEN)
+        sent = torch.arange(float(SEQ * MBS * HIDDEN)).view(shape)
+        if rank == 0:  # one send or receive at a time (batch_p2p_comm=False)
+            p2p.send_forward(sent, tensor_shape=shape, batch_p2p_comm=False)
+        else:
+            torch.testing.assert_close(p2p.recv_forward(shape, batch_p2p_comm=False).detach(), sent, rtol=0, atol=0)
+    finally:
+        p2p._needs_host_copy = keep
+    assert staged, "no tensor went through a host copy"
+
+
+def _1f1b_on_device(rank, world_size):
+    from apex.transformer import parallel_state
+
+    _run_pp(rank, world_size, 4, False)
+    parallel_state.destroy_model_parallel()
+    _run_pp(rank, world_size, 3, False, async_comm=True, deallocate_pipeline_outputs=True)
+
+
 def _checks(world_size: int) -> list[str]:
     prefix = "check4_" if world_size == 4 else "check_"
     return sorted(n for n in globals() if n.startswith(prefix))
@@ -348,3 +382,11 @@ def test_pipeline(world_size, check):
     assert check in res, f"{check} did not run (an earlier check failed)"
     if res[check]:
         raise AssertionError(res[check])
+
+
+def test_1f1b_with_the_ranks_on_a_gpu(dist_device):
+    """The 1F1B schedule with both stages on one GPU, activations and gradients exchanged by Gloo through
+    host copies (the CPU run is check_1f1b_grads_m4 and check_1f1b_through_host_copies above)."""
+    if dist_device.type == "cpu":
+        pytest.skip("runs under APEX_TEST_DEVICE=cuda; on the CPU the checks above cover it")
+    run_distributed(_1f1b_on_device, 2, timeout_s=120, device=dist_device)

@@ -6,6 +6,9 @@ Both sides agree on ``tensor_shape`` and dtype ahead of time (no shape handshake
 otherwise) — it is cast to that dtype before sending. All operations of one call are posted together with
 ``torch.distributed.batch_isend_irecv`` (or separate isend/irecv when ``batch_p2p_comm=False``) on the
 pipeline group, so they work on Gloo and NCCL; a peer that never answers fails with the group's timeout.
+Receive buffers go where the call's tensors are; without one, to the current GPU on NCCL and to torch's
+default device on Gloo. Gloo's send/recv cannot read or write device memory, so on a Gloo group GPU tensors
+travel through host copies.
 With ``async_comm=True`` received tensors come back as :class:`FutureTensor` (already complete: see _communicate).
 
 Like upstream (which forces it off), activations are sent whole: there is no scatter/gather over the tensor
@@ -52,14 +55,37 @@ class FutureTensor:
         return self.tensor
 
 
-def _device(*tensors: torch.Tensor | None) -> torch.device:
+def _device(*tensors: torch.Tensor | None) -> torch.device | None:
+    """Where received tensors go: the device of the tensors sent in the same call, else the current GPU on
+    NCCL, else (None) torch's default device."""
     for t in tensors:
         if t is not None:
             return t.device
     group = parallel_state.get_pipeline_model_parallel_group()
     if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return None
+
+
+def _needs_host_copy(tensor: torch.Tensor) -> bool:
+    """Gloo's send/recv hand the tensor's address to its TCP transport, which cannot read device memory."""
+    return tensor.device.type != "cpu"
+
+
+class _HostStaged:
+    """The works of a batch whose device tensors travel through host copies; ``wait()`` waits for them, then
+    copies what was received into the device tensors."""
+
+    def __init__(self, works: list, received: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._works, self._received = works, received
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        for target, host in self._received:
+            target.data.copy_(host)  # .data: the receive buffer is a leaf that requires grad
+        self._works = self._received = []
+        return True
 
 
 def _prepare_send(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, what: str):
@@ -97,9 +123,24 @@ def _run_p2pops(
         ops.append(dist.P2POp(dist.irecv, tensor_recv_next, next_rank, group))
     if not ops:
         return []
+    received = []
+    if dist.get_backend(group) == "gloo" and any(_needs_host_copy(op.tensor) for op in ops):
+        staged = []
+        for op in ops:
+            host = op.tensor
+            if _needs_host_copy(host):
+                if op.op is dist.irecv:
+                    host = torch.empty(host.shape, dtype=host.dtype, device="cpu")
+                    received.append((op.tensor, host))
+                else:
+                    host = host.to("cpu")
+            staged.append(dist.P2POp(op.op, host, op.peer, op.group))
+        ops = staged
     if batch_p2p_comm:
-        return list(dist.batch_isend_irecv(ops))
-    return [op.op(op.tensor, op.peer, op.group) for op in ops]
+        works = list(dist.batch_isend_irecv(ops))
+    else:
+        works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+    return [_HostStaged(works, received)] if received else works
 
 
 def _communicate(
@@ -155,7 +196,8 @@ def _communicate(
             None if tensor_recv_next is None else FutureTensor(tensor_recv_next, None),
             None,
         )
-    if sync_batch_comm and device.type == "cuda":
+    if sync_batch_comm and any(t is not None and t.is_cuda
+                               for t in (send_next, send_prev, tensor_recv_prev, tensor_recv_next)):
         torch.cuda.synchronize()
     return tensor_recv_prev, tensor_recv_next, None
 
