@@ -175,16 +175,17 @@ def check_inf_per_device(optimizer: torch.optim.Optimizer, grad_scaler, grads: l
     """``grad_scaler._check_inf_per_device(optimizer)``: ``{device: found_inf}`` (0-d fp32, 1 where a
     gradient on that device holds an inf or NaN), recorded in the scaler for its ``update()``.
 
-    Where apex's Triton path runs (GPUs) the check is apex's own multi-tensor one (``multi_tensor_l2norm``,
-    which flags a non-finite value), one pass per device that reads each gradient once: PyTorch's CUDA
+    Where apex's Triton path runs (GPUs) the check is apex's own multi-tensor kernel (``multi_tensor_scale``
+    by 1 in place, which flags a non-finite input), as PyTorch's check is its unscale by 1: PyTorch's CUDA
     ``_amp_foreach_non_finite_check_and_unscale_`` has no bfloat16 kernel, and bf16 gradients are what a
-    GradScaler meets with bf16 models. Elsewhere PyTorch's check runs, unchanged."""
+    GradScaler meets with bf16 models. Like PyTorch's, it stays on the device (no host synchronisation, so
+    a capturable step can be captured in a CUDA graph). Elsewhere PyTorch's check runs, unchanged."""
     if grads is None:
         grads = [[p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]]
     lists = [lst for lst in grads if len(lst)]
     if not lists or _backend.select(lists[0]) != "triton":
         return grad_scaler._check_inf_per_device(optimizer)
-    from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+    from apex.ops.multi_tensor_scale import multi_tensor_scale
 
     flags: dict = {}
     for lst in lists:
@@ -198,7 +199,7 @@ def check_inf_per_device(optimizer: torch.optim.Optimizer, grad_scaler, grads: l
             flag = flags.get(device)
             if flag is None:
                 flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-            multi_tensor_l2norm(2048 * 32, flag, [gs], False, validate=type(gs) is list)
+            multi_tensor_scale(2048 * 32, flag, [gs, gs], 1.0)
     found = {device: flag.to(torch.float32).reshape(()) for device, flag in flags.items()}
     grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
     return found
