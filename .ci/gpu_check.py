@@ -493,10 +493,13 @@ def render(verdicts: list[dict], header: str, out: Path, total: float, limit: fl
     lines = [f"GPU check: {header}", "",
              f"{'phase':<12} {'result':<28} {'time / cap':<13} counts"]
     for v in verdicts:
-        t = f"{v['seconds']:.0f} / {v['cap']:.0f} s" if v["ok"] is not None else "-"
-        lines.append(f"{v['phase']:<12} {v['status'][:28]:<28} {t:<13} {_fmt_counts(v['counts'])}")
-        if v["ok"] is None and len(v["status"]) > 28:
-            lines.append(f"{'':<12} {v['status']}")
+        if v["ok"] is None:  # skipped or not run: the reason below
+            head, _, why = v["status"].partition(": ")
+            lines.append(f"{v['phase']:<12} {head:<28} {'-':<13} -")
+            lines.append(f"{'':<12} ({why})")
+            continue
+        t = f"{v['seconds']:.0f} / {v['cap']:.0f} s"
+        lines.append(f"{v['phase']:<12} {v['status']:<28} {t:<13} {_fmt_counts(v['counts'])}")
     for v in verdicts:
         for d in v["details"]:
             lines.append(f"  {v['phase']}: {d}")
