@@ -29,13 +29,20 @@ def _validate(name: object, source: str) -> str:
     return name.lower()
 
 
+_env_cache: dict[str, str] = {}  # APEX_BACKEND's raw value -> its validated name (read on every call)
+
+
 def current_backend() -> str:
     """The requested backend name (``auto``, ``torch`` or ``triton``), before resolution for tensors."""
     name = _override.get()
     if name is not None:
         return name
-    env = os.environ.get("APEX_BACKEND", "").strip()
-    return _validate(env, "APEX_BACKEND") if env else "auto"
+    raw = os.environ.get("APEX_BACKEND", "")
+    name = _env_cache.get(raw)
+    if name is None:
+        env = raw.strip()
+        name = _env_cache[raw] = _validate(env, "APEX_BACKEND") if env else "auto"
+    return name
 
 
 @contextlib.contextmanager
@@ -48,8 +55,14 @@ def backend(name: str) -> Iterator[None]:
         _override.reset(token)
 
 
+_has_triton: list[bool] = []
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # Asked on every op call with a CUDA tensor: looked up once.
+    if not _has_triton:
+        _has_triton.append(importlib.util.find_spec("triton") is not None)
+    return _has_triton[0]
 
 
 def interpreting() -> bool:
@@ -57,14 +70,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _device_of(tensors) -> torch.device | None:
+def _first_tensor(tensors) -> torch.Tensor | None:
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            return t.device
+            return t
         if isinstance(t, (list, tuple)):
-            d = _device_of(t)
-            if d is not None:
-                return d
+            found = _first_tensor(t)
+            if found is not None:
+                return found
     return None
 
 
@@ -73,9 +86,18 @@ def select(*tensors) -> str:
 
     ``tensors`` may contain tensors and (nested) lists of tensors; the first one found decides the device.
     """
+    t = _first_tensor(tensors)
+    return _resolve(t is not None and t.is_cuda, t)
+
+
+def select_device(device_type: str) -> str:
+    """:func:`select` for tensors of ``device_type`` (``"cuda"``, ``"cpu"``, ...)."""
+    return _resolve(device_type == "cuda", device_type)
+
+
+def _resolve(on_gpu: bool, where: torch.Tensor | str | None) -> str:
+    # Called on every op call: reads the request and, only for an error, the device's name.
     requested = current_backend()
-    device = _device_of(tensors)
-    on_gpu = device is not None and device.type == "cuda"
     if requested == "torch":
         return "torch"
     if requested == "auto":
@@ -85,7 +107,8 @@ def select(*tensors) -> str:
         raise RuntimeError("APEX_BACKEND=triton was requested but triton is not installed "
                            "(pip install 'apex[triton]')")
     if not on_gpu and not interpreting() and not _compile_only.get():
-        where = "CPU tensors" if device is None or device.type == "cpu" else f"{device.type} tensors"
+        dt = where.device.type if isinstance(where, torch.Tensor) else where
+        where = "CPU tensors" if dt is None or dt == "cpu" else f"{dt} tensors"
         raise RuntimeError(f"the triton backend cannot run on {where} unless the Triton interpreter is on "
                            "(set TRITON_INTERPRET=1 before importing apex kernels)")
     return "triton"

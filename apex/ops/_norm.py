@@ -27,7 +27,13 @@ class NormDtypeError(TypeError, RuntimeError):
 
 def as_shape(normalized_shape: object) -> tuple[int, ...]:
     """``normalized_shape`` (an int, a sequence of ints or a ``torch.Size``) as a tuple of ints."""
-    if isinstance(normalized_shape, numbers.Integral):
+    kind = type(normalized_shape)
+    # Checked on every call: plain ints, tuples, lists and torch.Size first, without the numbers ABCs.
+    if kind is int:
+        shape = (normalized_shape,)
+    elif (kind is tuple or kind is list or kind is torch.Size) and all(type(s) is int for s in normalized_shape):
+        shape = tuple(normalized_shape)
+    elif isinstance(normalized_shape, numbers.Integral):
         shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, Sequence) and all(isinstance(s, numbers.Integral)
                                                         for s in normalized_shape):
@@ -37,9 +43,16 @@ def as_shape(normalized_shape: object) -> tuple[int, ...]:
                         f"{normalized_shape!r}")
     if not shape:
         raise ValueError("normalized_shape must have at least one dimension, got []")
-    if any(s < 0 for s in shape):
+    if min(shape) < 0:
         raise ValueError(f"normalized_shape must hold non-negative sizes, got {list(shape)}")
     return shape
+
+
+def _same_device(p: torch.Tensor, input: torch.Tensor) -> bool:
+    # Two CUDA tensors compare by index (no torch.device objects built); anything else by device.
+    if p.is_cuda and input.is_cuda:
+        return p.get_device() == input.get_device()
+    return p.device == input.device
 
 
 def check_args(input: object, normalized_shape: object, weight: object = None, bias: object = None
@@ -52,7 +65,9 @@ def check_args(input: object, normalized_shape: object, weight: object = None, b
                         f"got {input.dtype}")
     shape = as_shape(normalized_shape)
     k = len(shape)
-    if input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
+    ishape = input.shape
+    lead = len(ishape) - k
+    if lead < 0 or ishape[lead:] != shape:
         raise NormShapeError(f"normalized_shape={list(shape)} expects an input of shape "
                          f"[*, {', '.join(map(str, shape))}], got input of shape {list(input.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
@@ -62,13 +77,13 @@ def check_args(input: object, normalized_shape: object, weight: object = None, b
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
         if not p.is_floating_point():
             raise NormDtypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
-        if tuple(p.shape) != shape:
+        if p.shape != shape:
             raise NormShapeError(f"{name} must have shape {list(shape)} (the normalized_shape), "
                              f"got {list(p.shape)}")
-        if p.device != input.device:
+        if not _same_device(p, input):
             raise NormShapeError(f"{name} is on {p.device} but input is on {input.device}")
     n = math.prod(shape)
-    m = math.prod(input.shape[:input.dim() - k])
+    m = math.prod(ishape[:lead])
     return shape, m, n
 
 
@@ -87,7 +102,7 @@ def promote(*dtypes: torch.dtype | None) -> torch.dtype:
 
 
 def _select_for_device(device_type: str) -> str:
-    return _backend.select(torch.empty(0, device=device_type))
+    return _backend.select_device(device_type)
 
 
 # The backend override lives in a context variable, which torch.compile cannot trace: the choice is made
@@ -98,6 +113,8 @@ _select_for_device._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def select(input: torch.Tensor) -> str:
     """``apex._backend.select`` for one tensor, usable inside ``torch.compile``-traced code."""
+    if input.is_cuda and not torch.compiler.is_compiling():
+        return _backend.select_device("cuda")  # eager: no device object to build
     return _select_for_device(input.device.type)
 
 
@@ -105,8 +122,9 @@ def use_kernel(input: torch.Tensor, out_dtype: torch.dtype, n: int, *params) -> 
     """True when the Triton kernels run this call (backend choice, dtypes and row length they cover)."""
     if select(input) != "triton":
         return False
-    dtypes = [input.dtype, out_dtype] + [p.dtype for p in params if p is not None]
-    return all(d in KERNEL_DTYPES for d in dtypes) and n <= MAX_FUSED_N
+    if n > MAX_FUSED_N or input.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+        return False
+    return all(p is None or p.dtype in KERNEL_DTYPES for p in params)
 
 
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:

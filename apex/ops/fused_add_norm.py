@@ -17,7 +17,8 @@ import torch
 
 from apex.ops import layer_norm as _ln
 from apex.ops import rms_norm as _rms
-from apex.ops._norm import check_args, rows_view, stats_dtype, use_kernel
+from apex.ops._dispatch import custom_op
+from apex.ops._norm import _same_device, check_args, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
 
@@ -30,7 +31,7 @@ def _check_residual(input, residual) -> None:
     if residual.shape != input.shape:
         raise ValueError(f"residual must have the input's shape {list(input.shape)}, "
                          f"got {list(residual.shape)}")
-    if residual.device != input.device:
+    if not _same_device(residual, input):
         raise ValueError(f"residual is on {residual.device} but input is on {input.device}")
 
 
@@ -41,7 +42,7 @@ def _numel(shape) -> int:
     return n
 
 
-@torch.library.custom_op("apex::fused_add_norm_fwd", mutates_args=())
+@custom_op("apex::fused_add_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
             normalized_shape: list[int], eps: float, is_rms: bool, memory_efficient: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -67,7 +68,7 @@ def _(input, residual, weight, bias, normalized_shape, eps, is_rms, memory_effic
         input.new_empty((m,), dtype=sd)
 
 
-@torch.library.custom_op("apex::fused_add_norm_bwd", mutates_args=())
+@custom_op("apex::fused_add_norm_bwd")
 def _bwd_op(grad_y: Tensor, grad_h: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
             weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int], is_rms: bool,
             memory_efficient: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,10 +103,13 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_y, grad_h, grad_mean, grad_rstd):
     v, weight, bias, mean, rstd = ctx.saved_tensors
     normalized_shape, is_rms, memory_efficient, in_dtype, res_dtype, h_dtype = ctx.args
+    # The eager path hands None for outputs that did not reach the loss (materialize_grads=False).
+    if grad_y is None:
+        grad_y = torch.zeros_like(v, dtype=in_dtype)
     if grad_h is None:
         grad_h = torch.zeros_like(v, dtype=h_dtype)
-    dh, dw, db = torch.ops.apex.fused_add_norm_bwd(grad_y, grad_h, mean, rstd, v, weight, bias,
-                                                   normalized_shape, is_rms, memory_efficient, h_dtype)
+    dh, dw, db = _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, normalized_shape, is_rms, memory_efficient,
+                         h_dtype)
     return (dh.to(in_dtype), dh.to(res_dtype), dw if weight is not None else None,
             db if bias is not None else None, None, None, None, None)
 
@@ -118,8 +122,7 @@ def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, mem
     _check_residual(input, residual)
     h_dtype = torch.promote_types(input.dtype, residual.dtype)
     if use_kernel(input, h_dtype, n, weight, bias, residual):
-        y, h, _, _ = torch.ops.apex.fused_add_norm_fwd(input, residual, weight, bias, list(shape), float(eps),
-                                                       is_rms, bool(memory_efficient))
+        y, h, _, _ = _fwd_op(input, residual, weight, bias, list(shape), float(eps), is_rms, bool(memory_efficient))
         return y, h
     h = input + residual
     if is_rms:

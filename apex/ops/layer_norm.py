@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from apex.ops._dispatch import custom_op
 from apex.ops._norm import check_args, promote, rows_view, select, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
@@ -119,7 +120,7 @@ def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, 
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("apex::layer_norm_fwd", mutates_args=())
+@custom_op("apex::layer_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
             eps: float, memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = layer_norm_forward(input, normalized_shape, weight, bias, eps, out_dtype)
@@ -141,7 +142,7 @@ def _numel(shape) -> int:
     return n
 
 
-@torch.library.custom_op("apex::layer_norm_bwd", mutates_args=())
+@custom_op("apex::layer_norm_bwd")
 def _bwd_op(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_output: Tensor,
             weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int], memory_efficient: bool,
             dx_dtype: torch.dtype, eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -176,8 +177,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_y, grad_mean, grad_rstd):
     v, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.apex.layer_norm_bwd(grad_y, mean, rstd, v, weight, bias, ctx.normalized_shape,
-                                               ctx.memory_efficient, ctx.input_dtype, ctx.eps)
+    if grad_y is None:  # the eager path's None (materialize_grads=False): only the statistics were used
+        grad_y = torch.zeros_like(v)
+    dx, dw, db = _bwd_op(grad_y, mean, rstd, v, weight, bias, ctx.normalized_shape, ctx.memory_efficient,
+                         ctx.input_dtype, ctx.eps)
     return (dx, dw if weight is not None else None, db if bias is not None else None,
             None, None, None, None)
 
@@ -197,8 +200,7 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     # LayerNormalization) and have no translation for the apex::layer_norm_fwd custom op of the GPU path.
     if torch.compiler.is_exporting() or (not memory_efficient and select(input) == "torch"):
         return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
-    return torch.ops.apex.layer_norm_fwd(input, weight, bias, list(shape), float(eps), bool(memory_efficient),
-                                         out_dtype)[0]
+    return _fwd_op(input, weight, bias, list(shape), float(eps), bool(memory_efficient), out_dtype)[0]
 
 
 def _layer_norm_torch(x, shape, weight, bias, eps, out_dtype):

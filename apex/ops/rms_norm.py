@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from apex.ops._cpu_norms import row_norms
+from apex.ops._dispatch import custom_op
 from apex.ops._norm import check_args, promote, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
@@ -120,7 +121,7 @@ def _numel(shape) -> int:
     return n
 
 
-@torch.library.custom_op("apex::rms_norm_fwd", mutates_args=())
+@custom_op("apex::rms_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
             memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     y, rstd = rms_norm_forward(input, normalized_shape, weight, eps, out_dtype)
@@ -134,7 +135,7 @@ def _(input, weight, normalized_shape, eps, memory_efficient, out_dtype):
     return input.new_empty(input.shape, dtype=out_dtype), input.new_empty((m,), dtype=sd)
 
 
-@torch.library.custom_op("apex::rms_norm_bwd", mutates_args=())
+@custom_op("apex::rms_norm_bwd")
 def _bwd_op(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, weight: Tensor | None,
             normalized_shape: list[int], memory_efficient: bool, dx_dtype: torch.dtype,
             eps: float | None = None) -> tuple[Tensor, Tensor]:
@@ -163,8 +164,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_y, grad_rstd):
     v, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.apex.rms_norm_bwd(grad_y, rstd, v, weight, ctx.normalized_shape, ctx.memory_efficient,
-                                         ctx.input_dtype, ctx.eps)
+    if grad_y is None:  # the eager path's None (materialize_grads=False): only rstd was used
+        grad_y = torch.zeros_like(v)
+    dx, dw = _bwd_op(grad_y, rstd, v, weight, ctx.normalized_shape, ctx.memory_efficient, ctx.input_dtype,
+                     ctx.eps)
     return dx, dw if weight is not None else None, None, None, None, None
 
 
@@ -181,8 +184,7 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
         # exported graph must not depend on apex being importable, and exporters have no translation for
         # apex::rms_norm_fwd. torch.compile keeps the custom op (its fused kernels).
         return _rms_norm_composite(input, shape, weight, float(eps), out_dtype or input.dtype)
-    return torch.ops.apex.rms_norm_fwd(input, weight, list(shape), float(eps), bool(memory_efficient),
-                                       out_dtype or input.dtype)[0]
+    return _fwd_op(input, weight, list(shape), float(eps), bool(memory_efficient), out_dtype or input.dtype)[0]
 
 
 def _rms_norm_composite(x: Tensor, shape, weight: Tensor | None, eps: float, out_dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,130 @@
+"""apex's custom ops, called without ``torch.library``'s dispatcher when nothing needs it.
+
+Every fused op registers its Triton path as a ``torch.library`` custom op, so that ``torch.compile``
+(``fullgraph=True`` included), ``torch.export`` and the other tracers record one opaque node with a fake
+implementation. In eager mode that registration costs more host time than the kernel takes on the GPU: the
+custom op's autograd wrapper, a ``torch._dynamo`` disable frame, two redispatches and output checks, about
+as much again as the op's own Python. :func:`custom_op` registers the same op and returns a
+:class:`CustomOp` whose call goes
+
+* through the registered op (``torch.ops.apex.<name>``) while ``torch.compile`` or ``torch.export`` traces,
+  under a ``TorchDispatchMode`` (``make_fx``, fake tensors, a FLOP counter, a debugging mode that lists
+  ops), inside ``torch.func`` transforms, while ``torch.jit.trace`` records, and for tensor subclasses
+  (``DTensor`` and the like): each of these sees exactly what it saw before;
+* straight to the op's Python function otherwise (plain tensors, eager mode), inside one plain
+  ``autograd.Function`` (:class:`_Eager`) when a gradient is needed, which calls the op's registered
+  ``setup_context`` and backward as the custom op's autograd does.
+
+The backward's own ops are ``CustomOp`` calls too: while a backward runs without ``create_graph`` they skip
+the dispatcher as well; with ``create_graph=True`` they take the registered op, so a second derivative
+behaves as before (an error where the op had no formula for it, never a silently wrong one).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+
+import torch
+from torch._C import _any_requires_grad, _are_functorch_transforms_active, _get_tracing_state
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
+
+Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(args: Iterable[object]) -> bool:
+    for a in args:
+        if isinstance(a, Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
+
+
+def eager(args: Iterable[object] = ()) -> bool:
+    """True when a call on ``args`` may skip ``torch.library``'s dispatcher: not compiling, exporting or
+    tracing, no dispatch mode or ``torch.func`` transform active, no tensor subclass among ``args``."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    return not (_dispatch_modes() or _are_functorch_transforms_active() or _get_tracing_state() is not None
+                ) and _plain(args)
+
+
+class _Eager(torch.autograd.Function):
+    """The autograd of a :class:`CustomOp` called in eager mode: its function forward, its registered
+    ``setup_context`` and backward. The op rides as the last argument (as the custom op's own autograd
+    passes its metadata), so ``ctx.needs_input_grad`` is sliced to the op's inputs for the backward."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        op = args[-1]
+        inputs = args[:-1]
+        if not op._materialize_grads:
+            ctx.set_materialize_grads(False)
+        out = op._fn(*inputs)
+        op._setup(ctx, inputs, out)
+        ctx._apex_op = op
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:-1]
+        try:
+            result = ctx._apex_op._backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (*result, None) if isinstance(result, tuple) else (result, None)
+
+
+class CustomOp:
+    """A ``torch.library`` custom op (``opdef``, also ``torch.ops.<ns>.<name>``) whose calls skip the
+    dispatcher in eager mode (see the module docstring). Registration methods as ``CustomOpDef``'s."""
+
+    def __init__(self, name: str, fn: Callable, mutates_args: tuple[str, ...] | str, materialize_grads: bool):
+        self._fn = fn
+        self.opdef = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        ns, short = name.split("::")
+        self._packet = getattr(getattr(torch.ops, ns), short)  # what torch.compile and export record
+        params = list(inspect.signature(fn).parameters.values())
+        self._nparams = len(params)
+        # The dispatcher hands setup_context every argument, defaults filled in: so does the eager path.
+        self._defaults = tuple(p.default for p in params)
+        self._mutated = tuple(i for i, p in enumerate(params) if p.name in
+                              ((mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)))
+        self._setup: Callable | None = None
+        self._backward: Callable | None = None
+        self._materialize_grads = materialize_grads
+
+    def register_fake(self, fn: Callable) -> Callable:
+        return self.opdef.register_fake(fn)
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        self.opdef.register_autograd(backward, setup_context=setup_context)
+        self._setup, self._backward = setup_context, backward
+
+    def __call__(self, *args):
+        if not eager(args):
+            return self._packet(*args)
+        if len(args) < self._nparams:
+            args = args + self._defaults[len(args):]
+        if torch.is_grad_enabled() and _any_requires_grad(*args):
+            if self._backward is None:  # the registered op answers as before (no formula: its error)
+                return self._packet(*args)
+            return _Eager.apply(*args, self)
+        out = self._fn(*args)
+        for i in self._mutated:  # as the registered op's ADInplaceOrView kernel does
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return out
+
+
+def custom_op(name: str, *, mutates_args: tuple[str, ...] | str = (), materialize_grads: bool = True
+              ) -> Callable[[Callable], CustomOp]:
+    """``torch.library.custom_op`` (same name and schema) returning a :class:`CustomOp`.
+
+    ``materialize_grads=False``: the eager backward gets ``None`` for the gradients of outputs that did not
+    reach the loss (saved statistics, say) instead of zero tensors, and must accept them (the registered
+    op's backward, under ``torch.compile``, still gets zeros)."""
+    def wrap(fn: Callable) -> CustomOp:
+        return CustomOp(name, fn, mutates_args, materialize_grads)
+    return wrap

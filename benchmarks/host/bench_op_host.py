@@ -1,0 +1,404 @@
+"""Host cost per call of every fused op's Triton path, next to a plain ``autograd.Function``.
+
+    python benchmarks/host/bench_op_host.py                 # every op, a markdown table on stdout
+    python benchmarks/host/bench_op_host.py -k norm --json host.json
+
+The Triton path runs on CPU tensors with every launch replaced by a no-op (``benchmarks/host/_stub.py``:
+the launcher's own Python runs, ``kernel[grid](...)`` returns at once), so what is timed is the host's work
+alone: argument checks, backend selection, dispatch, autograd, allocations, the launchers' configuration and
+grid. Each op is called through its public entry (the module or function a model uses) at a small shape, so
+the few PyTorch operators a path runs besides its kernels cost about their dispatch, as they would on a GPU.
+
+Per op: microseconds per call of the forward under ``no_grad`` and of forward + backward
+(``torch.autograd.grad``), the Triton launches each makes, and the same for ``plain``, an
+``autograd.Function`` that allocates its output and launches one (stubbed) Triton kernel each way: what
+Liger-Kernel's ops do, and the floor of an op written that way. ``liger`` rows (LayerNorm, RMSNorm) appear
+where Liger-Kernel is installed (``pip install -e ".[bench]"``). Times are the minimum over repeats of the
+mean of a loop of calls (the thread's CPU time), ours and the reference interleaved: on a shared machine
+the minimum is the estimate least disturbed by other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+M, N = 16, 1024  # rows × row length of the row-wise ops: small, so the CPU's own operators cost little
+
+
+def cases() -> list:
+    """No cases for ``benchmarks/run.py``: this suite stubs the launches and runs on its own (see above)."""
+    return []
+
+
+# ------------------------------------------------------------------------------------------ the reference
+def _plain():
+    """A plain ``autograd.Function``: output allocated, one Triton launch forward, one backward."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_rows(X, Y, W, n, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * stride + cols, mask=mask)
+        tl.store(Y + row * stride + cols, x * tl.load(W + cols, mask=mask), mask=mask)
+
+    class Plain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            y = torch.empty_like(x)
+            n = x.shape[-1]
+            _scale_rows[(x.numel() // n,)](x, y, w, n, n, BLOCK=triton.next_power_of_2(n))
+            ctx.save_for_backward(w)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            (w,) = ctx.saved_tensors
+            dx = torch.empty_like(dy)
+            n = dy.shape[-1]
+            _scale_rows[(dy.numel() // n,)](dy, dx, w, n, n, BLOCK=triton.next_power_of_2(n))
+            return dx, None
+
+    return Plain
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+def _randn(*shape, grad=True, dtype=None):
+    import torch
+
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _layer_norm():
+    from apex.normalization import FusedLayerNorm
+
+    mod, x = FusedLayerNorm(N), _randn(M, N)
+    return (lambda: mod(x)), (x, mod.weight, mod.bias)
+
+
+def _rms_norm():
+    from apex.normalization import FusedRMSNorm
+
+    mod, x = FusedRMSNorm(N), _randn(M, N)
+    return (lambda: mod(x)), (x, mod.weight)
+
+
+def _fused_add_rms_norm():
+    from apex.normalization import fused_add_rms_norm
+
+    x, r, w = _randn(M, N), _randn(M, N), _randn(N)
+    return (lambda: fused_add_rms_norm(x, r, w, (N,), 1e-5)[0]), (x, r, w)
+
+
+def _fused_rope():
+    from apex.transformer.functional import fused_apply_rotary_pos_emb
+
+    t, freqs = _randn(8, 2, 4, 64), _randn(8, 1, 1, 64, grad=False)
+    return (lambda: fused_apply_rotary_pos_emb(t, freqs)), (t,)
+
+
+def _xentropy():
+    import torch
+
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    x, labels = _randn(M, N), torch.randint(1, N, (M,))
+    return (lambda: SoftmaxCrossEntropyLoss.apply(x, labels, 0.1, 0, True)), (x,)
+
+
+def _causal_softmax():
+    from apex.transformer.functional import scaled_upper_triang_masked_softmax
+
+    x = _randn(2, 4, 32, 32)
+    return (lambda: scaled_upper_triang_masked_softmax(x, None, 0.125)), (x,)
+
+
+def _masked_softmax():
+    import torch
+
+    from apex.transformer.functional import scaled_masked_softmax
+
+    x, mask = _randn(2, 4, 32, 32), torch.zeros(2, 1, 32, 32, dtype=torch.bool)
+    return (lambda: scaled_masked_softmax(x, mask, 0.125)), (x,)
+
+
+def _bias_swiglu():
+    from apex.transformer.functional import bias_swiglu
+
+    x, b = _randn(M, 2 * N), _randn(2 * N)
+    return (lambda: bias_swiglu(x, b)), (x, b)
+
+
+def _bias_gelu():
+    from apex.transformer.functional import bias_gelu
+
+    x, b = _randn(M, N), _randn(N)
+    return (lambda: bias_gelu(x, b)), (x, b)
+
+
+def _fused_dense():
+    from apex.fused_dense import FusedDense
+
+    mod, x = FusedDense(64, 64), _randn(M, 64)
+    return (lambda: mod(x)), (x, mod.weight, mod.bias)
+
+
+def _mlp():
+    from apex.mlp import MLP
+
+    mod, x = MLP([64, 64, 64]), _randn(M, 64)
+    return (lambda: mod(x)), (x, *mod.parameters())
+
+
+def _group_norm():
+    import torch
+
+    from apex.ops.group_norm import group_norm
+
+    x, w, b = _randn(2, 64, 4, 4).to(memory_format=torch.channels_last).detach().requires_grad_(), _randn(64), \
+        _randn(64)
+    return (lambda: group_norm(x, 8, w, b, 1e-5)), (x, w, b)
+
+
+def _focal_loss():
+    import torch
+
+    from apex.contrib.focal_loss.focal_loss import focal_loss
+
+    x, y, npos = _randn(M, 96), torch.randint(-2, 80, (M,)), torch.tensor([4.0])
+    return (lambda: focal_loss(x, y, npos, 80, 0.25, 2.0)), (x,)
+
+
+def _index_mul_2d():
+    import torch
+
+    from apex.contrib.index_mul_2d import index_mul_2d
+
+    a, b, idx = _randn(32, 64), _randn(M, 64), torch.randint(0, 32, (M,))
+    return (lambda: index_mul_2d(a, b, idx)), (a, b)
+
+
+def _transducer_joint():
+    import torch
+
+    from apex.contrib.transducer import TransducerJoint
+
+    mod = TransducerJoint()
+    f, g = _randn(2, 8, 64), _randn(2, 4, 64)
+    fl, gl = torch.tensor([8, 6], dtype=torch.int32), torch.tensor([4, 3], dtype=torch.int32)
+    return (lambda: mod(f, g, fl, gl)), (f, g)
+
+
+def _transducer_loss():
+    import torch
+
+    from apex.contrib.transducer import TransducerLoss
+
+    mod = TransducerLoss()
+    x = _randn(2, 8, 4, 16)
+    label = torch.randint(0, 15, (2, 3), dtype=torch.int32)
+    fl, yl = torch.tensor([8, 6], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32)
+    return (lambda: mod(x, label, fl, yl, 15)), (x,)
+
+
+def _wgrad_accum():
+    import torch
+
+    from apex.transformer.functional import wgrad_gemm_accum_fp32
+
+    inp, go, main_grad = torch.randn(M, 64), torch.randn(M, 32), torch.zeros(32, 64)
+    return (lambda: wgrad_gemm_accum_fp32(inp, go, main_grad)), None
+
+
+def _sync_batch_norm():
+    from apex.parallel import SyncBatchNorm
+
+    mod, x = SyncBatchNorm(64), _randn(4, 64, 4, 4)
+    return (lambda: mod(x)), (x, mod.weight, mod.bias)
+
+
+def _openfold_layer_norm():
+    from apex.contrib.openfold_triton import LayerNormSmallShapeOptImpl
+
+    x, w, b = _randn(M, 128), _randn(128), _randn(128)
+    return (lambda: LayerNormSmallShapeOptImpl.apply(x, (128,), w, b, 1e-5)), (x, w, b)
+
+
+def _openfold_attention():
+    from apex.contrib.openfold_triton import AttnTri
+
+    q, k, v = (_randn(1, 2, 4, 16, 32) for _ in range(3))
+    return (lambda: AttnTri(q, k, v, None, None, 1e9)), (q, k, v)
+
+
+def _liger(kind: str):
+    def build():
+        if kind == "layer":
+            from liger_kernel.transformers.layer_norm import LigerLayerNorm as Cls
+        else:
+            from liger_kernel.transformers.rms_norm import LigerRMSNorm as Cls
+        mod, x = Cls(N), _randn(M, N)
+        return (lambda: mod(x)), (x, *mod.parameters())
+    return build
+
+
+OPS: dict[str, Callable] = {
+    "FusedLayerNorm": _layer_norm,
+    "FusedRMSNorm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "fused_rope": _fused_rope,
+    "xentropy": _xentropy,
+    "causal softmax": _causal_softmax,
+    "masked softmax": _masked_softmax,
+    "bias_swiglu": _bias_swiglu,
+    "bias_gelu": _bias_gelu,
+    "FusedDense": _fused_dense,
+    "MLP": _mlp,
+    "group_norm": _group_norm,
+    "focal_loss": _focal_loss,
+    "index_mul_2d": _index_mul_2d,
+    "transducer_joint": _transducer_joint,
+    "transducer_loss": _transducer_loss,
+    "wgrad_accum": _wgrad_accum,
+    "SyncBatchNorm": _sync_batch_norm,
+    "openfold LayerNorm": _openfold_layer_norm,
+    "openfold attention": _openfold_attention,
+}
+
+
+# -------------------------------------------------------------------------------------------------- timing
+def _per_call(fn: Callable[[], object], calls: int) -> float:
+    # The calling thread's CPU time, not the wall clock: on a shared machine the time this process waits for
+    # a core is not host cost. Everything timed here runs on this thread (a CPU autograd backward too).
+    t0 = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - t0) / calls * 1e6
+
+
+def _workloads(build: Callable):
+    """(forward under no_grad, forward + backward) callables of one op, and its output's gradient."""
+    import torch
+
+    call, inputs = build()
+    if inputs is None:  # an op without autograd (an in-place accumulation)
+        return call, None
+    with torch.no_grad():
+        out = call()
+    dy = torch.ones_like(out)
+
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd():
+        torch.autograd.grad(call(), inputs, dy)
+
+    return fwd, fwd_bwd
+
+
+def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
+    import torch
+
+    import apex
+    from benchmarks.host._stub import stubbed_launches
+
+    plain = _plain()
+    w = torch.randn(N)
+    rows = []
+    with apex.backend("triton"), stubbed_launches() as stub:
+        ref_x = _randn(M, N)
+        ref = _workloads(lambda: ((lambda: plain.apply(ref_x, w)), (ref_x,)))
+        builders = {name: OPS[name] for name in names}
+        if importlib.util.find_spec("liger_kernel") is not None:
+            builders.update({"liger LayerNorm": _liger("layer"), "liger RMSNorm": _liger("rms")})
+        for name, build in builders.items():
+            try:
+                ours = _workloads(build)
+            except Exception as exc:  # an op whose entry fails here is reported, not fatal
+                rows.append({"op": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
+                continue
+            row = {"op": name}
+            for label, ours_fn, ref_fn in (("fwd", ours[0], ref[0]), ("fwd_bwd", ours[1], ref[1])):
+                if ours_fn is None:
+                    continue
+                before = stub.launches
+                ours_fn()
+                row[f"{label}_launches"] = stub.launches - before
+                for fn in (ours_fn, ref_fn) * 3:  # warm caches (launch configurations, autograd)
+                    fn()
+                best_ours = best_ref = float("inf")
+                for _ in range(repeats):
+                    best_ours = min(best_ours, _per_call(ours_fn, calls))
+                    best_ref = min(best_ref, _per_call(ref_fn, calls))
+                row[f"{label}_us"], row[f"plain_{label}_us"] = round(best_ours, 1), round(best_ref, 1)
+            rows.append(row)
+    return rows
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| op | launches fwd / fwd+bwd | fwd µs | plain fwd µs | fwd+bwd µs | plain fwd+bwd µs "
+             "| fwd+bwd / plain |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['error']} | | | | | |")
+            continue
+        fb = r.get("fwd_bwd_us")
+        ratio = f"{fb / r['plain_fwd_bwd_us']:.2f}" if fb is not None else ""
+        lines.append(f"| {r['op']} | {r['fwd_launches']} / {r.get('fwd_bwd_launches', '-')} | {r['fwd_us']} | "
+                     f"{r['plain_fwd_us']} | {fb if fb is not None else '-'} | {r.get('plain_fwd_bwd_us', '-')} | "
+                     f"{ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only the ops whose name contains this (case-insensitive)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed loop")
+    parser.add_argument("--repeats", type=int, default=7, help="timed loops per op and side (minimum kept)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    # The interpreter lets the Triton path run on CPU tensors; it must be on before a kernel module is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    names = [n for n in OPS if args.k.lower() in n.lower()]
+    rows = measure(names, args.calls, args.repeats)
+    print(f"Machine: {machine()}.\n")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

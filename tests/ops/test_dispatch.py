@@ -1,0 +1,154 @@
+"""apex.ops._dispatch: eager calls of the custom ops skip torch.library's dispatcher, tracers still see them.
+
+The dispatcher's entries are counted with the autograd profiler, which records every operator the
+dispatcher runs by name (``apex::layer_norm_fwd``, ...) and nothing that bypasses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _device
+
+NEEDS_PLAIN_TENSORS = pytest.mark.skipif(
+    _device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops under a dispatch mode, which "
+    "takes the registered op by design")
+
+
+def _apex_ops(fn) -> list[str]:
+    """Names of the apex:: operators the dispatcher ran while ``fn()`` ran."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return sorted({e.name for e in prof.function_events if e.name.startswith("apex::")})
+
+
+def _layer_norm(dev):
+    from apex.normalization import FusedLayerNorm
+
+    mod, x = FusedLayerNorm(16).to(dev), torch.randn(4, 16, device=dev, requires_grad=True)
+    return (lambda: mod(x)), (x, mod.weight, mod.bias), "apex::layer_norm_fwd"
+
+
+def _rms_norm(dev):
+    from apex.normalization import FusedRMSNorm
+
+    mod, x = FusedRMSNorm(16).to(dev), torch.randn(4, 16, device=dev, requires_grad=True)
+    return (lambda: mod(x)), (x, mod.weight), "apex::rms_norm_fwd"
+
+
+def _fused_add_rms_norm(dev):
+    from apex.normalization import fused_add_rms_norm
+
+    x, r, w = (torch.randn(*s, device=dev, requires_grad=True) for s in ((4, 16), (4, 16), (16,)))
+    return (lambda: sum(fused_add_rms_norm(x, r, w, (16,)))), (x, r, w), "apex::fused_add_norm_fwd"
+
+
+OPS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm, "fused_add_rms_norm": _fused_add_rms_norm}
+
+
+@NEEDS_PLAIN_TENSORS
+@pytest.mark.parametrize("name", list(OPS))
+def test_eager_calls_skip_the_dispatcher(name, triton_device):
+    import apex
+
+    call, inputs, op = OPS[name](triton_device)
+    with apex.backend("triton"):
+        y = call()
+        expected = torch.autograd.grad(y.square().sum(), inputs)
+        ran = _apex_ops(lambda: torch.autograd.grad(call().square().sum(), inputs))
+        assert ran == [], f"eager forward + backward went through the dispatcher: {ran}"
+        with torch.no_grad():
+            assert _apex_ops(call) == []
+        # The same op through the dispatcher (a dispatch mode is active) gives the same values.
+        with _Recorder() as rec:
+            y2 = call()
+            got = torch.autograd.grad(y2.square().sum(), inputs)
+        assert op in rec.ops
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode (as make_fx, FakeTensorMode or a debugging mode): it must see apex's op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_compile_records_the_custom_op(name, triton_device):
+    import apex
+
+    call, inputs, op = OPS[name](triton_device)
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with apex.backend("triton"):
+        y = torch.compile(call, fullgraph=True, backend=backend)()
+        ref = call()
+    assert op.replace("::", ".") in seen, seen
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+@NEEDS_PLAIN_TENSORS
+def test_unused_outputs_get_zero_gradients(triton_device):
+    """The eager path hands the backward None for outputs outside the loss (no zero tensors made); the
+    gradients reaching the inputs are what the registered op gave: zeros, not None."""
+    import apex
+    from apex.normalization import fused_add_rms_norm
+    from apex.ops.layer_norm import _fwd_op
+
+    x = torch.randn(4, 16, device=triton_device, requires_grad=True)
+    r = torch.randn(4, 16, device=triton_device, requires_grad=True)
+    w = torch.randn(16, device=triton_device, requires_grad=True)
+    with apex.backend("triton"):
+        _, mean, rstd = _fwd_op(x, w, None, [16], 1e-5, False, torch.float32)
+        gx, gw = torch.autograd.grad(mean.sum() + rstd.sum(), (x, w))
+        assert gx is not None and gw is not None
+        assert not gx.any() and not gw.any()
+        _, h = fused_add_rms_norm(x, r, w, (16,))
+        gx, gr, gw = torch.autograd.grad(h.sum(), (x, r, w))
+    torch.testing.assert_close(gx, torch.ones_like(x))
+    torch.testing.assert_close(gr, torch.ones_like(r))
+    assert not gw.any()
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_double_backward_fails_as_before(name, triton_device):
+    """A second derivative takes the registered backward op, which has no formula: the same error as
+    before the eager path, never a silently wrong value."""
+    import apex
+
+    call, inputs, _ = OPS[name](triton_device)
+    with apex.backend("triton"):
+        (g,) = torch.autograd.grad(call().square().sum(), inputs[:1], create_graph=True)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            g.sum().backward()
+
+
+def test_eager_predicate():
+    from apex.ops._dispatch import eager
+
+    x = torch.ones(2)
+    assert eager((x, torch.nn.Parameter(x), None, 3, [2]))
+    with _Recorder():
+        assert not eager((x,))
+    assert not eager((_Sub(x),))
+    seen = []
+    torch.vmap(lambda t: (seen.append(eager((t,))), t)[1])(x)
+    assert seen == [False]
+    assert torch.compile(lambda t: t + eager((t,)), fullgraph=True, backend="eager")(x).eq(1).all()
+
+
+class _Sub(torch.Tensor):
+    pass
