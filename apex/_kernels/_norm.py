@@ -186,13 +186,35 @@ def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, back
         default = {"rows": max(1, min(triton.next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
                    "programs_per_sm": 1}
     else:
-        rows = max(1, min(16, 4096 // block_n))
-        # The backward writes one fp32 partial row per program and parameter: one wave of programs keeps
-        # that buffer (and its second read) small next to the 3 passes over x, dy and dx.
-        default = {"rows": rows, "warps": max(1, min(16, rows * block_n // 256)),
-                   "programs_per_sm": 1 if backward else 0}
+        default = _formula(m, block_n, itemsize, backward, _tuning.device(dev)[1] or 132)
     op = ("rms_norm" if is_rms else "layer_norm") + (".bwd" if backward else ".fwd")
     return _tuning.pick(op, dev, itemsize, (m, n), default)
+
+
+def _formula(m: int, block_n: int, itemsize: int, backward: bool, sms: int) -> dict:
+    """The launch the occupancy model picks on Hopper-class GPUs (``apex.testing.occupancy``; the figures
+    are in docs/benchmarks.md, "Kernel configurations").
+
+    Forward: one row per program (rows under 1024 columns share one), one warp per 1024 columns: 32
+    elements a thread, four 16-byte loads of bf16. A row's mean and variance are block-wide sums whose
+    shuffles, barriers and setup every warp pays, so warps beyond that add issue time, not bandwidth: 16
+    warps on 4096 columns (the former launch) issue ~390 SASS instructions a warp for 8 elements a thread,
+    ~98 us for a 16384 x 4096 bf16 LayerNorm against 63 us of memory at the copy rate; 4 warps, ~44 us.
+
+    Backward: one row a pass from 1024 columns up (a tile of several rows also sums dw/db across warps
+    every pass: 20 barriers a pass instead of 4), one warp per 512 columns (16 elements a thread: each
+    thread also keeps its columns' dw/db accumulators in registers), and 16 warps' worth of programs per
+    SM, each walking its share of the rows, so that one program's loads are in flight while another
+    reduces: a single 16-warp program per SM (the former launch) waits out every pass's DRAM latency alone.
+    The programs' fp32 partial rows (written, then read by the reduction) stay under 1/16 of the bytes the
+    rows move.
+    """
+    rows = max(1, min(16, 1024 // block_n))  # rows under 1024 columns share a program (a pass)
+    if backward:
+        warps = max(1, min(16, rows * block_n // 512))
+        partial_cap = 3 * m * itemsize // 256 // sms  # programs per SM whose partials stay under 1/16
+        return {"rows": rows, "warps": warps, "programs_per_sm": max(1, min(16 // warps, partial_cap))}
+    return {"rows": rows, "warps": max(1, min(16, rows * block_n // 1024)), "programs_per_sm": 0}
 
 
 def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
@@ -203,6 +225,13 @@ def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
     progs = n_tiles if cfg["programs_per_sm"] <= 0 else max(1, min(n_tiles, cfg["programs_per_sm"] * sms))
     per = triton.cdiv(n_tiles, progs)
     return triton.cdiv(n_tiles, per), per
+
+
+def plan(x: torch.Tensor, is_rms: bool, backward: bool) -> tuple[dict, int, int]:
+    """(configuration, programs, tiles per program) of the launch on the 2-D ``x`` (the benchmarks' notes)."""
+    m, n = x.shape
+    cfg = _config(m, n, x.device, x.element_size(), is_rms, backward)
+    return (cfg, *_grid(m, x.device, cfg))
 
 
 def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, is_rms: bool,
@@ -221,8 +250,7 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
     block_n = triton.next_power_of_2(n)
-    cfg = _config(m, n, dev, x.element_size(), is_rms, False)
-    progs, per = _grid(m, dev, cfg)
+    cfg, progs, per = plan(x, is_rms, False)
     _fwd_kernel[(progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
         weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
@@ -253,8 +281,7 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
             dx.copy_(dresidual)
         return dx, dw, db
     block_n = triton.next_power_of_2(n)
-    cfg = _config(m, n, dev, v.element_size(), is_rms, True)
-    progs, per = _grid(m, dev, cfg)
+    cfg, progs, per = plan(v, is_rms, True)
     has_w, has_b = weight is not None, bias is not None
     dwp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_w else dx
     dbp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_b else dx

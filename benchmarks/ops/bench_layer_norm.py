@@ -66,10 +66,9 @@ def _bwd_counted(m, n):
         y = layer_norm(x, (n,), w, b, 1e-5)
     y_eager = F.layer_norm(x, (n,), w, b, 1e-5)
     minimum = 3 * x.nbytes + 3 * w.nbytes + 2 * 4 * m  # dy, x, dx; w, dw, db; mean, rstd
-    from apex._kernels._norm import _grid, _tiling
+    from apex._kernels._norm import plan
 
-    bn, bm, _ = _tiling(m, n)
-    progs, _ = _grid(-(-m // bm), 100)
+    progs = plan(x.detach(), False, True)[1]
     partials = 2 * progs * n * 4  # distinct bytes of the dweight and dbias partials (written, then read)
     return Counted(triton=lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
                    eager=lambda: torch.autograd.grad(y_eager, (x, w, b), dy, retain_graph=True),
