@@ -214,7 +214,10 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         if not self.param_groups_full_precision:
             self._setup_full_precision_params()
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        master_of = {id(p): m for p, m in zip(group["params"], self.param_groups_full_precision[gi]["params"])}
+        full = self.param_groups_full_precision[gi]["params"]
+        if len(full) != len(group["params"]):  # the group's list was changed in place: masters for all
+            full = self.param_groups_full_precision[gi]["params"] = self._masters(group)
+        master_of = {id(p): m for p, m in zip(group["params"], full)}
         masters = [master_of[id(p)] for p in params]
         states = []
         for p, master in zip(params, masters):

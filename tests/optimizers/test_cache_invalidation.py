@@ -1,0 +1,175 @@
+"""A step reuses what it read of the param groups at an earlier step (a plan per group, and the device
+tables of the tensors' addresses, see ``apex/optimizers/_plan.py``). Every change that a reused plan or
+table would get wrong must be noticed: each case below changes something between steps, then compares the
+step with the same step of a fresh copy of the optimizer (``copy.deepcopy`` keeps no plan), value for value.
+A stale table is a wrong update, not a slowdown: where the old tensors could still be written, the test
+keeps them alive, so that a stale address writes into them instead of into freed memory.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import apex
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedLARS,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+from apex.testing import TritonTrace
+from tests.optimizers._common import grads_for_step, make_params
+
+SHAPES = [(33,), (4097,), (3, 5)]
+
+OPTIMIZERS = {
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+    "FusedAdam-capturable-master": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
+                                                        master_weights=True),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01),
+    "FusedLARS": lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
+    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01),
+    "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, weight_decay=0.01,
+                                                                 reduced_precision_dtype=torch.bfloat16),
+}
+# NovoGrad keeps one running norm per parameter with a gradient and refuses a step where that set changed.
+FIXED_SET = {"FusedNovoGrad"}
+
+
+def _set_grads(params, step):
+    for p, g in zip(params, grads_for_step(params, step)):
+        p.grad = g
+
+
+def _fresh_twin(opt):
+    """A copy of ``opt`` with no plan and no cached table, its parameters holding copies of the gradients."""
+    twin = copy.deepcopy(opt)
+    for group, tgroup in zip(opt.param_groups, twin.param_groups):
+        for p, tp in zip(group["params"], tgroup["params"]):
+            tp.grad = None if p.grad is None else p.grad.detach().clone()
+    return twin
+
+
+def _step_both_and_compare(opt):
+    twin = _fresh_twin(opt)
+    opt.step()
+    twin.step()
+    for group, tgroup in zip(opt.param_groups, twin.param_groups):
+        for p, tp in zip(group["params"], tgroup["params"]):
+            assert torch.equal(p.detach(), tp.detach())
+    for st, tst in zip(opt.state.values(), twin.state.values()):
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, tst[key]), key
+
+
+def _change_new_gradient_tensor(opt, params, keep):
+    keep.append(params[1].grad)  # the old gradient stays alive (and different): a stale table would read it
+    params[1].grad = torch.randn_like(params[1]) * 3
+
+
+def _change_gradient_data(opt, params, keep):
+    keep.append(params[0].grad.data)
+    params[0].grad.data = torch.randn_like(params[0]) * 3  # same tensor object, new storage
+
+
+def _change_parameter_data(opt, params, keep):
+    keep.append(params[1].data)
+    params[1].data = params[1].data.clone() + 0.5  # what module.to() and friends do
+
+
+def _change_gradient_to_none(opt, params, keep):
+    params[2].grad = None
+
+
+def _change_parameter_list(opt, params, keep):
+    extra = torch.nn.Parameter(torch.randn(7, dtype=params[0].dtype))
+    extra.grad = torch.randn_like(extra)
+    opt.param_groups[0]["params"].append(extra)
+    keep.append(extra)
+
+
+def _change_param_group_added(opt, params, keep):
+    extra = torch.nn.Parameter(torch.randn(9, dtype=params[0].dtype))
+    extra.grad = torch.randn_like(extra)
+    opt.add_param_group({"params": [extra]})
+    keep.append(extra)
+
+
+def _change_loaded_state(opt, params, keep):
+    # The state of an optimizer trained on other gradients: the next step must use its tensors.
+    other_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = type(opt).__new__(type(opt))
+    other.__setstate__(copy.deepcopy(opt.__getstate__()))
+    other.param_groups[0]["params"] = other_params
+    other.state = type(opt.state)(dict)
+    for p, q in zip(params, other_params):
+        other.state[q] = copy.deepcopy(opt.state[p])
+    other._plans = {}
+    for s in (11, 12):
+        for q, g in zip(other_params, grads_for_step(other_params, s, seed=5)):
+            q.grad = g
+        other.step()
+    opt.load_state_dict(other.state_dict())
+
+
+def _change_step_written_in_place(opt, params, keep):
+    for p in params:
+        step = opt.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.fill_(7.0)  # a view of the optimizer's packed counters: the next step counts from here
+    group_step = opt.param_groups[0].get("step")
+    if isinstance(group_step, torch.Tensor):
+        group_step.fill_(7)
+
+
+CHANGES = {
+    "new_gradient_tensor": _change_new_gradient_tensor,
+    "gradient_data_swapped": _change_gradient_data,
+    "parameter_data_swapped": _change_parameter_data,
+    "gradient_set_to_none": _change_gradient_to_none,
+    "parameter_list_changed": _change_parameter_list,
+    "param_group_added": _change_param_group_added,
+    "state_loaded": _change_loaded_state,
+    "step_written_in_place": _change_step_written_in_place,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_change_between_steps_is_seen(backend_name, name, change):
+    if name in FIXED_SET and change in ("gradient_set_to_none", "parameter_list_changed"):
+        pytest.skip("FusedNovoGrad refuses a step whose set of parameters with gradients changed (tested there)")
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = make_params(SHAPES, dtype)
+    opt = OPTIMIZERS[name](params)
+    keep: list = []
+    for s in range(3):  # the plan is made at the first step and reused by the next two
+        _set_grads(params, s)
+        opt.step()
+    _set_grads(params, 3)
+    CHANGES[change](opt, params, keep)
+    _step_both_and_compare(opt)
+    if change == "gradient_set_to_none":  # ... and back: the parameter joins its plan again
+        _set_grads(params, 4)
+        _step_both_and_compare(opt)
+    _set_grads(opt.param_groups[0]["params"], 5)
+    _step_both_and_compare(opt)  # the plan made after the change is right too
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD", "FusedAdagrad"])
+def test_one_launch_per_dtype_group_after_the_first_step(triton_device, name):
+    pytest.importorskip("triton")
+    params = make_params(SHAPES) + make_params(SHAPES, torch.bfloat16, seed=3)
+    opt = OPTIMIZERS[name](params)
+    for s in range(3):
+        _set_grads(params, s)
+        with apex.backend("triton"), TritonTrace(bounds=False) as tr:
+            opt.step()
+        assert tr.launches == 2, (s, tr.kernels)  # fp32 and bf16, at the first step and with a plan
