@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from apex._backend import select
+from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -145,7 +146,7 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
     functions, with fake implementations (``torch.compile``) and the autograd formula, which takes the bias
     gradient from the backward's own launch when the bias needs one. Returns the forward op."""
 
-    @torch.library.custom_op(f"apex::{name}_fwd", mutates_args=())
+    @custom_op(f"apex::{name}_fwd")
     def fwd(input: Tensor, bias: Tensor | None) -> Tensor:
         return forward(input, bias)
 
@@ -153,7 +154,7 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
     def _(input, bias):
         return input.new_empty(out_shape(input.shape))
 
-    @torch.library.custom_op(f"apex::{name}_bwd", mutates_args=())
+    @custom_op(f"apex::{name}_bwd")
     def bwd(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
         return backward(grad_output, input, bias)
 
@@ -161,7 +162,7 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
     def _(grad_output, input, bias):
         return torch.empty_like(input, memory_format=torch.contiguous_format)
 
-    @torch.library.custom_op(f"apex::{name}_bwd_dbias", mutates_args=())
+    @custom_op(f"apex::{name}_bwd_dbias")
     def bwd_dbias(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         return backward_with_bias_grad(grad_output, input, bias)
 

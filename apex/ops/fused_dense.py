@@ -23,6 +23,7 @@ Paths:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -236,7 +237,9 @@ def chain_grads(ctx, grad_out: Tensor, input_index: int) -> tuple[Tensor | None,
     dy2 = grad_out.reshape(-1, grad_out.shape[-1])
     if dy2.dtype != x2.dtype:
         dy2 = dy2.to(x2.dtype)
-    with torch.autocast(x2.device.type, enabled=False):
+    dev = x2.device.type
+    # Entering torch.autocast costs more than a launch: only where it is on (off it changes nothing).
+    with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
         dx, dws, dbs = chain_backward(dy2, x2, weights, ctx.has_bias, outs, pres, ctx.acts, ctx.triton,
                                       need_dx, need_w)
     return (dx.view(ctx.in_shape) if dx is not None else None), dws, (dbs if ctx.has_bias else [])
@@ -276,6 +279,8 @@ def dense_chain(input: Tensor, weights, biases, activations) -> Tensor:
     args, dev = autocast_args(input, *weights, *biases)
     x, ws, bs = args[0], list(args[1:1 + len(weights)]), list(args[1 + len(weights):])
     check_chain(x, ws, bs, acts)
+    if not torch.is_autocast_enabled(dev):  # entering torch.autocast costs more than a launch
+        return DenseChainFunction.apply(acts, bool(bs), x, *ws, *bs)
     with torch.autocast(dev, enabled=False):
         return DenseChainFunction.apply(acts, bool(bs), x, *ws, *bs)
 

@@ -34,6 +34,7 @@ import torch
 
 from apex._backend import select
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
 
@@ -264,7 +265,7 @@ def rope_apply(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: 
 
 
 # ------------------------------------------------------------------------------------------- custom op
-@torch.library.custom_op("apex::fused_rope", mutates_args=())
+@custom_op("apex::fused_rope")
 def _rope_op(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None,
              cu_seqlens: Tensor | None, mode: int, img_w: int, backward: bool, transpose_output: bool
              ) -> Tensor:
@@ -284,7 +285,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     ta, tb, tc, td, cu = ctx.saved_tensors
-    dt = torch.ops.apex.fused_rope(grad, ta, tb, tc, td, cu, *ctx.args)
+    dt = _rope_op(grad, ta, tb, tc, td, cu, *ctx.args)
     return dt, None, None, None, None, None, None, None, None, None
 
 
@@ -295,28 +296,28 @@ _rope_op.register_autograd(_backward, setup_context=_setup)
 def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with fp32 angles ``freqs`` ``[s, 1, 1, R]``, ``R ≤ d`` even."""
     check_sbhd(t, freqs)
-    return torch.ops.apex.fused_rope(t, freqs, None, None, None, None, SBHD, 1, False,
+    return _rope_op(t, freqs, None, None, None, None, SBHD, 1, False,
                                      bool(transpose_output_memory))
 
 
 def fused_rope_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with precomputed ``cos_``/``sin_`` ``[s, 1, 1, R]`` (fp32 or ``t``'s dtype)."""
     check_cached(t, cos_, sin_)
-    return torch.ops.apex.fused_rope(t, cos_, sin_, None, None, None, CACHED, 1, False,
+    return _rope_op(t, cos_, sin_, None, None, None, CACHED, 1, False,
                                      bool(transpose_output_memory))
 
 
 def fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
     """RoPE on packed sequences ``t`` ``[t, h, d]``; ``cu_seqlens`` ``[n + 1]`` non-decreasing."""
     check_thd(t, cu_seqlens, freqs)
-    return torch.ops.apex.fused_rope(t, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
+    return _rope_op(t, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
 
 
 def fused_rope_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
                   sin_w: Tensor) -> Tensor:
     """2-D RoPE on ``t`` ``[b, img_h·img_w, h, d]`` with tables ``[1, ≥img_h (≥img_w), 1, d/2]``."""
     check_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)
-    return torch.ops.apex.fused_rope(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, int(img_w), False, False)
+    return _rope_op(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, int(img_w), False, False)
 
 
 # ------------------------------------------- Apex's ``fused_rotary_positional_embedding`` entry points

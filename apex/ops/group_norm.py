@@ -22,6 +22,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from apex.ops._dispatch import custom_op
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
@@ -206,7 +207,7 @@ def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("apex::group_norm_fwd", mutates_args=())
+@custom_op("apex::group_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, act: str
             ) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = group_norm_forward(input, num_groups, weight, bias, eps, act)
@@ -220,7 +221,7 @@ def _(input, num_groups, weight, bias, eps, act):
         input.new_empty((ng,), dtype=torch.float32)
 
 
-@torch.library.custom_op("apex::group_norm_bwd", mutates_args=())
+@custom_op("apex::group_norm_bwd")
 def _bwd_op(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor, num_groups: int,
             weight: Tensor | None, bias: Tensor | None, act: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = group_norm_backward(grad_output, input, mean, rstd, num_groups, weight, bias, act)
@@ -243,7 +244,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_y, grad_mean, grad_rstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.apex.group_norm_bwd(grad_y, x, mean, rstd, ctx.num_groups, weight, bias, ctx.act)
+    if grad_y is None:  # the eager path's None (materialize_grads=False): only the statistics were used
+        grad_y = torch.zeros_like(x)
+    dx, dw, db = _bwd_op(grad_y, x, mean, rstd, ctx.num_groups, weight, bias, ctx.act)
     return dx, None, dw if weight is not None else None, db if bias is not None else None, None, None
 
 
@@ -259,8 +262,7 @@ def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bia
         if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
             return _AccurateGroupNorm.apply(input, int(num_groups), weight, bias, float(eps), silu)
         return _group_norm_torch(input, int(num_groups), weight, bias, float(eps), silu)
-    return torch.ops.apex.group_norm_fwd(input, int(num_groups), weight, bias, float(eps),
-                                         "silu" if silu else "")[0]
+    return _fwd_op(input, int(num_groups), weight, bias, float(eps), "silu" if silu else "")[0]
 
 
 # ---------------------------------------------------------------------- Apex's ``group_norm_cuda`` entry points

@@ -82,7 +82,11 @@ def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = 
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """``(output, mean, rstd)`` without autograd; ``mean``/``rstd`` have one entry per row."""
     shape, m, n = check_args(input, normalized_shape, weight, bias)
-    out_dtype = out_dtype or input.dtype
+    return _forward(input, shape, n, weight, bias, eps, out_dtype or input.dtype)
+
+
+def _forward(input, shape, n, weight, bias, eps, out_dtype):
+    """:func:`layer_norm_forward` on checked arguments (the custom op's: its callers check them)."""
     if use_kernel(input, out_dtype, n, weight, bias):
         from apex._kernels import layer_norm as kernels
 
@@ -105,7 +109,13 @@ def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, 
                          f"{list(input_or_output.shape)}")
     if not memory_efficient and mean is None:
         raise ValueError("mean is required unless memory_efficient=True")
-    dx_dtype = dx_dtype or input_or_output.dtype
+    return _backward_checked(grad_output, mean, rstd, input_or_output, shape, n, weight, bias, memory_efficient,
+                             dx_dtype or input_or_output.dtype, eps)
+
+
+def _backward_checked(grad_output, mean, rstd, input_or_output, shape, n, weight, bias, memory_efficient,
+                      dx_dtype, eps):
+    """:func:`layer_norm_backward` on checked arguments (the backward op's: the forward's tensors)."""
     if use_kernel(input_or_output, dx_dtype, n, weight, bias, grad_output):
         from apex._kernels import layer_norm as kernels
 
@@ -123,8 +133,8 @@ def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, 
 @custom_op("apex::layer_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
             eps: float, memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    y, mean, rstd = layer_norm_forward(input, normalized_shape, weight, bias, eps, out_dtype)
-    return y, mean, rstd
+    # Its one caller, layer_norm, checked the arguments (and torch.compile records it after that check).
+    return _forward(input, normalized_shape, _numel(normalized_shape), weight, bias, eps, out_dtype)
 
 
 @_fwd_op.register_fake
@@ -148,8 +158,8 @@ def _bwd_op(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_out
             dx_dtype: torch.dtype, eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     # eps has a default so that graphs compiled before it was passed (AOTAutograd's cache keys on the
     # forward only) still run.
-    dx, dw, db = layer_norm_backward(grad_output, mean, rstd, input_or_output, normalized_shape, weight,
-                                     bias, memory_efficient, dx_dtype, eps)
+    dx, dw, db = _backward_checked(grad_output, mean, rstd, input_or_output, normalized_shape,
+                                   _numel(normalized_shape), weight, bias, memory_efficient, dx_dtype, eps)
     empty = grad_output.new_empty((0,))
     return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
 

@@ -81,7 +81,11 @@ def rms_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = No
                      out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``(output, rstd)`` without autograd; ``rstd`` has one entry per row."""
     shape, m, n = check_args(input, normalized_shape, weight)
-    out_dtype = out_dtype or input.dtype
+    return _forward(input, n, weight, eps, out_dtype or input.dtype)
+
+
+def _forward(input, n, weight, eps, out_dtype):
+    """:func:`rms_norm_forward` on checked arguments (the custom op's: its callers check them)."""
     if use_kernel(input, out_dtype, n, weight):
         from apex._kernels import rms_norm as kernels
 
@@ -102,7 +106,12 @@ def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor
     if tuple(grad_output.shape) != tuple(input_or_output.shape):
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
                          f"{list(input_or_output.shape)}")
-    dx_dtype = dx_dtype or input_or_output.dtype
+    return _backward_checked(grad_output, rstd, input_or_output, n, weight, memory_efficient,
+                             dx_dtype or input_or_output.dtype, eps)
+
+
+def _backward_checked(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype, eps):
+    """:func:`rms_norm_backward` on checked arguments (the backward op's: the forward's tensors)."""
     if use_kernel(input_or_output, dx_dtype, n, weight, grad_output):
         from apex._kernels import rms_norm as kernels
 
@@ -124,8 +133,8 @@ def _numel(shape) -> int:
 @custom_op("apex::rms_norm_fwd", materialize_grads=False)
 def _fwd_op(input: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
             memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    y, rstd = rms_norm_forward(input, normalized_shape, weight, eps, out_dtype)
-    return y, rstd
+    # Its one caller, rms_norm, checked the arguments (and torch.compile records it after that check).
+    return _forward(input, _numel(normalized_shape), weight, eps, out_dtype)
 
 
 @_fwd_op.register_fake
@@ -141,7 +150,7 @@ def _bwd_op(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, weight: 
             eps: float | None = None) -> tuple[Tensor, Tensor]:
     # eps has a default so that graphs compiled before it was passed (AOTAutograd's cache keys on the
     # forward only) still run.
-    dx, dw = rms_norm_backward(grad_output, rstd, input_or_output, normalized_shape, weight,
+    dx, dw = _backward_checked(grad_output, rstd, input_or_output, _numel(normalized_shape), weight,
                                memory_efficient, dx_dtype, eps)
     return dx, dw if dw is not None else grad_output.new_empty((0,))
 

@@ -22,6 +22,7 @@ import numbers
 import torch
 
 from apex import _backend
+from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
 
@@ -178,7 +179,7 @@ def scaled_masked_softmax_backward(grad_output: Tensor, softmax_results: Tensor,
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("apex::scaled_masked_softmax_fwd", mutates_args=())
+@custom_op("apex::scaled_masked_softmax_fwd")
 def _fwd_op(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
     return scaled_masked_softmax_forward(input, mask, scale, causal)
 
@@ -188,7 +189,7 @@ def _(input, mask, scale, causal):
     return input.new_empty(input.shape)
 
 
-@torch.library.custom_op("apex::scaled_masked_softmax_bwd", mutates_args=())
+@custom_op("apex::scaled_masked_softmax_bwd")
 def _bwd_op(grad_output: Tensor, softmax_results: Tensor, scale: float, causal: bool,
             out_dtype: torch.dtype) -> Tensor:
     return scaled_masked_softmax_backward(grad_output, softmax_results, scale, causal, out_dtype)
@@ -207,7 +208,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (y,) = ctx.saved_tensors
-    dx = torch.ops.apex.scaled_masked_softmax_bwd(grad, y, ctx.scale, ctx.causal, ctx.input_dtype)
+    dx = _bwd_op(grad, y, ctx.scale, ctx.causal, ctx.input_dtype)
     return dx, None, None, None
 
 
@@ -220,7 +221,7 @@ def scaled_masked_softmax(input: Tensor, mask: Tensor | None = None, scale: floa
     """Differentiable ``softmax(scale · input)`` over the last dim with ``mask`` (True = masked) and/or the
     causal mask; fully masked rows give zeros. Output contiguous, in ``input.dtype``."""
     check_args(input, mask, causal)
-    return torch.ops.apex.scaled_masked_softmax_fwd(input, mask, check_scale(scale), bool(causal))
+    return _fwd_op(input, mask, check_scale(scale), bool(causal))
 
 
 # ------------------------------------------ Apex's compiled-extension entry points (positional signatures)
@@ -233,7 +234,7 @@ def _compat_forward(input, mask, scale, causal, rank, module):
     check_args(input, mask, causal)
     # Like the compiled kernels, the result carries no autograd history.
     with torch.no_grad():
-        return torch.ops.apex.scaled_masked_softmax_fwd(input, mask, check_scale(scale), causal)
+        return _fwd_op(input, mask, check_scale(scale), causal)
 
 
 def _compat_backward(output_grads, softmax_results, scale, causal, rank, module):
@@ -243,8 +244,7 @@ def _compat_backward(output_grads, softmax_results, scale, causal, rank, module)
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(output_grads, None, False, "output_grads")
     with torch.no_grad():
-        return torch.ops.apex.scaled_masked_softmax_bwd(output_grads, softmax_results, check_scale(scale),
-                                                       causal, output_grads.dtype)
+        return _bwd_op(output_grads, softmax_results, check_scale(scale), causal, output_grads.dtype)
 
 
 def masked_softmax_forward(input: Tensor, mask: Tensor, scale) -> Tensor:

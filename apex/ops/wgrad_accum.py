@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
+from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
 _IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,7 +71,7 @@ def _accumulate(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
         main_grad.copy_(main_grad.float().addmm_(g.t().float(), a.float()))
 
 
-@torch.library.custom_op("apex::wgrad_gemm_accum", mutates_args=("main_grad",))
+@custom_op("apex::wgrad_gemm_accum", mutates_args=("main_grad",))
 def _accum_op(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
     _accumulate(input, grad_output, main_grad)
 
@@ -83,10 +84,10 @@ def _(input, grad_output, main_grad):
 def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
     """``main_grad += grad_outputᵀ @ input`` (leading dims flattened); ``main_grad`` fp32, updated in place."""
     _check(input, grad_output, main_grad, (torch.float32,), "wgrad_gemm_accum_fp32")
-    torch.ops.apex.wgrad_gemm_accum(input, grad_output, main_grad)
+    _accum_op(input, grad_output, main_grad)
 
 
 def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
     """``main_grad += grad_outputᵀ @ input`` for an fp16/bf16 ``main_grad``: fp32 accumulation, one rounding."""
     _check(input, grad_output, main_grad, (torch.float16, torch.bfloat16), "wgrad_gemm_accum_fp16")
-    torch.ops.apex.wgrad_gemm_accum(input, grad_output, main_grad)
+    _accum_op(input, grad_output, main_grad)

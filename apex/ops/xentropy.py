@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from apex.ops._norm import select
+from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
 
@@ -42,17 +42,23 @@ def _check(logits: object, labels: object, smoothing: object, padding_idx: objec
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+    if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without the class "
                          f"dimension), got {list(labels.shape)}")
-    if labels.device != logits.device:
+    if not _same_device(labels, logits):
         raise ValueError(f"labels is on {labels.device} but logits is on {logits.device}")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"smoothing must be a float in [0, 1], got {smoothing!r}")
     if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
         raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
     v = logits.shape[-1]
-    if labels.numel():
+    if labels.numel() and (padding_idx is None or 0 <= padding_idx < v):
+        # Every allowed label lies in [0, V): one reduction and one read instead of four operators.
+        lo, hi = torch.stack(labels.reshape(-1).aminmax()).tolist()
+        if lo < 0 or hi >= v:
+            first = int(labels.reshape(-1)[(labels.reshape(-1) < 0) | (labels.reshape(-1) >= v)][0])
+            raise ValueError(f"labels must lie in [0, {v}) or equal padding_idx={padding_idx}, got {first}")
+    elif labels.numel():
         bad = (labels < 0) | (labels >= v)
         if padding_idx is not None:
             bad &= labels != padding_idx
@@ -109,7 +115,7 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
                                    smoothing: float = 0.0, padding_idx: int | None = 0,
                                    inplace: bool = False) -> Tensor:
     """Gradient of the losses with respect to the logits; ``inplace=True`` writes it over ``logits``."""
-    v = _check(logits, labels, smoothing, padding_idx)
+    _check(logits, labels, smoothing, padding_idx)
     lead = tuple(logits.shape[:-1])
     for name, t in (("grad_loss", grad_loss), ("max_log_sum_exp", lse)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead:
@@ -117,6 +123,13 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
             raise ValueError(f"{name} must have shape {list(lead)}, got {got}")
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace_backward=True needs contiguous logits (the gradient is written over them)")
+    return _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace)
+
+
+def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
+    """:func:`softmax_cross_entropy_backward` on arguments already checked (by it, or by the forward that
+    saved them): no second pass over the labels."""
+    v = logits.shape[-1]
     x = logits.reshape(-1, v)
     lab = labels.reshape(-1)
     g = grad_loss.reshape(-1)
@@ -182,8 +195,10 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse, labels = ctx.saved_tensors
-        dx = softmax_cross_entropy_backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx,
-                                            ctx.inplace)
+        if grad_loss.shape != lse.shape:
+            raise ValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
+        # The forward checked logits and labels; the saved tensors are those.
+        dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
         return dx, None, None, None, None, None
 
 

@@ -44,7 +44,45 @@ def _fused_add_rms_norm(dev):
     return (lambda: sum(fused_add_rms_norm(x, r, w, (16,)))), (x, r, w), "apex::fused_add_norm_fwd"
 
 
-OPS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm, "fused_add_rms_norm": _fused_add_rms_norm}
+def _fused_rope(dev):
+    from apex.transformer.functional import fused_apply_rotary_pos_emb
+
+    t, freqs = torch.randn(4, 2, 2, 8, device=dev, requires_grad=True), torch.randn(4, 1, 1, 8, device=dev)
+    return (lambda: fused_apply_rotary_pos_emb(t, freqs)), (t,), "apex::fused_rope"
+
+
+def _causal_softmax(dev):
+    from apex.transformer.functional import scaled_upper_triang_masked_softmax
+
+    x = torch.randn(2, 2, 8, 8, device=dev, requires_grad=True)
+    return (lambda: scaled_upper_triang_masked_softmax(x, None, 0.5)), (x,), "apex::scaled_masked_softmax_fwd"
+
+
+def _bias_swiglu(dev):
+    from apex.transformer.functional import bias_swiglu
+
+    x, b = torch.randn(4, 16, device=dev, requires_grad=True), torch.randn(16, device=dev, requires_grad=True)
+    return (lambda: bias_swiglu(x, b)), (x, b), "apex::bias_swiglu_fwd"
+
+
+def _bias_gelu(dev):
+    from apex.transformer.functional import bias_gelu
+
+    x, b = torch.randn(4, 16, device=dev, requires_grad=True), torch.randn(16, device=dev, requires_grad=True)
+    return (lambda: bias_gelu(x, b)), (x, b), "apex::bias_gelu_fwd"
+
+
+def _group_norm(dev):
+    from apex.ops.group_norm import group_norm
+
+    x = torch.randn(2, 8, 3, 3, device=dev).to(memory_format=torch.channels_last).requires_grad_()
+    w, b = torch.randn(8, device=dev, requires_grad=True), torch.randn(8, device=dev, requires_grad=True)
+    return (lambda: group_norm(x, 4, w, b, 1e-5)), (x, w, b), "apex::group_norm_fwd"
+
+
+OPS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm, "fused_add_rms_norm": _fused_add_rms_norm,
+       "fused_rope": _fused_rope, "causal_softmax": _causal_softmax, "bias_swiglu": _bias_swiglu,
+       "bias_gelu": _bias_gelu, "group_norm": _group_norm}
 
 
 @NEEDS_PLAIN_TENSORS
@@ -98,6 +136,21 @@ def test_compile_records_the_custom_op(name, triton_device):
         ref = call()
     assert op.replace("::", ".") in seen, seen
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+@NEEDS_PLAIN_TENSORS
+def test_in_place_op_bumps_the_version_without_the_dispatcher(triton_device):
+    """wgrad_gemm_accum mutates main_grad: the eager path bumps its version counter as the registered op's
+    ADInplaceOrView kernel does, so autograd still notices a saved main_grad changed."""
+    import apex
+    from apex.transformer.functional import wgrad_gemm_accum_fp32
+
+    inp, go = torch.randn(8, 4, device=triton_device), torch.randn(8, 3, device=triton_device)
+    main_grad = torch.zeros(3, 4, device=triton_device)
+    version = main_grad._version
+    with apex.backend("triton"):
+        assert _apex_ops(lambda: wgrad_gemm_accum_fp32(inp, go, main_grad)) == []
+    assert main_grad._version > version
 
 
 @NEEDS_PLAIN_TENSORS
