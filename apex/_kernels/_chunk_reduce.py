@@ -64,7 +64,7 @@ def reduce_rows(partials: torch.Tensor, tab: mt.TensorTable, out: torch.Tensor, 
     """``out[r * T + t] = sqrt(sum of partials[r * C + c] over t's chunks)`` (or max; or a blend with
     ``out``'s old value: ``sqrt(a * old^2 + b * sum)`` / ``a * old + b * max``)."""
     first = chunk_first(tab)
-    max_chunks = max(b - a for a, b in zip(tab.chunk_first[:-1], tab.chunk_first[1:]))
+    max_chunks = tab.max_chunks
     alpha, beta = blend if blend is not None else (0.0, 1.0)
     grid = (triton.cdiv(tab.n_tensors, _BLOCK_T), rows)
     _reduce_kernel[grid](partials, first, out, tab.n_tensors, tab.n_chunks, max_chunks, float(alpha),

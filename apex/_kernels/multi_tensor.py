@@ -58,6 +58,7 @@ class TensorTable:
     chunk: int
     block: int
     dtypes: tuple               # triton dtype of each list
+    max_chunks: int = 1         # the most chunks of one tensor
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class _Layout:
     n_chunks: int
     chunk: int
     block: int
+    max_chunks: int
 
 
 class _LRU:
@@ -144,7 +146,8 @@ def _layout(numels: tuple, device: torch.device) -> _Layout:
     n_t, n_c = len(numels), len(chunk_tensor)
     dev = _upload(list(numels) + chunk_tensor + chunk_start, device)  # one copy
     result = _Layout(sizes=dev[:n_t], chunk_tensor=dev[n_t:n_t + n_c].to(torch.int32), chunk_start=dev[n_t + n_c:],
-                     chunk_first=tuple(chunk_first), n_chunks=n_c, chunk=chunk, block=block)
+                     chunk_first=tuple(chunk_first), n_chunks=n_c, chunk=chunk, block=block,
+                     max_chunks=max(1, -(-max(numels) // chunk)))
     _layouts.put(key, result)
     return result
 
@@ -169,7 +172,7 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
     result = TensorTable(ptrs=_upload(ptrs, device), sizes=lay.sizes, chunk_tensor=lay.chunk_tensor,
                          chunk_start=lay.chunk_start, chunk_first=lay.chunk_first, n_tensors=len(first),
                          n_chunks=lay.n_chunks, chunk=lay.chunk, block=lay.block,
-                         dtypes=tuple(TORCH_TO_TL[d] for d in dtypes))
+                         dtypes=tuple(TORCH_TO_TL[d] for d in dtypes), max_chunks=lay.max_chunks)
     _tables.put(key, (first.numels, tuple(c.ptrs for c in cols), result))
     return result
 

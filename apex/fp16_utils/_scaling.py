@@ -16,8 +16,9 @@ and patches them.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from itertools import repeat
-from operator import is_not
+from operator import attrgetter, is_not
 
 import torch
 
@@ -27,6 +28,8 @@ from apex.ops.multi_tensor_axpby import multi_tensor_axpby
 from apex.ops.multi_tensor_scale import multi_tensor_scale
 
 _CHUNK = 2048 * 32
+_dtype = attrgetter("dtype")
+_not_none = partial(is_not, None)
 
 
 def _split_contiguous(*lists):
@@ -140,7 +143,7 @@ class LossScaler:
     def _warn_non_fp32(self, master_grads) -> None:
         if LossScaler.warned_unscaling_non_fp32_grad:
             return
-        if all(m is None or m.dtype is torch.float32 for m in master_grads):
+        if set(map(_dtype, filter(_not_none, master_grads))) <= {torch.float32}:  # (no loop in Python)
             return
         for m in master_grads:
             if m is not None and m.dtype != torch.float32:

@@ -1,0 +1,237 @@
+"""Host cost of a step: no Python work per parameter once a step has been planned, no host synchronisation
+in a capturable step, and a captured CUDA graph that replays the eager steps.
+
+Timings are the benchmark's business (``benchmarks/host/bench_optimizer_host.py``); these tests count
+instead. With every Triton launch stubbed, the Python calls a step makes (``sys.setprofile``'s ``call`` and
+``c_call`` events: a Python-level loop over the parameters calls something per parameter, while ``map``
+over a C function, the way a plan reads the gradients, makes one call) must be the same for 4 and for 40
+parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import apex
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedLARS,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+from tests.optimizers._common import grads_for_step, make_params
+
+OPTIMIZERS = {
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+    "FusedAdam-capturable-master": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
+                                                        master_weights=True),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1),
+    "FusedLARS": lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
+    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2),
+    "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, weight_decay=0.01,
+                                                                 reduced_precision_dtype=torch.bfloat16),
+}
+
+
+@pytest.fixture
+def stubbed_launches(monkeypatch):
+    """Every Triton launch returns at once (compiled or interpreted): only the host's work runs."""
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter, jit
+
+    def run(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(jit.JITFunction, "run", run)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+
+
+def _calls(fn) -> int:
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def _params(n: int, dtype=torch.float32):
+    params = make_params([(5 + i % 3,) for i in range(n)], dtype)
+    for p, g in zip(params, grads_for_step(params, 0)):
+        p.grad = g
+    return params
+
+
+def _step_calls(name: str, n: int, fresh_grads: bool) -> int:
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = _params(n, dtype)
+    opt = OPTIMIZERS[name](params)
+    with apex.backend("triton"):
+        opt.step()
+        opt.step()
+        if fresh_grads:  # zero_grad(set_to_none=True) and a backward: new gradient tensors every step
+
+            def new_grads():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+
+            def step():
+                new_grads()
+                opt.step()
+
+            return _calls(step) - _calls(new_grads)
+        return _calls(opt.step)
+
+
+@pytest.mark.parametrize("fresh_grads", [False, True], ids=["same_grads", "new_grads"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_python_calls_per_step_do_not_grow_with_the_parameters(triton_device, stubbed_launches, name,
+                                                               fresh_grads):
+    few, many = _step_calls(name, 4, fresh_grads), _step_calls(name, 40, fresh_grads)
+    assert many == few, f"{name}: {few} Python calls per step with 4 parameters, {many} with 40"
+
+
+@pytest.mark.parametrize("op", ["scale", "l2norm", "axpby", "adam"])
+def test_amp_c_calls_do_not_grow_with_the_tensors(triton_device, stubbed_launches, op):
+    import amp_C
+
+    def calls(n: int) -> int:
+        xs = [t.detach() for t in _params(n)]
+        ys, ms, vs = ([torch.zeros_like(x) for x in xs] for _ in range(3))
+        flag = torch.zeros(1, dtype=torch.int32)
+        # New Python lists every call, as a caller builds them every step.
+        fn = {
+            "scale": lambda: amp_C.multi_tensor_scale(65536, flag, [list(xs), list(ys)], 0.5),
+            "l2norm": lambda: amp_C.multi_tensor_l2norm(65536, flag, [list(xs)], True),
+            "axpby": lambda: amp_C.multi_tensor_axpby(65536, flag, [list(xs), list(ys), list(ys)], 2.0, 1.0, -1),
+            "adam": lambda: amp_C.multi_tensor_adam(65536, flag, [list(xs), list(ys), list(ms), list(vs)],
+                                                    1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0),
+        }[op]
+        with apex.backend("triton"):
+            fn()
+            return _calls(fn)
+
+    assert calls(40) == calls(4)
+
+
+def test_amp_unscale_calls_do_not_grow_with_the_gradients(triton_device, stubbed_launches):
+    from apex.amp.scaler import LossScaler
+
+    def calls(n: int) -> int:
+        grads = [p.grad for p in _params(n)]
+        scaler = LossScaler("dynamic")
+        with apex.backend("triton"):
+            scaler.unscale(grads, grads, None, models_are_masters=True)
+            return _calls(lambda: scaler.unscale(grads, grads, None, models_are_masters=True))
+
+    assert calls(40) == calls(4)
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on any operator that reads a device value on the host (``.item()``, ``bool(t)``, ``.tolist()``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise AssertionError(f"host synchronisation in a capturable step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
+@pytest.mark.parametrize("name", ["FusedAdam-capturable-master", "FusedMixedPrecisionLamb"])
+def test_capturable_step_reads_nothing_back(triton_device, stubbed_launches, monkeypatch, name, with_scaler):
+    def refuse(*args, **kwargs):
+        raise AssertionError("tolist() in a capturable step")
+
+    params = _params(6, torch.bfloat16)
+    opt = OPTIMIZERS[name](params)
+    scaler = torch.amp.GradScaler(triton_device.type, init_scale=2.0 ** 8) if with_scaler else None
+    if scaler is not None:
+        scaler.scale(torch.ones((), device=triton_device))
+
+    def step():
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+
+    with apex.backend("triton"):
+        step()  # the first step plans (reading the step counters back once is allowed there)
+        if scaler is not None:
+            scaler.update()
+        monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+        with _NoHostSync():
+            step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_fused_adam_in_a_cuda_graph_replays_the_eager_steps(dtype, with_scaler):
+    device = torch.device("cuda")
+    shapes = [(33,), (4097,), (3, 5), (70000,)]
+    params = [p.to(device) for p in make_params(shapes, dtype)]
+    params = [torch.nn.Parameter(p) for p in params]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True, master_weights=dtype != torch.float32)
+
+    opt, ref = make(params), make(twins)
+    scale = 2.0 ** 8 if with_scaler else 1.0
+    scaler = torch.amp.GradScaler("cuda", init_scale=scale, growth_interval=10 ** 6) if with_scaler else None
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=scale, growth_interval=10 ** 6) if with_scaler else None
+    for p in params:
+        p.grad = torch.zeros_like(p)  # static gradients: each replay reads what was copied into them
+
+    def step(o, s):
+        if s is None:
+            o.step()
+        else:
+            s.step(o)
+            s.update()
+
+    def set_grads(step_index, ps, static=False):
+        for p, g in zip(ps, grads_for_step(ps, step_index, scale=scale)):
+            if static:  # into the tensors the graph reads
+                p.grad.copy_(g.to(device))
+            else:
+                p.grad = g.to(device)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps (plans, tables, compiled kernels) before the capture
+        for s in range(3):
+            set_grads(s, params, static=True)
+            set_grads(s, twins)
+            step(opt, scaler)
+            step(ref, ref_scaler)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(opt, scaler)
+    for s in range(3, 8):
+        set_grads(s, params, static=True)
+        set_grads(s, twins)
+        graph.replay()
+        step(ref, ref_scaler)
+    torch.cuda.synchronize()
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)
+    for a, b in zip(params, twins):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[a][key], ref.state[b][key])
