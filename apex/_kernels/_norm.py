@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from apex._kernels import _tuning
+from apex._kernels._host import cdiv, next_power_of_2
 
 
 def _interpreting() -> bool:
@@ -180,10 +181,10 @@ def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, back
     program per tile). The measured table or an override (``_tuning``) may replace the formula's values.
     No ``num_stages``: Triton pipelines only ``tl.range(num_stages=...)`` loops and loads that feed a dot,
     so the launch option leaves these loops' code unchanged (the compiled code is the same for 1 and 3)."""
-    block_n = triton.next_power_of_2(max(n, 1))
+    block_n = next_power_of_2(max(n, 1))
     if _interpreting():
         # The interpreter pays per operation, not per element: big tiles, few programs.
-        default = {"rows": max(1, min(triton.next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
+        default = {"rows": max(1, min(next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
                    "programs_per_sm": 1}
     else:
         default = _formula(m, block_n, itemsize, backward, _tuning.device(dev)[1] or 132)
@@ -219,12 +220,12 @@ def _formula(m: int, block_n: int, itemsize: int, backward: bool, sms: int) -> d
 
 def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
     """(programs, tiles per program) covering the ``m`` rows in tiles of ``cfg["rows"]``."""
-    n_tiles = triton.cdiv(m, cfg["rows"])
+    n_tiles = cdiv(m, cfg["rows"])
     # Without a GPU (the interpreter) a program per SM stands for a program per hundredth of the rows.
     sms = _tuning.device(dev)[1] or 100
     progs = n_tiles if cfg["programs_per_sm"] <= 0 else max(1, min(n_tiles, cfg["programs_per_sm"] * sms))
-    per = triton.cdiv(n_tiles, progs)
-    return triton.cdiv(n_tiles, per), per
+    per = cdiv(n_tiles, progs)
+    return cdiv(n_tiles, per), per
 
 
 def plan(x: torch.Tensor, is_rms: bool, backward: bool) -> tuple[dict, int, int]:
@@ -249,7 +250,7 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
         if n == 0:
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     cfg, progs, per = plan(x, is_rms, False)
     _fwd_kernel[(progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
@@ -280,7 +281,7 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
         if dresidual is not None:
             dx.copy_(dresidual)
         return dx, dw, db
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     cfg, progs, per = plan(v, is_rms, True)
     has_w, has_b = weight is not None, bias is not None
     dwp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_w else dx
@@ -296,12 +297,12 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
     if has_w:
         if _interpreting():
             rn = min(block_n, 4096)
-            rp = max(1, min(triton.next_power_of_2(progs), 65536 // rn))
+            rp = max(1, min(next_power_of_2(progs), 65536 // rn))
         else:
             rn, rp = 128, 32
-        _reduce_kernel[(triton.cdiv(n, rn),)](dwp, dbp, dw, db if has_b else dw, progs, n,
+        _reduce_kernel[(cdiv(n, rn),)](dwp, dbp, dw, db if has_b else dw, progs, n,
                                              HAS_B=has_b, BLOCK_P=rp, BLOCK_N=rn)
     elif has_b:  # bias without weight: reduce the bias partials alone
-        _reduce_kernel[(triton.cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False,
+        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False,
                                                BLOCK_P=32, BLOCK_N=128)
     return dx, dw, db

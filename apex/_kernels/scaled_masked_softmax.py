@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv
+
 # Widest row held in registers in one block on a GPU (fp32: 32 values per thread at 16 warps).
 MAX_BLOCK = 16384
 
@@ -173,7 +175,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
         ms = m.stride()
     else:
         m, ms = x, (0, 0, 0, 0)  # never read
-    _fwd_kernel[(triton.cdiv(n_rows, rows),)](
+    _fwd_kernel[(cdiv(n_rows, rows),)](
         x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms,
         HAS_MASK=mask is not None, CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one,
         num_warps=warps)
@@ -189,7 +191,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
     if dx.numel() == 0:
         return dx
     rows, block, one, warps = _config(n_rows, sk, max_block)
-    _bwd_kernel[(triton.cdiv(n_rows, rows),)](
+    _bwd_kernel[(cdiv(n_rows, rows),)](
         dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(),
         CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one, num_warps=warps)
     return dx

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from apex._kernels import _tuning
+from apex._kernels._host import cdiv, next_power_of_2
 
 
 def interpreting() -> bool:
@@ -73,13 +74,13 @@ def _rows_per_program(m: int, v: int, block: int) -> int:
     # Short vocabularies: several rows per program keep the grid (and the interpreter's time) small.
     rows = max(1, min(64, 4096 // max(block, 1)))
     if interpreting():
-        rows = max(rows, min(64, triton.next_power_of_2(max(1, m // 8))))
-    return min(triton.next_power_of_2(max(m, 1)), rows)
+        rows = max(rows, min(64, next_power_of_2(max(1, m // 8))))
+    return min(next_power_of_2(max(m, 1)), rows)
 
 
 def _block(v: int) -> int:
     cap = 8192 if interpreting() else 4096
-    return min(cap, triton.next_power_of_2(max(v, 16)))
+    return min(cap, next_power_of_2(max(v, 16)))
 
 
 def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx: int
@@ -93,7 +94,7 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
     block = _block(v)
     cfg = _tuning.pick("xentropy.fwd", x.device, x.element_size(), (m, v),
                        {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4, "stages": 1})
-    _xent_fwd[(triton.cdiv(m, cfg["rows"]),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
+    _xent_fwd[(cdiv(m, cfg["rows"]),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
                                               int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"],
                                               STAGES=cfg["stages"], num_warps=cfg["warps"])
     return losses, lse
@@ -108,7 +109,7 @@ def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: tor
     block = min(_block(v), 1024 if not interpreting() else 8192)
     cfg = _tuning.pick("xentropy.bwd", x.device, x.element_size(), (m, v),
                        {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
-    grid = (triton.cdiv(m, cfg["rows"]), triton.cdiv(v, cfg["block"]))
+    grid = (cdiv(m, cfg["rows"]), cdiv(v, cfg["block"]))
     _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride(0), out.stride(0), grad.stride(0),
                     float(smoothing), int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"], num_warps=cfg["warps"])
     return out

@@ -1,0 +1,17 @@
+"""``triton.cdiv`` and ``triton.next_power_of_2`` for launchers' host code, as plain integer arithmetic.
+
+Since Triton 3.4 both are ``constexpr_function`` objects: a call from Python unwraps its arguments through
+``triton.language`` and costs about a microsecond or more, several times per launch, where the arithmetic
+costs a few dozen nanoseconds. These give the same results for the integers launchers pass (sizes, counts).
+"""
+
+from __future__ import annotations
+
+
+def cdiv(x: int, y: int) -> int:
+    return (x + (y - 1)) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ≥ ``n`` (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
