@@ -82,13 +82,15 @@ def _norm_candidates(n: int, backward: bool) -> list[dict]:
     """Rows per program x warps with 8-64 elements per thread (4-32 in the backward, which also holds the
     weight-gradient accumulators in registers); the backward also over 1-8 programs per SM."""
     lo, hi = (4, 32) if backward else (8, 64)
-    out = []
+    # The former launch: tiles of 4096 elements (up to 16 rows), 16 warps; one program per SM backward.
+    rows = max(1, min(16, 4096 // _p2(n)))
+    out = [{"rows": rows, "warps": max(1, min(16, rows * _p2(n) // 256)), "programs_per_sm": int(backward)}]
     for rows in ((1, 2) if backward else (1, 2, 4, 8)):
         for warps in (1, 2, 4, 8, 16, 32):
             if lo <= rows * _p2(n) // (32 * warps) <= hi:
                 out += [{"rows": rows, "warps": warps, "programs_per_sm": p}
                         for p in ((1, 2, 4, 8) if backward else (0,))]
-    return out
+    return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
 def _norm_case(shape, dtype, rms: bool, backward: bool, sms: int) -> SweepCase:
@@ -147,9 +149,11 @@ def _swiglu_case(shape, dtype, phase: str) -> SweepCase:
 
     m, n2 = shape
     n, s = n2 // 2, dtype.itemsize
-    if phase == "bwd_db":  # column blocks walking all rows; the loop may be pipelined
-        cands = [{"rows": r, "cols": c, "warps": w, "stages": st} for c in (16, 32, 64, 128) for r in (16, 32, 64, 128)
-                 for w in (4, 8) for st in (1, 3) if 1024 <= r * c <= 8192 and r * c // (32 * w) >= 8]
+    if phase == "bwd_db":  # column blocks walking their rows (all, or one of "splits" chunks); pipelined or not
+        cands = [{"rows": r, "cols": c, "warps": 4, "stages": st, "splits": sp} for c in (32, 64, 128)
+                 for r in (16, 32, 64) for st in (1, 3) for sp in (1, 8, 32) if 1024 <= r * c <= 8192]
+        bm, bn, _ = bias_swiglu.column_tiles(m, n)  # the former launch: narrow columns, all rows, one pass
+        cands.append({"rows": bm, "cols": bn, "warps": 4, "stages": 1, "splits": 1})
     else:
         cands = [{"rows": r, "cols": c, "warps": w} for c in (512, 1024, 2048) for r in (2, 4, 8, 16)
                  for w in (4, 8) if r * c in (4096, 8192)]
@@ -169,7 +173,8 @@ def _swiglu_case(shape, dtype, phase: str) -> SweepCase:
     x, y = m * n2 * s, m * n * s
     read, write = (x + n2 * s, y) if phase == "fwd" else (x + y + n2 * s, x + n2 * s * (phase == "bwd_db"))
     return SweepCase("bias_swiglu." + phase, shape, shape[:1] + (n,), dtype, read, write, make, run, cands,
-                     passes=lambda cfg, progs: math.ceil(m / cfg["rows"]) if phase == "bwd_db" else 1,
+                     passes=lambda cfg, progs: (math.ceil(m / cfg.get("splits", 1) / cfg["rows"])
+                                                if phase == "bwd_db" else 1),
                      pass_bytes=lambda cfg: cfg["rows"] * cfg["cols"] * s * 3 if phase != "fwd" else None)
 
 
