@@ -71,6 +71,12 @@ def check_args(input: object, mask: object, causal: bool, name: str = "input") -
                          "(expected [b or 1, 1 or np, sq or 1, sk or 1])")
 
 
+def _check_same_shape(grad_output: Tensor, softmax_results: Tensor) -> None:
+    if grad_output.shape != softmax_results.shape:
+        raise ValueError(f"grad_output has shape {_shape(grad_output)}, expected the shape of softmax_results "
+                         f"{_shape(softmax_results)}")
+
+
 def _as4d(t: Tensor) -> Tensor:
     return t.unsqueeze(1) if t.dim() == 3 else t
 
@@ -142,7 +148,12 @@ def scaled_masked_softmax_forward(input: Tensor, mask: Tensor | None = None, sca
     ``max_block`` (Triton path only) caps the keys held in one block; longer rows take the online path.
     """
     check_args(input, mask, causal)
-    scale = check_scale(scale)
+    return _forward_checked(input, mask, check_scale(scale), causal, max_block)
+
+
+def _forward_checked(input: Tensor, mask: Tensor | None, scale: float, causal: bool, max_block: int | None = None
+                     ) -> Tensor:
+    """:func:`scaled_masked_softmax_forward` on checked arguments (the custom op's: its callers check)."""
     x = _as4d(input)
     m = _mask4d(mask, x.shape)
     if _use_kernel(x):
@@ -163,11 +174,14 @@ def scaled_masked_softmax_backward(grad_output: Tensor, softmax_results: Tensor,
     """
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(grad_output, None, False, "grad_output")
-    if tuple(grad_output.shape) != tuple(softmax_results.shape):
-        raise ValueError(f"grad_output has shape {_shape(grad_output)}, expected the shape of softmax_results "
-                         f"{_shape(softmax_results)}")
-    scale = check_scale(scale)
-    out_dtype = out_dtype or grad_output.dtype
+    _check_same_shape(grad_output, softmax_results)
+    return _backward_checked(grad_output, softmax_results, check_scale(scale), causal,
+                             out_dtype or grad_output.dtype, max_block)
+
+
+def _backward_checked(grad_output: Tensor, softmax_results: Tensor, scale: float, causal: bool,
+                      out_dtype: torch.dtype, max_block: int | None = None) -> Tensor:
+    """:func:`scaled_masked_softmax_backward` on checked arguments (the backward op's)."""
     dy, y = _as4d(grad_output), _as4d(softmax_results)
     if _use_kernel(dy, y) and out_dtype in KERNEL_DTYPES:
         from apex._kernels import scaled_masked_softmax as kernels
@@ -181,7 +195,8 @@ def scaled_masked_softmax_backward(grad_output: Tensor, softmax_results: Tensor,
 # ------------------------------------------------------------------------------------------ custom ops
 @custom_op("apex::scaled_masked_softmax_fwd")
 def _fwd_op(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
-    return scaled_masked_softmax_forward(input, mask, scale, causal)
+    # Its callers (scaled_masked_softmax, the compiled-extension entry points) checked the arguments.
+    return _forward_checked(input, mask, scale, causal)
 
 
 @_fwd_op.register_fake
@@ -192,7 +207,8 @@ def _(input, mask, scale, causal):
 @custom_op("apex::scaled_masked_softmax_bwd")
 def _bwd_op(grad_output: Tensor, softmax_results: Tensor, scale: float, causal: bool,
             out_dtype: torch.dtype) -> Tensor:
-    return scaled_masked_softmax_backward(grad_output, softmax_results, scale, causal, out_dtype)
+    # Its callers (the op's backward, the compiled-extension entry point) checked the arguments.
+    return _backward_checked(grad_output, softmax_results, scale, causal, out_dtype)
 
 
 @_bwd_op.register_fake
@@ -243,6 +259,7 @@ def _compat_backward(output_grads, softmax_results, scale, causal, rank, module)
             raise ValueError(f"{module}.backward: {name} must be a {rank}-D tensor, got shape {_shape(t)}")
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(output_grads, None, False, "output_grads")
+    _check_same_shape(output_grads, softmax_results)
     with torch.no_grad():
         return _bwd_op(output_grads, softmax_results, check_scale(scale), causal, output_grads.dtype)
 
