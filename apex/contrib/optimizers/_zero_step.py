@@ -3,6 +3,8 @@ parameter all-gather (``_zero_comm``) that writes the updated values back into t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from apex.contrib.optimizers import _zero_buckets as zb
@@ -143,12 +145,24 @@ class ZeroStepMixin:
                 zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
         self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
 
-    @staticmethod
-    def _local_runs(sb: zb.StateBucket) -> list:
+    def _local_runs(self, sb: zb.StateBucket) -> list:
         """``(param_group_id, shard slice, fragment)`` for the local fragments of a bucket. With fp32 master
         shards, neighbouring fragments of one parameter group merge into one slice (fragment None): Adam is
         elementwise and the alignment padding between them is zero in every state, gradient and parameter,
-        so it stays zero, and a model of many small parameters then costs a few tensors per step."""
+        so it stays zero, and a model of many small parameters then costs a few tensors per step. Kept per
+        bucket (sorting the fragments costs a microsecond per parameter every step) while its fragments and
+        kind of shards are the same."""
+        cache = self.__dict__.setdefault("_local_runs_cache", {})
+        key = (len(sb.fragments), sb.params_shard is None, sb.param_remainders_shard is None)
+        held = cache.get(id(sb))
+        if held is not None and held[0]() is sb and held[1] == key:
+            return held[2]
+        runs = self._plan_local_runs(sb)
+        cache[id(sb)] = (weakref.ref(sb), key, runs)  # (a bucket replaced by a checkpoint load is not kept)
+        return runs
+
+    @staticmethod
+    def _plan_local_runs(sb: zb.StateBucket) -> list:
         frags = sorted((f for f in sb.fragments if f.in_local_shard and f.shard_range[1] > f.shard_range[0]),
                        key=lambda f: f.shard_range[0])
         if sb.params_shard is None or sb.param_remainders_shard is not None:

@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from apex._kernels._lists import column
 from apex.contrib.optimizers import _dist_lamb_checkpoint
 from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
 from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
@@ -179,13 +180,17 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._group_frags = []
         for gi in range(len(self.param_groups)):
             sel = [f for f, g in zip(lay.fragments, self._frag_group) if g == gi]
-            views = [[t[f.shard_offset:f.shard_offset + f.length] for f in sel]
+            # Columns: the step hands the same fragment views to the multi-tensor ops every time, their
+            # addresses and sizes read once here (the shard buffers live as long as the optimizer)
+            views = [column([t[f.shard_offset:f.shard_offset + f.length] for f in sel])
                      for t in (self._fp32_g, self._fp32_p, self._fp32_m, self._fp32_v, self._fp32_u)]
             self._group_frags.append((torch.tensor([f.param for f in sel], dtype=torch.long, device=device),
                                       views))
         # the CPU LAMB path's buffers, reused every step (building them per step allocates a shard's worth)
         self._lamb_workspaces = [Workspace([t.shape for t in views[4]]) if device.type == "cpu" and views[4]
                                  else None for _, views in self._group_frags]
+        self._frags_pu = column([t for _, views in self._group_frags for t in views[1]]
+                                + [t for _, views in self._group_frags for t in views[4]])
         idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
         self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
         self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
@@ -357,12 +362,10 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             if self._adam_w_mode and wd != 0:
                 torch._foreach_add_(u, p, alpha=wd)
         # trust ratios of whole parameters: the fragments' squared norms summed over the shards
-        frags_p = [t for _, (_, p, _, _, _) in self._group_frags for t in p]
-        frags_u = [t for _, (_, _, _, _, u) in self._group_frags for t in u]
         n = len(self._model_params)
         sq = torch.zeros(2 * n, dtype=torch.float32, device=self._device)
-        if frags_p:
-            per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [frags_p + frags_u], True, validate=False)[1]
+        if self._frags_pu:  # the fragments of p, then of u
+            per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [self._frags_pu], True, validate=False)[1]
             sq.index_add_(0, self._norm_index, per.float().square())
         _all_reduce(sq, group=self._rs_pg)
         norms = sq.sqrt_()
