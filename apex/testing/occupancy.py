@@ -370,14 +370,18 @@ def capture(target: str = "cuda:90") -> Iterator[list[Launch]]:
             JITFunction.run = inner
 
 
-def report(calls, target: str = "cuda:90", dev: Device = H200) -> list[str]:
-    """One line per launch of ``calls()`` (``(name, fn)`` pairs): resources and the model (the PTX's load
-    bytes stand in for the DRAM bytes, an upper bound where programs re-read a shared row)."""
+def report(calls, target: str = "cuda:90", select: str = "", dev: Device = H200) -> list[str]:
+    """One line per launch of ``calls()`` (``(name, fn)`` pairs whose name contains ``select``): the grid and
+    the compiled kernel's resources (``benchmarks/sweep_kernels.py --model`` adds each case's bytes and the
+    model). CPU tensors launch as on ``dev`` (its SM count sizes persistent grids)."""
     from apex._backend import backend
+    from apex._kernels import _tuning
 
     lines = []
     for name, call in calls():
-        with capture(target) as launches, backend("triton"):
+        if select not in name:
+            continue
+        with capture(target) as launches, backend("triton"), _tuning.assume_device(dev.name, dev.sms):
             call()
         for launch in launches:
             res = resources(launch.kernel, launch.name.rsplit(".", 1)[-1])
@@ -390,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", required=True, metavar="MODULE:FUNCTION",
                    help="a function returning (name, callable) pairs whose launches are compiled")
     p.add_argument("--target", default="cuda:90")
+    p.add_argument("-k", default="", help="only calls whose name contains this text")
     args = p.parse_args(argv)
     module, _, attr = args.calls.partition(":")
     if not attr:
         p.error(f"--calls must look like MODULE:FUNCTION, got {args.calls!r}")
-    for line in report(getattr(importlib.import_module(module), attr), args.target):
+    for line in report(getattr(importlib.import_module(module), attr), args.target, args.k):
         print(line)
     return 0
 
