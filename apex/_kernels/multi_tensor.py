@@ -17,6 +17,7 @@ launch per group, whatever the number of tensors.
 from __future__ import annotations
 
 import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class _LRU:
 # tensors themselves (which may be freed: a hit is valid for any tensors at those places and sizes).
 _tables = _LRU()
 _layouts = _LRU()
+_col_ptrs = _LRU(256)
 _ranges: dict = {}
 
 
@@ -110,10 +112,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _upload(values: list, device: torch.device) -> torch.Tensor:
-    """An int64 device tensor of ``values``; on a GPU through pinned memory without blocking the host (a
-    pageable copy waits for the GPU to drain, and is not allowed while a CUDA graph is being captured)."""
-    host = torch.tensor(values, dtype=torch.int64)
+def _upload(values, device: torch.device) -> torch.Tensor:
+    """An int64 device tensor of ``values`` (ints); on a GPU through pinned memory without blocking the host
+    (a pageable copy waits for the GPU to drain, and is not allowed while a CUDA graph is being captured)."""
+    # (through an array: torch.tensor of a list of ints costs twice as much per element)
+    host = torch.frombuffer(array("q", values), dtype=torch.int64).clone() if len(values) else \
+        torch.zeros(0, dtype=torch.int64)
     if device.type == "cpu":
         return host
     try:
@@ -168,13 +172,26 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
             a is c.ptrs or a == c.ptrs for a, c in zip(cached[1], cols)):
         return cached[2]
     lay = _layout(first.numels, device)
-    ptrs = [p for c in cols for p in c.ptrs]
-    result = TensorTable(ptrs=_upload(ptrs, device), sizes=lay.sizes, chunk_tensor=lay.chunk_tensor,
-                         chunk_start=lay.chunk_start, chunk_first=lay.chunk_first, n_tensors=len(first),
-                         n_chunks=lay.n_chunks, chunk=lay.chunk, block=lay.block,
-                         dtypes=tuple(TORCH_TO_TL[d] for d in dtypes), max_chunks=lay.max_chunks)
+    parts = [_ptrs_on(c, device) for c in cols]  # only a list whose addresses are new is uploaded
+    result = TensorTable(ptrs=torch.cat(parts) if len(parts) > 1 else parts[0], sizes=lay.sizes,
+                         chunk_tensor=lay.chunk_tensor, chunk_start=lay.chunk_start,
+                         chunk_first=lay.chunk_first, n_tensors=len(first), n_chunks=lay.n_chunks,
+                         chunk=lay.chunk, block=lay.block, dtypes=tuple(TORCH_TO_TL[d] for d in dtypes),
+                         max_chunks=lay.max_chunks)
     _tables.put(key, (first.numels, tuple(c.ptrs for c in cols), result))
     return result
+
+
+def _ptrs_on(col, device: torch.device) -> torch.Tensor:
+    """The addresses of a Column's tensors as a device tensor (cached: a step whose gradients moved uploads
+    theirs and reuses those of the parameters and states)."""
+    key = (device, col.key)
+    cached = _col_ptrs.get(key)
+    if cached is not None and (cached[0] is col.ptrs or cached[0] == col.ptrs):
+        return cached[1]
+    dev = _upload(col.ptrs, device)
+    _col_ptrs.put(key, (col.ptrs, dev))
+    return dev
 
 
 def _all_indices(n: int) -> list[int]:

@@ -83,16 +83,14 @@ class Plan:
             if tuple(map(is_not, gs, repeat(None))) != self.mask:
                 return None
             gs = list(compress(gs, self.mask))
-        elif not all(map(is_not, gs, repeat(None))):
-            return None
         try:
-            gptrs = tuple(map(_ptr, gs))
+            gptrs = tuple(map(_ptr, gs))  # (a gradient that is now None raises TypeError here)
             ok = (tuple(map(_ptr, self.with_grad)) == self.ptrs and tuple(map(_dtype, gs)) == self.dtypes
                   and tuple(map(_shape, gs)) == self.shapes)
             if ok and (self.strided or not all(map(_contiguous, gs))):
                 ok = (all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
                       and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided))
-        except (RuntimeError, NotImplementedError):  # a sparse gradient: the full checks raise the error
+        except (TypeError, RuntimeError, NotImplementedError):  # None, or sparse: the full checks say which
             return None
         return (gs, gptrs) if ok else None
 
