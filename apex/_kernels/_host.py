@@ -1,8 +1,9 @@
 """``triton.cdiv`` and ``triton.next_power_of_2`` for launchers' host code, as plain integer arithmetic.
 
-In recent Triton releases (3.9, say) both are ``constexpr_function`` objects: a call from Python unwraps its arguments through
-``triton.language`` and costs about a microsecond or more, several times per launch, where the arithmetic
-costs a few dozen nanoseconds. These give the same results for the integers launchers pass (sizes, counts).
+In recent Triton releases (3.9, say) both are ``constexpr_function`` objects: a call from Python unwraps
+its arguments through ``triton.language`` and costs about a microsecond or more, several times per launch,
+where the arithmetic costs a few dozen nanoseconds. These give the same results for the integers launchers
+pass (sizes, counts).
 """
 
 from __future__ import annotations
