@@ -60,6 +60,8 @@ class Plan:
         self.strides = tuple(self.with_grad[i].stride() for i in self.strided)
         self.buckets: list = []
         self.watched: list = []
+        self.gids: tuple = ()  # the ids and addresses of the gradients last checked
+        self.gptrs: tuple = ()
 
     def watch(self, tensor: torch.Tensor) -> None:
         """Hold the plan only while ``tensor`` is not written from outside: call after each own write (a
@@ -85,14 +87,23 @@ class Plan:
             gs = list(compress(gs, self.mask))
         try:
             gptrs = tuple(map(_ptr, gs))  # (a gradient that is now None raises TypeError here)
-            ok = (tuple(map(_ptr, self.with_grad)) == self.ptrs and tuple(map(_dtype, gs)) == self.dtypes
-                  and tuple(map(_shape, gs)) == self.shapes)
-            if ok and (self.strided or not all(map(_contiguous, gs))):
-                ok = (all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
-                      and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided))
+            if tuple(map(_ptr, self.with_grad)) != self.ptrs:
+                return None
+            gids = tuple(map(id, gs))
+            # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
+            # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
+            # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
+            if gids != self.gids or gptrs != self.gptrs:
+                if tuple(map(_dtype, gs)) != self.dtypes or tuple(map(_shape, gs)) != self.shapes:
+                    return None
+                if (self.strided or not all(map(_contiguous, gs))) and not (
+                        all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
+                        and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided)):
+                    return None
+                self.gids, self.gptrs = gids, gptrs
         except (TypeError, RuntimeError, NotImplementedError):  # None, or sparse: the full checks say which
             return None
-        return (gs, gptrs) if ok else None
+        return gs, gptrs
 
 
 def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[tuple[Plan, list, tuple]]:
