@@ -30,7 +30,40 @@ _SUBMODULES = (
     "transformer",
 )
 
-__all__ = ["backend", "current_backend", "__version__", *_SUBMODULES]
+__all__ = ["backend", "current_backend", "__version__", "DeprecatedFeatureWarning", "deprecated_warning",
+           "check_cudnn_version_and_warn", *_SUBMODULES]
+
+
+class DeprecatedFeatureWarning(FutureWarning):
+    """Apex's category for its deprecation notices; kept so warning filters written against it still work
+    (this package deprecates nothing and emits none itself)."""
+
+
+def deprecated_warning(msg: str) -> None:
+    """Apex's helper: warn ``msg`` as a :class:`DeprecatedFeatureWarning`, on rank 0 only when
+    ``torch.distributed`` is initialised."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(msg, DeprecatedFeatureWarning, stacklevel=2)
+
+
+def check_cudnn_version_and_warn(global_option: str, required_cudnn_version: int) -> bool:
+    """Apex's cuDNN version gate: True when cuDNN ``required_cudnn_version`` or later is available, else
+    warn (naming ``global_option``) and return False. Nothing in this package needs cuDNN; kept for clients."""
+    import warnings
+
+    import torch
+
+    available = torch.backends.cudnn.is_available()
+    version = torch.backends.cudnn.version() if available else None
+    if not (available and version is not None and version >= required_cudnn_version):
+        warnings.warn(f"`{global_option}` depends on cuDNN {required_cudnn_version} or later, but "
+                      f"{'cuDNN is not available' if not available else version}", stacklevel=2)
+        return False
+    return True
 
 if TYPE_CHECKING:  # pragma: no cover
     from apex import (  # noqa: F401

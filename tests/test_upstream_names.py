@@ -22,18 +22,12 @@ with open(gen_upstream_names.OUT) as _f:
 
 _LOGGING = ("part of Apex's import-time logging setup (a StreamHandler with this formatter attached to the "
             "`apex` logger); importing apex here configures no logging")
-_DEPRECATION = ("Apex's category and helper for its notices that apex.amp and apex.RNN are deprecated; this "
-                "package keeps both without deprecating them and emits no such notice")
 
 # package -> {name: reason}; "*" for a whole package that is not provided.
 OMISSIONS: dict[str, dict[str, str]] = {
     "apex": {
         "RankInfoFormatter": _LOGGING,
         "handler": _LOGGING,
-        "DeprecatedFeatureWarning": _DEPRECATION,
-        "deprecated_warning": _DEPRECATION,
-        "check_cudnn_version_and_warn": "Apex's import-time cuDNN version gate for its cuDNN-frontend contrib "
-                                        "extensions (bottleneck, conv_bias_relu); nothing here is built on cuDNN",
     },
     "apex.amp.lists": {
         "*": "the torch function lists Apex's O1 monkey-patched; O1 here runs on torch.autocast, and the fp32 "
@@ -116,3 +110,21 @@ def test_table_is_current():
     fresh = gen_upstream_names.generate(repo, tuple(TABLE["revisions"].values()))  # the recorded commits
     names = {p: e["names"] for p, e in fresh["packages"].items()}
     assert names == {p: e["names"] for p, e in TABLE["packages"].items()}, "tests/upstream_names.json is stale"
+
+
+def test_top_level_deprecation_and_cudnn_helpers_behave_as_apex():
+    import warnings
+
+    import torch
+
+    import apex
+
+    assert issubclass(apex.DeprecatedFeatureWarning, FutureWarning)
+    with pytest.warns(apex.DeprecatedFeatureWarning, match="going away"):
+        apex.deprecated_warning("going away")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="`bottleneck` depends on cuDNN 99999999"):
+            apex.check_cudnn_version_and_warn("bottleneck", 99999999)
+    with warnings.catch_warnings(record=True):
+        assert apex.check_cudnn_version_and_warn("bottleneck", 0) is bool(torch.backends.cudnn.is_available())
