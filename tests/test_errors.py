@@ -8,6 +8,7 @@ process group run in one single-rank Gloo spawn (``test_distributed_error_paths`
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import warnings
 
@@ -279,6 +280,42 @@ def _adam_swa_two_groups(mp):
     FusedAdamSWA.from_optim(adam, [a, b], [a, b], [a, b], 0.9)
 
 
+# ------------------------------------------------------------------------- fused ops and compatibility modules
+def _op(target, *args, **kwargs):
+    """``module:attr.attr`` imported when the row runs, called with the given arguments (the compatibility
+    modules, such as ``xentropy_cuda``, are top-level modules)."""
+    def call(mp):
+        module, _, name = target.partition(":")
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        fn(*args, **kwargs)
+    return call
+
+
+def _module(target, init_args, *args, **kwargs):
+    """``target(*init_args)(*args, **kwargs)``: a module's forward."""
+    def call(mp):
+        module, _, name = target.partition(":")
+        getattr(importlib.import_module(module), name)(*init_args)(*args, **kwargs)
+    return call
+
+
+Z, F64 = torch.zeros, torch.float64
+
+
+def L(*shape):  # noqa: N802 - integer labels, as Z
+    return torch.zeros(*shape, dtype=torch.long)
+
+
+_XENT = "apex.contrib.xentropy:SoftmaxCrossEntropyLoss.apply"
+_FOCAL = "apex.contrib.focal_loss.focal_loss:focal_loss"
+_TLOSS = "apex.contrib.transducer:TransducerLoss"
+_JOINT = "apex.contrib.transducer:TransducerJoint"
+_FLN = "apex.contrib.layer_norm:FastLayerNormFN.apply"
+_SOFTMAX_CUDA = "scaled_masked_softmax_cuda"
+
+
 CASES = [
     # (id, call, this package's type, Apex's type, message fragment)
     ("utils.divide", _divide, VE, AE, "5 is not divisible by 2"),
@@ -350,6 +387,78 @@ CASES = [
      VE, RE, "in1 must be a 2-D"),
     ("index_mul_2d dtypes differ", _index_mul_2d(torch.zeros(4, 2), torch.zeros(3, 2, dtype=torch.float64),
                                                  torch.zeros(3, dtype=torch.long)), TE, RE, "same dtype"),
+    # Fused ops and the compatibility modules: where Apex's extensions raised RuntimeError (TORCH_CHECK, a
+    # dispatch on the dtype) or its Python wrappers asserted.
+    ("fused_layer_norm normalized_shape=[]", _op("apex.normalization:fused_layer_norm", Z(2, 3), []), VE, RE,
+     "at least one dimension"),
+    ("SoftmaxCrossEntropyLoss integer logits", _op(_XENT, L(4, 5), L(4)), TE, RE, "floating-point"),
+    ("SoftmaxCrossEntropyLoss float labels", _op(_XENT, Z(4, 5), Z(4)), TE, RE, "integer tensor"),
+    ("SoftmaxCrossEntropyLoss labels shape", _op(_XENT, Z(4, 5), L(3)), VE, RE, "labels must have shape"),
+    ("SoftmaxCrossEntropyLoss no classes", _op(_XENT, Z(4, 0), L(4)), VE, RE, "V > 0"),
+    ("SoftmaxCrossEntropyLoss labels device", _op(_XENT, Z(4, 5), L(4).to("meta")), VE, RE, "is on meta"),
+    ("xentropy_cuda.backward grad_loss shape", _op("xentropy_cuda:backward", Z(3), Z(4, 5), Z(4), L(4), 0.0), VE,
+     RE, "grad_loss must have shape"),
+    ("focal_loss integer logits", _op(_FOCAL, L(6, 4), L(6), Z(1), 4, 0.25, 2.0), TE, RE, "floating-point"),
+    ("focal_loss int32 targets", _op(_FOCAL, Z(6, 4), L(6).int(), Z(1), 4, 0.25, 2.0), TE, RE, "int64"),
+    ("focal_loss targets shape", _op(_FOCAL, Z(6, 4), L(5), Z(1), 4, 0.25, 2.0), VE, RE, "must have shape"),
+    ("focal_loss num_positives_sum", _op(_FOCAL, Z(6, 4), L(6), Z(2), 4, 0.25, 2.0), VE, RE, "num_positives_sum"),
+    ("focal_loss num_real_classes", _op(_FOCAL, Z(6, 4), L(6), Z(1), 5, 0.25, 2.0), VE, RE, "num_real_classes"),
+    ("focal_loss device", _op(_FOCAL, Z(6, 4), L(6), Z(1, device="meta"), 4, 0.25, 2.0), VE, RE, "is on meta"),
+    ("TransducerJoint opt=2", _op(_JOINT, opt=2), VE, RE, "opt must be"),
+    ("TransducerJoint fwd_tile_size=3", _op(_JOINT, fwd_tile_size=3), VE, RE, "fwd_tile_size"),
+    ("transducer_joint_cuda.forward opt=2", _op("transducer_joint_cuda:forward", Z(1, 2, 3), Z(1, 2, 3), L(1),
+                                                 L(1), None, 0, 2, False, False, False, 0.0, 4), VE, RE, "opt"),
+    ("TransducerJoint integer f", _module(_JOINT, (), L(1, 2, 3), Z(1, 2, 3), L(1), L(1)), TE, RE,
+     "floating-point"),
+    ("TransducerJoint g dtype", _module(_JOINT, (), Z(1, 2, 3), Z(1, 2, 3, dtype=F64), L(1), L(1)), VE, RE,
+     "dtype"),
+    ("transducer_loss_cuda.forward integer x", _op("transducer_loss_cuda:forward", L(1, 2, 3, 4), L(1, 2), L(1) + 1,
+                                                    L(1) + 1, None, 2, 0, 1, False), TE, RE, "floating-point"),
+    ("TransducerLoss float label", _module(_TLOSS, (), Z(1, 2, 3, 4), Z(1, 2), L(1), L(1), 0), TE, RE,
+     "integer tensor"),
+    ("TransducerLoss blank_idx=V", _module(_TLOSS, (), Z(1, 2, 3, 4), L(1, 2), L(1), L(1), 4), VE, RE,
+     "blank_idx"),
+    ("transformer scaled_masked_softmax 3-D", _op("apex.transformer.functional:scaled_masked_softmax",
+                                                  Z(2, 3, 3), None, 1.0), VE, RE, "4-D"),
+    ("scaled_masked_softmax_cuda.forward 3-D", _op(f"{_SOFTMAX_CUDA}:forward", Z(2, 3, 3),
+                                                   Z(2, 1, 3, 3, dtype=torch.bool), 1.0), VE, RE, "4-D"),
+    ("scaled_masked_softmax_cuda.forward integer", _op(f"{_SOFTMAX_CUDA}:forward", L(2, 1, 3, 3),
+                                                       Z(2, 1, 3, 3, dtype=torch.bool), 1.0), TE, RE,
+     "floating-point"),
+    ("scaled_masked_softmax_cuda.forward mask shape", _op(f"{_SOFTMAX_CUDA}:forward", Z(2, 1, 3, 3),
+                                                          Z(2, 1, 2, 3, dtype=torch.bool), 1.0), VE, RE,
+     "does not broadcast"),
+    ("scaled_softmax_cuda.backward 3-D", _op("scaled_softmax_cuda:backward", Z(2, 3, 3), Z(2, 3, 3), 1.0), VE, RE,
+     "4-D"),
+    ("scaled_upper_triang_masked_softmax_cuda.backward sq!=sk",
+     _op("scaled_upper_triang_masked_softmax_cuda:backward", Z(2, 2, 3), Z(2, 2, 3), 1.0), VE, RE, "sq == sk"),
+    ("FastLayerNormFN beta dtype", _op(_FLN, Z(2, 4), Z(4), Z(4, dtype=F64), 1e-5), TE, RE, "gamma's dtype"),
+    ("FastLayerNormFN beta size", _op(_FLN, Z(2, 4), Z(4), Z(3), 1e-5), VE, RE, "same size"),
+    ("fast_layer_norm.ln_fwd hidden size", _op("fast_layer_norm:ln_fwd", Z(2, 3), Z(4), Z(4), 1e-5), VE, RE,
+     "x must have shape"),
+    ("contrib GroupNorm input channels", _module("apex.contrib.group_norm:GroupNorm", (2, 4), Z(1, 6, 2, 2)), VE,
+     RE, "must have shape [6]"),
+    ("group_norm_cuda.forward groups", _op("group_norm_cuda:forward", Z(1, 4, 2, 2), 3, Z(4), Z(4), 1e-5), VE, RE,
+     "must divide"),
+    ("cuda_group_norm_nhwc_one_pass act", _op("apex.contrib.group_norm.group_norm:cuda_group_norm_nhwc_one_pass",
+                                              Z(1, 4, 2, 2), 2, Z(4), Z(4), 1e-5, "gelu"), VE, AE, "act"),
+    ("FusedDense input dtype", _module("apex.fused_dense:FusedDense", (4, 3), Z(2, 4, dtype=F64)), TE, RE,
+     "dtype"),
+    ("fused_dense_cuda.linear_bias_forward integer input", _op("fused_dense_cuda:linear_bias_forward", L(2, 4),
+                                                               Z(3, 4), Z(3)), TE, RE, "floating-point"),
+    ("mlp_cuda.forward weight dtype", _op("mlp_cuda:forward", 1, 1, [Z(2, 4), Z(3, 4, dtype=F64), Z(3)]), TE, RE,
+     "weight 0 has dtype"),
+    ("FusedDenseGeluDense bias=False", _op("apex.fused_dense:FusedDenseGeluDense", 4, 4, 4, bias=False), VE, AE,
+     "bias=False"),
+    ("wgrad_gemm_accum_fp32 grad_output dtype", _op("fused_weight_gradient_mlp_cuda:wgrad_gemm_accum_fp32",
+                                                    Z(2, 4), Z(2, 3, dtype=F64), Z(3, 4)), TE, RE, "share one dtype"),
+    ("wgrad_gemm_accum_fp32 main_grad dtype", _op("fused_weight_gradient_mlp_cuda:wgrad_gemm_accum_fp32",
+                                                  Z(2, 4), Z(2, 3), Z(3, 4, dtype=F64)), TE, RE, "main_grad"),
+    ("syncbn.welford_mean_var integer", _op("syncbn:welford_mean_var", L(2, 3)), TE, RE, "float32"),
+    ("fmhalib.fwd qkv shape", _op("fmhalib:fwd", Z(4, 2, 1, 8), torch.tensor([0, 4], dtype=torch.int32), 0.0, 4,
+                                  False, False, False, None), VE, RE, "qkv must be"),
+    ("FMHAFun cu_seqlens 2-D", _op("apex.contrib.fmha:FMHAFun.apply", Z(4, 3, 1, 8),
+                                   torch.tensor([[0, 4]], dtype=torch.int32), 0.0, 4, False), VE, RE, "cu_seqlens"),
 ]
 
 
@@ -435,3 +544,15 @@ def test_public_classes_keep_their_homes():
         assert type(error) is cls and str(error) == "message"
     assert parallel_state.ParallelStateError.__module__ == "apex.transformer.parallel_state"
     assert microbatches.MicroBatchConfigError.__module__ == "apex.transformer.microbatches"
+
+
+def test_former_homes_name_the_shared_classes():
+    """Classes that lived in other modules are apex._errors' own now; their former names still import."""
+    from apex.ops import _norm
+
+    for old, cls in ((_norm.NormShapeError, _errors.RuntimeValueError),
+                     (_norm.NormDtypeError, _errors.RuntimeTypeError)):
+        assert old is cls
+        error = pickle.loads(pickle.dumps(old("message")))
+        assert type(error) is cls and str(error) == "message"
+

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from apex._errors import AssertValueError
 from apex.ops.fused_dense import GELU, NONE, autocast_args, chain_grads, check_chain, save_chain
 
 
@@ -136,9 +137,9 @@ class FusedDenseGeluDense(nn.Module):
 
     def __init__(self, in_features: int, intermediate_features: int, out_features: int, bias: bool = True):
         super().__init__()
-        if not bias:
-            raise ValueError("bias=False is not supported: FusedDenseGeluDense always has bias1 and bias2 "
-                             "(as Apex's)")
+        if not bias:  # Apex: assert bias == True
+            raise AssertValueError("bias=False is not supported: FusedDenseGeluDense always has bias1 and bias2 "
+                                   "(as Apex's)")
         self.in_features = _features("in_features", in_features)
         self.intermediate_features = _features("intermediate_features", intermediate_features)
         self.out_features = _features("out_features", out_features)

@@ -9,20 +9,18 @@ from collections.abc import Sequence
 import torch
 
 from apex import _backend
+from apex._errors import RuntimeTypeError, RuntimeValueError
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Widest row the one-pass kernels hold in one block; wider rows take the PyTorch operator.
 MAX_FUSED_N = 65536
 
 
-class NormShapeError(ValueError, RuntimeError):
-    """Tensors whose shapes (or devices) do not fit the normalisation: a ``ValueError`` naming the argument,
-    and the ``RuntimeError`` that PyTorch's and Apex's kernels raise for them."""
-
-
-class NormDtypeError(TypeError, RuntimeError):
-    """A non-floating-point tensor: a ``TypeError``, and the ``RuntimeError`` of PyTorch's and Apex's
-    kernels."""
+# Tensors whose shapes (or devices) do not fit the normalisation, and non-floating-point tensors: a
+# ValueError / TypeError naming the argument that is also the RuntimeError of PyTorch's and Apex's kernels.
+# The classes are apex._errors' pairs; the former names stay importable from here.
+NormShapeError = RuntimeValueError
+NormDtypeError = RuntimeTypeError
 
 
 def as_shape(normalized_shape: object) -> tuple[int, ...]:
@@ -41,10 +39,11 @@ def as_shape(normalized_shape: object) -> tuple[int, ...]:
     else:
         raise TypeError("normalized_shape must be an int or a sequence of ints, got "
                         f"{normalized_shape!r}")
+    # Apex's extension threw std::runtime_error (a RuntimeError) for both.
     if not shape:
-        raise ValueError("normalized_shape must have at least one dimension, got []")
+        raise RuntimeValueError("normalized_shape must have at least one dimension, got []")
     if min(shape) < 0:
-        raise ValueError(f"normalized_shape must hold non-negative sizes, got {list(shape)}")
+        raise RuntimeValueError(f"normalized_shape must hold non-negative sizes, got {list(shape)}")
     return shape
 
 

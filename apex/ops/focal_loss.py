@@ -18,31 +18,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
 
 
 def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing) -> None:
+    # What Apex's focal_loss_cuda checked (dtypes, shapes, num_real_classes, CUDA tensors) raises errors that are
+    # also its RuntimeError; the ranges of the other arguments are checked here only.
     if not isinstance(cls_output, torch.Tensor) or not cls_output.is_floating_point():
-        raise TypeError("cls_output must be a floating-point torch.Tensor")
+        raise RuntimeTypeError("cls_output must be a floating-point torch.Tensor")
     if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
         got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-        raise TypeError(f"cls_targets_at_level must be an int64 tensor, got {got}")
+        raise RuntimeTypeError(f"cls_targets_at_level must be an int64 tensor, got {got}")
     if cls_output.dim() < 1 or tuple(targets.shape) != tuple(cls_output.shape[:-1]):
-        raise ValueError(f"cls_targets_at_level must have shape {list(cls_output.shape[:-1])} (cls_output "
-                         f"without the class dimension), got {list(targets.shape)}")
+        raise RuntimeValueError(f"cls_targets_at_level must have shape {list(cls_output.shape[:-1])} (cls_output "
+                                f"without the class dimension), got {list(targets.shape)}")
     if not isinstance(num_positives_sum, torch.Tensor) or num_positives_sum.numel() != 1 or \
             not num_positives_sum.is_floating_point():
-        raise ValueError("num_positives_sum must be a one-element floating-point tensor")
+        raise RuntimeValueError("num_positives_sum must be a one-element floating-point tensor")
     for name, t in (("cls_targets_at_level", targets), ("num_positives_sum", num_positives_sum)):
         if t.device != cls_output.device:
-            raise ValueError(f"{name} is on {t.device} but cls_output is on {cls_output.device}")
+            raise RuntimeValueError(f"{name} is on {t.device} but cls_output is on {cls_output.device}")
     k = cls_output.shape[-1]
     if isinstance(num_real_classes, bool) or not isinstance(num_real_classes, int) or \
             not 0 < num_real_classes <= k:
-        raise ValueError(f"num_real_classes must be an int in [1, {k}] (cls_output's last dimension), "
-                         f"got {num_real_classes!r}")
+        raise RuntimeValueError(f"num_real_classes must be an int in [1, {k}] (cls_output's last dimension), "
+                                f"got {num_real_classes!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if float(gamma) < 0:

@@ -29,6 +29,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from apex._errors import RuntimeTypeError
+
 Tensor = torch.Tensor
 
 ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
@@ -39,10 +41,13 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # ------------------------------------------------------------------------------------------------ checks
 def check_chain(input: Tensor, weights, biases, acts) -> None:
     """Validate a chain; raise ``TypeError``/``ValueError`` naming the offending argument."""
+    # A dtype Apex's fused_dense_cuda / mlp_cuda did not take (AT_DISPATCH, then data_ptr<scalar_t> of every
+    # weight and bias) was its RuntimeError: those errors are also one.
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOATS:
-        raise TypeError(f"input must be a floating-point tensor (fp16, bf16, fp32 or fp64), got {input.dtype}")
+        raise RuntimeTypeError(f"input must be a floating-point tensor (fp16, bf16, fp32 or fp64), got "
+                               f"{input.dtype}")
     if input.dim() < 1:
         raise ValueError("input must have at least one dimension (its last is the feature dimension)")
     if len(weights) == 0:
@@ -60,8 +65,8 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
             what = "input's last dimension" if i == 0 else f"weight {i - 1}'s out_features"
             raise ValueError(f"weight {i} expects {w.shape[1]} input features but the {what} is {features}")
         if w.dtype != input.dtype:
-            raise TypeError(f"weight {i} has dtype {w.dtype} but input has {input.dtype}: they must match "
-                            "(use torch.autocast or cast the module)")
+            raise RuntimeTypeError(f"weight {i} has dtype {w.dtype} but input has {input.dtype}: they must match "
+                                   "(use torch.autocast or cast the module)")
         if w.device != input.device:
             raise ValueError(f"weight {i} is on {w.device} but input is on {input.device}")
         if biases:
@@ -70,7 +75,8 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
                 raise ValueError(f"bias {i} must have shape ({w.shape[0]},), got "
                                  f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
             if b.dtype != input.dtype:
-                raise TypeError(f"bias {i} has dtype {b.dtype} but input has {input.dtype}: they must match")
+                raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {input.dtype}: they must "
+                                       "match")
         features = w.shape[0]
     if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
         raise ValueError(f"activation codes must be 0 (none), 1 (relu), 2 (sigmoid) or 3 (gelu), got {acts}")

@@ -22,6 +22,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from apex._errors import AssertValueError, RuntimeValueError
 from apex.ops._dispatch import custom_op
 from apex.ops._norm import select
 
@@ -31,17 +32,20 @@ ACTIVATIONS = (None, "", "silu", "swish")
 
 def check_args(input: object, num_groups: object, weight: object, bias: object, act: object) -> bool:
     """Validate a call; return whether the SiLU is applied."""
+    # Shapes that do not fit are also the RuntimeError of Apex's group_norm_cuda (groups and channels) and of
+    # PyTorch's group_norm, which Apex's GroupNorm runs on inputs its kernels do not take; act is also the
+    # AssertionError of Apex's functional forms.
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
         raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
     if input.dim() < 2:
-        raise ValueError(f"input must have shape [N, C, *spatial], got {list(input.shape)}")
+        raise RuntimeValueError(f"input must have shape [N, C, *spatial], got {list(input.shape)}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
-        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        raise RuntimeValueError(f"num_groups must be a positive int, got {num_groups!r}")
     c = input.shape[1]
     if c % num_groups:
-        raise ValueError(f"num_groups={num_groups} must divide the number of channels C={c}")
+        raise RuntimeValueError(f"num_groups={num_groups} must divide the number of channels C={c}")
     if (weight is None) != (bias is None):
         raise ValueError("weight and bias must both be given or both be None")
     for name, p in (("weight", weight), ("bias", bias)):
@@ -50,12 +54,12 @@ def check_args(input: object, num_groups: object, weight: object, bias: object, 
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor or None")
         if tuple(p.shape) != (c,):
-            raise ValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
+            raise RuntimeValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
         if p.device != input.device:
-            raise ValueError(f"{name} is on {p.device} but input is on {input.device}")
+            raise RuntimeValueError(f"{name} is on {p.device} but input is on {input.device}")
     a = act.lower() if isinstance(act, str) else act
     if a not in ACTIVATIONS:
-        raise ValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
+        raise AssertValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
     return a in ("silu", "swish")
 
 

@@ -22,6 +22,7 @@ import numbers
 import torch
 
 from apex import _backend
+from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
@@ -45,17 +46,19 @@ def check_scale(scale: object) -> float:
 
 def check_args(input: object, mask: object, causal: bool, name: str = "input") -> None:
     """Validate a call; raise ``TypeError``/``ValueError`` naming the argument. Changes nothing."""
+    # Apex's *_softmax_cuda extensions checked the dtype and rank (TORCH_CHECK), the mask's shape and a causal
+    # gradient's sq == sk (TORCH_INTERNAL_ASSERT): those errors are also its RuntimeError.
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), "
-                        f"got {input.dtype}")
+        raise RuntimeTypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), "
+                               f"got {input.dtype}")
     if input.dim() not in (3, 4):
-        raise ValueError(f"{name} must be a 4-D [b, np, sq, sk] (or 3-D [b*np, sq, sk]) tensor of attention "
-                         f"scores, got shape {_shape(input)}")
+        raise RuntimeValueError(f"{name} must be a 4-D [b, np, sq, sk] (or 3-D [b*np, sq, sk]) tensor of "
+                                f"attention scores, got shape {_shape(input)}")
     if causal and input.shape[-2] != input.shape[-1]:
-        raise ValueError(f"causal (upper-triangular) masking is for self-attention and needs sq == sk, got "
-                         f"{name} of shape {_shape(input)}")
+        raise RuntimeValueError(f"causal (upper-triangular) masking is for self-attention and needs sq == sk, "
+                                f"got {name} of shape {_shape(input)}")
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor):
@@ -67,8 +70,8 @@ def check_args(input: object, mask: object, causal: bool, name: str = "input") -
     fits = mask.dim() <= input.dim() and all(
         m in (1, n) for m, n in zip(reversed(mask.shape), reversed(input.shape)))
     if not fits:
-        raise ValueError(f"mask of shape {_shape(mask)} does not broadcast to {name} of shape {_shape(input)} "
-                         "(expected [b or 1, 1 or np, sq or 1, sk or 1])")
+        raise RuntimeValueError(f"mask of shape {_shape(mask)} does not broadcast to {name} of shape "
+                                f"{_shape(input)} (expected [b or 1, 1 or np, sq or 1, sk or 1])")
 
 
 def _check_same_shape(grad_output: Tensor, softmax_results: Tensor) -> None:
@@ -243,10 +246,10 @@ def scaled_masked_softmax(input: Tensor, mask: Tensor | None = None, scale: floa
 # ------------------------------------------ Apex's compiled-extension entry points (positional signatures)
 def _compat_forward(input, mask, scale, causal, rank, module):
     if isinstance(input, torch.Tensor) and input.dim() != rank:
-        raise ValueError(f"{module}.forward: input must be a {rank}-D tensor, got shape {_shape(input)}")
+        raise RuntimeValueError(f"{module}.forward: input must be a {rank}-D tensor, got shape {_shape(input)}")
     if isinstance(mask, torch.Tensor) and mask.dim() != 4:
-        raise ValueError(f"{module}.forward: mask must be a 4-D [b or 1, 1, sq, sk] tensor, got shape "
-                         f"{_shape(mask)}")
+        raise RuntimeValueError(f"{module}.forward: mask must be a 4-D [b or 1, 1, sq, sk] tensor, got shape "
+                                f"{_shape(mask)}")
     check_args(input, mask, causal)
     # Like the compiled kernels, the result carries no autograd history.
     with torch.no_grad():
@@ -256,7 +259,7 @@ def _compat_forward(input, mask, scale, causal, rank, module):
 def _compat_backward(output_grads, softmax_results, scale, causal, rank, module):
     for name, t in (("output_grads", output_grads), ("softmax_results", softmax_results)):
         if isinstance(t, torch.Tensor) and t.dim() != rank:
-            raise ValueError(f"{module}.backward: {name} must be a {rank}-D tensor, got shape {_shape(t)}")
+            raise RuntimeValueError(f"{module}.backward: {name} must be a {rank}-D tensor, got shape {_shape(t)}")
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(output_grads, None, False, "output_grads")
     _check_same_shape(output_grads, softmax_results)

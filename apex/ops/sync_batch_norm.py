@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
+from apex._errors import RuntimeTypeError
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -39,7 +40,8 @@ def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"input must have at least 2 dimensions (N, C, ...), got shape {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
-        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {x.dtype}")
+        # Apex's syncbn kernels dispatched on the dtype: any other was their RuntimeError.
+        raise RuntimeTypeError(f"input must be float32, float16, bfloat16 or float64, got {x.dtype}")
     x = x.contiguous()
     if channel_last or x.dim() == 2:
         return x.reshape(-1, x.shape[-1], 1)

@@ -18,20 +18,24 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
+from apex._errors import RuntimeTypeError, RuntimeValueError
 
 Tensor = torch.Tensor
 
 
 def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob):
+    # Where Apex's transducer_joint_cuda raised RuntimeError (the dtypes it dispatched on, opt and the tile size
+    # below), the error is also a RuntimeError.
     for name, t in (("f", f), ("g", g)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (B, {'T' if name == 'f' else 'U'}, H), got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
         if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            raise RuntimeTypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     B, T, H = f.shape
     if g.shape[0] != B or g.shape[2] != H or g.dtype != f.dtype:
-        raise ValueError(f"g has shape {tuple(g.shape)} and dtype {g.dtype}; expected ({B}, U, {H}) and {f.dtype}")
+        raise RuntimeValueError(f"g has shape {tuple(g.shape)} and dtype {g.dtype}; expected ({B}, U, {H}) and "
+                                f"{f.dtype}")
     for name, t, cap in (("f_len", f_len, T), ("g_len", g_len, g.shape[1])):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
@@ -104,7 +108,7 @@ def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offs
     """``(h, mask)`` without autograd (``mask`` is None unless ReLU or dropout is on)."""
     _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0)
     if tile_size not in (1, 2, 4):
-        raise ValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
+        raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
     if _backend.select(f, g) == "triton":
         from apex._kernels import transducer_joint as kernels
 
@@ -164,7 +168,7 @@ def forward(f, g, fLen, gLen, batchOffset, packedBatch, opt, packOutput, relu, d
             tileSize):  # noqa: N803 - Apex's argument names
     """``transducer_joint_cuda.forward``: ``[h]``, or ``[h, mask]`` when ReLU or dropout is on."""
     if opt not in (0, 1):
-        raise ValueError(f"opt must be 0 or 1, got {opt}")
+        raise RuntimeValueError(f"opt must be 0 or 1, got {opt}")
     h, mask = joint_forward(f, g, fLen, gLen, batchOffset, int(packedBatch), bool(packOutput), bool(relu),
                             bool(dropout), float(dropoutProb), int(tileSize) if opt == 1 else 1)
     return [h] if mask is None else [h, mask]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
+from apex._errors import RuntimeTypeError, RuntimeValueError
 
 Tensor = torch.Tensor
 _NEG = float("-inf")
@@ -36,20 +37,22 @@ def _acc(dtype):
 
 def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input):
     """Validate the arguments; returns the lattice size ``(T, U)``."""
+    # Where Apex's transducer_loss_cuda raised RuntimeError (the dtypes it dispatched on or read as int,
+    # blank_idx), the error is also a RuntimeError.
     if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError("x must be a floating-point tensor")
+        raise RuntimeTypeError("x must be a floating-point tensor")
     if x.dim() != (2 if packed_input else 4):
         raise ValueError(f"x must be {'(rows, V)' if packed_input else '(B, T, U, V)'}, got shape {tuple(x.shape)}")
     for name, t in (("label", label), ("f_len", f_len), ("y_len", y_len)):
         if not isinstance(t, Tensor) or t.is_floating_point() or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor")
+            raise RuntimeTypeError(f"{name} must be an integer tensor")
     B = f_len.shape[0] if f_len.dim() == 1 else -1
     if f_len.dim() != 1 or y_len.shape != (B,) or label.dim() != 2 or label.shape[0] != B:
         raise ValueError(f"f_len and y_len must be 1-D of the batch size and label 2-D (B, max label length); "
                          f"got f_len {tuple(f_len.shape)}, y_len {tuple(y_len.shape)}, label {tuple(label.shape)}")
     V = x.shape[-1]
     if not isinstance(blank_idx, int) or not 0 <= blank_idx < V:
-        raise ValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
+        raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
     if int(f_len.min()) < 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from apex._backend import select
+from apex._errors import RuntimeTypeError
 from apex.ops._dispatch import custom_op
 
 Tensor = torch.Tensor
@@ -29,6 +30,8 @@ _IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check(input: Tensor, grad_output: Tensor, main_grad: Tensor, grad_dtypes: tuple, variant: str) -> None:
+    # Dtypes Apex's fused_weight_gradient_mlp_cuda did not take (its dispatch, then data_ptr<T> of each tensor)
+    # were its RuntimeError: those errors are also one.
     for name, t in (("input", input), ("grad_output", grad_output), ("main_grad", main_grad)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -36,15 +39,15 @@ def _check(input: Tensor, grad_output: Tensor, main_grad: Tensor, grad_dtypes: t
         raise ValueError(f"input {list(input.shape)} and grad_output {list(grad_output.shape)} must have the "
                          "same leading dims")
     if input.dtype not in _IN_DTYPES or grad_output.dtype != input.dtype:
-        raise TypeError(f"input and grad_output must share one dtype of float32/float16/bfloat16, got "
-                        f"{input.dtype} and {grad_output.dtype}")
+        raise RuntimeTypeError(f"input and grad_output must share one dtype of float32/float16/bfloat16, got "
+                               f"{input.dtype} and {grad_output.dtype}")
     want = (grad_output.shape[-1], input.shape[-1])
     if main_grad.dim() != 2 or tuple(main_grad.shape) != want:
         raise ValueError(f"main_grad must have shape {list(want)} (grad_output's last dim, input's last dim), "
                          f"got {list(main_grad.shape)}")
     if main_grad.dtype not in grad_dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in grad_dtypes)
-        raise TypeError(f"{variant} needs a main_grad of dtype {names}, got {main_grad.dtype}")
+        raise RuntimeTypeError(f"{variant} needs a main_grad of dtype {names}, got {main_grad.dtype}")
     if not (input.device == grad_output.device == main_grad.device):
         raise ValueError(f"input, grad_output and main_grad must be on one device, got {input.device}, "
                          f"{grad_output.device}, {main_grad.device}")

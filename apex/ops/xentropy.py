@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
@@ -32,21 +33,23 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------------------------- checks
 def _check(logits: object, labels: object, smoothing: object, padding_idx: object) -> int:
+    # What Apex's xentropy_cuda checked (TORCH_CHECK: the dtypes, the shapes, CUDA tensors) raises errors that
+    # are also its RuntimeError.
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        raise RuntimeTypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have shape [..., V] with V > 0, got {list(logits.shape)}")
+        raise RuntimeValueError(f"logits must have shape [..., V] with V > 0, got {list(logits.shape)}")
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+        raise RuntimeTypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without the class "
-                         f"dimension), got {list(labels.shape)}")
+        raise RuntimeValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without the class "
+                                f"dimension), got {list(labels.shape)}")
     if not _same_device(labels, logits):
-        raise ValueError(f"labels is on {labels.device} but logits is on {logits.device}")
+        raise RuntimeValueError(f"labels is on {labels.device} but logits is on {logits.device}")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"smoothing must be a float in [0, 1], got {smoothing!r}")
     if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
@@ -120,7 +123,7 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
     for name, t in (("grad_loss", grad_loss), ("max_log_sum_exp", lse)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape {list(lead)}, got {got}")
+            raise RuntimeValueError(f"{name} must have shape {list(lead)}, got {got}")
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace_backward=True needs contiguous logits (the gradient is written over them)")
     return _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace)
@@ -196,7 +199,7 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, lse, labels = ctx.saved_tensors
         if grad_loss.shape != lse.shape:
-            raise ValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
+            raise RuntimeValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
         # The forward checked logits and labels; the saved tensors are those.
         dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
         return dx, None, None, None, None, None

@@ -19,15 +19,19 @@ import math
 import torch
 import torch.nn.functional as F
 
+from apex._errors import RuntimeValueError
+
 Tensor = torch.Tensor
 
 
 def _layout(qkv: Tensor, cu_seqlens: Tensor, max_s: int):
+    # Apex's fmhalib checked both ranks, the 3 and a batch of at least one (TORCH_CHECK): these errors are also
+    # its RuntimeError. It did not read cu_seqlens' values; they are checked here.
     if not isinstance(qkv, Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be (total, 3, heads, head_dim), got "
-                         f"{tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
+        raise RuntimeValueError(f"qkv must be (total, 3, heads, head_dim), got "
+                                f"{tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens must be a 1-D tensor of b + 1 cumulative sequence lengths")
+        raise RuntimeValueError("cu_seqlens must be a 1-D tensor of b + 1 cumulative sequence lengths")
     cu = cu_seqlens.to(qkv.device, torch.long)
     lens = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(lens.min()) < 1 or int(cu[-1]) != qkv.shape[0]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn import init
 
+from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._norm import autocast_args
 from apex.ops.layer_norm import layer_norm_backward, layer_norm_forward
 
@@ -20,16 +21,18 @@ Tensor = torch.Tensor
 
 
 def _check(x, gamma, beta):
+    # Apex's fast_layer_norm.ln_fwd checked the shapes and dtypes below with TORCH_CHECK: those errors are also
+    # its RuntimeError.
     for name, t in (("x", x), ("gamma", gamma), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if gamma.dim() != 1 or tuple(beta.shape) != tuple(gamma.shape):
-        raise ValueError(f"gamma and beta must be 1-D of the same size, got {list(gamma.shape)} and "
-                         f"{list(beta.shape)}")
+        raise RuntimeValueError(f"gamma and beta must be 1-D of the same size, got {list(gamma.shape)} and "
+                                f"{list(beta.shape)}")
     if beta.dtype != gamma.dtype:
-        raise TypeError(f"beta must have gamma's dtype {gamma.dtype}, got {beta.dtype}")
+        raise RuntimeTypeError(f"beta must have gamma's dtype {gamma.dtype}, got {beta.dtype}")
     if x.dim() < 1 or x.shape[-1] != gamma.numel():
-        raise ValueError(f"x must have shape [..., {gamma.numel()}] (the size of gamma), got {list(x.shape)}")
+        raise RuntimeValueError(f"x must have shape [..., {gamma.numel()}] (the size of gamma), got {list(x.shape)}")
 
 
 def _forward(x2: Tensor, gamma: Tensor, beta: Tensor, epsilon: float):

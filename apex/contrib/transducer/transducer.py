@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from apex._errors import RuntimeValueError
 from apex.ops.transducer_joint import TransducerJointFunc
 from apex.ops.transducer_loss import TransducerLossFunc
 
@@ -19,10 +20,11 @@ class TransducerJoint(torch.nn.Module):
     def __init__(self, pack_output=False, relu=False, dropout=False, opt=1, fwd_tile_size=4, dropout_prob=0,
                  probe_mask=False):
         super().__init__()
+        # Apex's kernel refused these with a RuntimeError at the first forward; they are checked here.
         if opt not in (0, 1):
-            raise ValueError(f"opt must be 0 or 1, got {opt}")
+            raise RuntimeValueError(f"opt must be 0 or 1, got {opt}")
         if fwd_tile_size not in (1, 2, 4):
-            raise ValueError(f"fwd_tile_size must be 1, 2 or 4, got {fwd_tile_size}")
+            raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {fwd_tile_size}")
         masked = relu or dropout
         if masked and opt != 1:
             raise NotImplementedError("ReLU and dropout fusion is only supported with opt=1")

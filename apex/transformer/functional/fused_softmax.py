@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from apex._errors import AssertValueError
+from apex._errors import AssertValueError, RuntimeValueError
 from apex.ops import scaled_masked_softmax as _ops
 from apex.ops._norm import autocast_args
 from apex.transformer.enums import AttnMaskType
@@ -107,9 +107,11 @@ class ScaledSoftmax(torch.autograd.Function):
 # torch.compile traces without a graph break. Under autocast the scores are first cast to the autocast
 # dtype, as upstream's ``_cast_if_autocast_enabled`` does.
 def _check_4d(inputs: object, name: str = "inputs") -> None:
+    # Apex's extensions refused other ranks with a RuntimeError ("expected 4D tensor"); its causal function
+    # unpacked four sizes first (a ValueError).
     if isinstance(inputs, torch.Tensor) and inputs.dim() != 4:
-        raise ValueError(f"{name} must be a 4-D [b, np, sq, sk] tensor of attention scores, got shape "
-                         f"{list(inputs.shape)}")
+        raise RuntimeValueError(f"{name} must be a 4-D [b, np, sq, sk] tensor of attention scores, got shape "
+                                f"{list(inputs.shape)}")
 
 
 def scaled_upper_triang_masked_softmax(inputs: Tensor, _: object, scale: float) -> Tensor:
