@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from apex._errors import RuntimeValueError
 from apex._kernels._lists import Column, column
 from apex.optimizers._base import _number, check_betas, check_non_negative
 from apex.optimizers._plan import Bucket, Plan
@@ -17,10 +18,10 @@ from apex.optimizers._plan import Bucket, Plan
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class ParamMismatchError(RuntimeError, ValueError):
-    """A gradient that does not fit its parameter, or a parameter group spread over devices.
-
-    Both a ``RuntimeError`` (what PyTorch raises for such tensors) and a ``ValueError`` (bad input)."""
+# A gradient that does not fit its parameter, or a parameter group spread over devices: a ValueError (bad
+# input) that is also the RuntimeError of Apex's multi-tensor kernels (and PyTorch's) for such tensors. The
+# class is apex._errors' pair; the former name stays importable from here.
+ParamMismatchError = RuntimeValueError
 
 
 def check_hyperparameters(*, lr, betas, eps, weight_decay, max_grad_norm=None, amsgrad=False,
