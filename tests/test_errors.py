@@ -314,6 +314,7 @@ _TLOSS = "apex.contrib.transducer:TransducerLoss"
 _JOINT = "apex.contrib.transducer:TransducerJoint"
 _FLN = "apex.contrib.layer_norm:FastLayerNormFN.apply"
 _SOFTMAX_CUDA = "scaled_masked_softmax_cuda"
+_NOOP = torch.zeros(1, dtype=torch.int32)
 
 
 CASES = [
@@ -459,6 +460,19 @@ CASES = [
                                   False, False, False, None), VE, RE, "qkv must be"),
     ("FMHAFun cu_seqlens 2-D", _op("apex.contrib.fmha:FMHAFun.apply", Z(4, 3, 1, 8),
                                    torch.tensor([[0, 4]], dtype=torch.int32), 0.0, 4, False), VE, RE, "cu_seqlens"),
+    ("amp_C three lists for two", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[Z(3)], [Z(3)], [Z(3)]], 1.0), VE,
+     RE, "must hold 2 lists"),
+    ("amp_C list lengths", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[Z(3), Z(3)], [Z(3)]], 1.0), VE, RE,
+     "same length"),
+    ("amp_C integer tensor", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[L(3)], [Z(3)]], 1.0), TE, RE, "dtype"),
+    ("amp_C devices", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[Z(3)], [Z(3, device="meta")]], 1.0), VE, RE,
+     "one device"),
+    ("amp_C sizes", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[Z(3)], [Z(4)]], 1.0), VE, RE, "has shape"),
+    ("amp_C not contiguous", _op("amp_C:multi_tensor_scale", 2048, _NOOP, [[Z(4, 4).t()], [Z(4, 4)]], 1.0), VE, RE,
+     "contiguous"),
+    ("amp_C noop_flag dtype", _op("amp_C:multi_tensor_l2norm", 2048, Z(1), [[Z(3)]], False), VE, RE, "noop_flag"),
+    ("amp_C noop_flag device", _op("amp_C:multi_tensor_l2norm", 2048, _NOOP.to("meta"), [[Z(3)]], False), VE, RE,
+     "noop_flag is on meta"),
 ]
 
 

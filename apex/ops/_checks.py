@@ -6,17 +6,22 @@ from collections.abc import Sequence
 
 import torch
 
+from apex._errors import RuntimeTypeError, RuntimeValueError
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# Apex's amp_C checked what check_tensor_lists checks (multi_tensor_apply's TORCH_CHECKs: the number of lists,
+# their lengths, each tensor's device, layout and size; a dispatch on the dtype) and the noop flag's dtype and
+# device: those errors are also its RuntimeError. A non-tensor is pybind's TypeError there, a TypeError here.
 def check_noop_flag(noop_flag: object, device: torch.device | None = None) -> torch.Tensor:
     if not isinstance(noop_flag, torch.Tensor):
         raise TypeError(f"noop_flag must be a torch.Tensor, got {type(noop_flag).__name__}")
     if noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
-        raise ValueError("noop_flag must be a one-element torch.int32 tensor, got "
-                         f"{noop_flag.dtype} with {noop_flag.numel()} elements")
+        raise RuntimeValueError("noop_flag must be a one-element torch.int32 tensor, got "
+                                f"{noop_flag.dtype} with {noop_flag.numel()} elements")
     if device is not None and noop_flag.device != device:
-        raise ValueError(f"noop_flag is on {noop_flag.device} but the tensors are on {device}")
+        raise RuntimeValueError(f"noop_flag is on {noop_flag.device} but the tensors are on {device}")
     return noop_flag
 
 
@@ -49,12 +54,13 @@ def check_tensor_lists(
     if n_lists is not None:
         allowed = (n_lists,) if isinstance(n_lists, int) else tuple(n_lists)
         if len(tensor_lists) not in allowed:
-            raise ValueError(f"{name} must hold {' or '.join(map(str, allowed))} lists, got {len(tensor_lists)}")
+            raise RuntimeValueError(f"{name} must hold {' or '.join(map(str, allowed))} lists, got "
+                                    f"{len(tensor_lists)}")
     if not tensor_lists:
         return None
     lengths = [len(lst) for lst in tensor_lists]
     if len(set(lengths)) != 1:
-        raise ValueError(f"{name}: every list must have the same length, got lengths {lengths}")
+        raise RuntimeValueError(f"{name}: every list must have the same length, got lengths {lengths}")
     device = tensor_lists[0][0].device if tensor_lists[0] else None
     ref = tensor_lists[0]
     for li, lst in enumerate(tensor_lists):
@@ -84,19 +90,20 @@ def _diagnose(name, li, ti, t, allowed_dtypes, device, ref, same_shape) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in allowed_dtypes:
-        raise TypeError(f"{where} has dtype {t.dtype}; expected one of "
-                        f"{', '.join(str(d) for d in allowed_dtypes)}")
+        raise RuntimeTypeError(f"{where} has dtype {t.dtype}; expected one of "
+                               f"{', '.join(str(d) for d in allowed_dtypes)}")
     if t.layout != torch.strided:
-        raise ValueError(f"{where} must be dense, got a {t.layout} tensor")
+        raise RuntimeValueError(f"{where} must be dense, got a {t.layout} tensor")
     if t.device != device:
-        raise ValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
-                         "all tensors must be on one device")
+        raise RuntimeValueError(f"{where} is on {t.device} but {name}[0][0] is on {device}; "
+                                "all tensors must be on one device")
     if (t.shape == ref.shape if same_shape else t.numel() == ref.numel()):
         if li == 0:
-            raise ValueError(f"{where} must be contiguous or channels_last (call .contiguous() first)")
-        raise ValueError(f"{where} must have the memory layout of {name}[0][{ti}]: strides "
-                         f"{tuple(t.stride())} vs {tuple(ref.stride())} (call .contiguous() on both)")
-    raise ValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape {tuple(ref.shape)}")
+            raise RuntimeValueError(f"{where} must be contiguous or channels_last (call .contiguous() first)")
+        raise RuntimeValueError(f"{where} must have the memory layout of {name}[0][{ti}]: strides "
+                                f"{tuple(t.stride())} vs {tuple(ref.stride())} (call .contiguous() on both)")
+    raise RuntimeValueError(f"{where} has shape {tuple(t.shape)} but {name}[0][{ti}] has shape "
+                            f"{tuple(ref.shape)}")
 
 
 def as_scalar_tensor(value, device: torch.device, name: str, dtype=torch.float32) -> torch.Tensor:
