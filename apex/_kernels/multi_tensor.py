@@ -166,9 +166,10 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
     first = cols[0]
     device = first.device if first.device is not None else first[0].device
     dtypes = tuple(c.dtype if c.dtype is not None else c[0].dtype for c in cols)
-    key = (device, dtypes, hash(first.numels), tuple(c.key for c in cols))
+    # (the sizes are compared on a hit, not hashed: an optimizer hands the same sizes tuple every step)
+    key = (device, dtypes, len(first), tuple(c.key for c in cols))
     cached = _tables.get(key)
-    if cached is not None and cached[0] == first.numels and all(
+    if cached is not None and (cached[0] is first.numels or cached[0] == first.numels) and all(
             a is c.ptrs or a == c.ptrs for a, c in zip(cached[1], cols)):
         return cached[2]
     lay = _layout(first.numels, device)

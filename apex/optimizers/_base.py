@@ -541,6 +541,9 @@ class FusedOptimizerBase(CopyableOptimizer):
         """Host-synchronising scaler handling for non-capturable optimizers: returns True to skip the step
         (an inf/NaN was found), otherwise unscales the gradients (those of ``planned``, the step's
         :meth:`_step_plans`, default: every parameter's) in place."""
+        if grad_scaler is None and getattr(self, "grad_scale", None) is None \
+                and getattr(self, "found_inf", None) is None:
+            return False  # (the usual step: nothing to read)
         step_grads = None if planned is None else [b.grads(gs, gptrs) for plan, gs, gptrs in planned
                                                    for b in plan.buckets]
         info = self._scaler_tensors(grad_scaler, self._first_device(), step_grads)

@@ -51,8 +51,7 @@ class FusedAdagrad(FusedOptimizerBase):
         for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
             if not plan.buckets:
                 continue
-            plan.step_buf.add_(1.0)
-            plan.watch(plan.step_buf)
+            plan.step_host += 1.0  # a NumPy view of the CPU counters: no PyTorch op per step
             for b in plan.buckets:
                 self.multi_tensor_adagrad(2048 * 32, self._overflow_buf(b.device), [b.grads(gs, gptrs)] + b.lists,
                                           group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"],
@@ -75,6 +74,7 @@ class FusedAdagrad(FusedOptimizerBase):
             states.append(state)
         plan.step_buf, _ = self._pack_steps(states, torch.device("cpu"))
         plan.watch(plan.step_buf)
+        plan.step_host = plan.step_buf.numpy()
         device = params[0].device
         for dtype, idx in group_by(plan.dtypes, len(params)).items():
             sel = None if len(idx) == len(params) else idx

@@ -135,12 +135,12 @@ class FusedAdam(FusedOptimizerBase):
         """Apex's group step count: +1 per step (when capturable, +0 on a step skipped for an inf)."""
         count = group.get("step")
         if not self.capturable:
-            group["step"] = (0 if count is None else int(_number(count, "step"))) + 1
+            group["step"] = (count if type(count) is int else 0 if count is None else int(_number(count, "step"))) + 1
             return
         if not isinstance(count, torch.Tensor) or count.device != group["params"][0].device \
                 or count.dtype != torch.int32:
             count = group["step"] = self._group_step_value(group, 0 if count is None else _number(count, "step"))
-        count += 1 if found is None else (found == 0).to(torch.int32).reshape(count.shape)
+        count.add_(1 if found is None else (found == 0).reshape(count.shape))  # (+ a bool: one op)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -206,6 +206,8 @@ class FusedAdam(FusedOptimizerBase):
         device = params[0].device
         plan.step_buf, values = self._pack_steps(states, device if self.capturable else torch.device("cpu"))
         plan.watch(plan.step_buf)
+        if not self.capturable:  # counted through a NumPy view: no PyTorch op per step (nor a version bump)
+            plan.step_host = plan.step_buf.numpy()
         if self.capturable:
             keys = [(p.dtype, m is not None) for p, m in zip(params, masters)]
         else:
@@ -230,13 +232,13 @@ class FusedAdam(FusedOptimizerBase):
         if self.capturable:
             found, inv_scale = scaling_on(device)
             noop = self._overflow_buf(device)
-            noop.copy_((found != 0).to(torch.int32))
-            plan.step_buf.add_((1.0 - (found != 0).float()).reshape(()))
+            torch.ne(found, 0, out=noop)  # the kernels' skip flag; the counters move by (found == 0)
+            plan.step_buf.add_(torch.logical_not(noop).reshape(()))
             self._bump_group_step(group, found)
+            plan.watch(plan.step_buf)
         else:
-            plan.step_buf.add_(1.0)
+            plan.step_host += 1.0
             self._bump_group_step(group)
-        plan.watch(plan.step_buf)
         for b in plan.buckets:
             lists = [b.grads(gs, gptrs)] + b.lists
             if self.capturable:
