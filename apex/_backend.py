@@ -29,7 +29,24 @@ def _validate(name: object, source: str) -> str:
     return name.lower()
 
 
-_env_cache: dict[str, str] = {}  # APEX_BACKEND's raw value -> its validated name (read on every call)
+def _env_getter(name: str):
+    """A function returning the environment variable ``name``'s current value (None when unset).
+
+    Asked on every op call, so that a variable set later (``monkeypatch.setenv``, a launcher script) still
+    counts: ``os.environ.get`` encodes the key and decodes the value each time (~1 µs), while a lookup of the
+    pre-encoded key in the mapping ``os.environ`` keeps (``_data``, which every change made through
+    ``os.environ`` updates) costs a dict lookup. The raw value then keys a cache of what it means."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        key = encode(name)
+        return lambda: data.get(key)
+    return lambda: os.environ.get(name)
+
+
+_backend_env = _env_getter("APEX_BACKEND")
+_interpret_env = _env_getter("TRITON_INTERPRET")
+_env_cache: dict[object, str] = {}  # APEX_BACKEND's raw value -> its validated name
+_interpret_cache: dict[object, bool] = {}  # TRITON_INTERPRET's raw value -> on or off
 
 
 def current_backend() -> str:
@@ -37,11 +54,12 @@ def current_backend() -> str:
     name = _override.get()
     if name is not None:
         return name
-    raw = os.environ.get("APEX_BACKEND", "")
+    raw = _backend_env()
     name = _env_cache.get(raw)
     if name is None:
-        env = raw.strip()
-        name = _env_cache[raw] = _validate(env, "APEX_BACKEND") if env else "auto"
+        env = (os.fsdecode(raw) if isinstance(raw, bytes) else raw or "").strip()
+        name = _validate(env, "APEX_BACKEND") if env else "auto"
+        _env_cache[raw] = name
     return name
 
 
@@ -67,7 +85,12 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    raw = _interpret_env()
+    on = _interpret_cache.get(raw)
+    if on is None:
+        value = os.fsdecode(raw) if isinstance(raw, bytes) else raw or "0"
+        on = _interpret_cache[raw] = value.lower() in ("1", "true", "yes", "on")
+    return on
 
 
 def _first_tensor(tensors) -> torch.Tensor | None:
@@ -88,6 +111,11 @@ def select(*tensors) -> str:
     """
     t = _first_tensor(tensors)
     return _resolve(t is not None and t.is_cuda, t)
+
+
+def select_tensor(t: torch.Tensor) -> str:
+    """:func:`select` for one tensor (an op's first argument): no search through the arguments."""
+    return _resolve(t.is_cuda, t)
 
 
 def select_device(device_type: str) -> str:

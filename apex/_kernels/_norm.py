@@ -14,18 +14,12 @@ written once. Each program walks ``tiles_per_prog`` consecutive tiles.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from apex._kernels import _tuning
-from apex._kernels._host import cdiv, next_power_of_2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -175,6 +169,12 @@ def _reduce_kernel(DWp, DBp, DW, DB, P, N, HAS_B: tl.constexpr, BLOCK_P: tl.cons
         tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=cmask)
 
 
+# The interpreter pays per operation, not per element: big tiles, few programs (read once: see _host).
+_INTERP = interpreted(_fwd_kernel)
+# (rows, columns, itemsize, device index, is_rms, backward) -> _Plan: what a launch derives from its shape.
+_PLANS = _tuning.plan_cache()
+
+
 def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool) -> dict:
     """``{"rows", "warps", "programs_per_sm"}`` for rows of length ``n``: ``rows`` rows per tile,
     ``programs_per_sm`` caps the grid at that many programs per SM (each then walks several tiles; 0: one
@@ -182,14 +182,16 @@ def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, back
     No ``num_stages``: Triton pipelines only ``tl.range(num_stages=...)`` loops and loads that feed a dot,
     so the launch option leaves these loops' code unchanged (the compiled code is the same for 1 and 3)."""
     block_n = next_power_of_2(max(n, 1))
-    if _interpreting():
-        # The interpreter pays per operation, not per element: big tiles, few programs.
+    if _INTERP:
         default = {"rows": max(1, min(next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
                    "programs_per_sm": 1}
     else:
         default = _formula(m, block_n, itemsize, backward, _tuning.device(dev)[1] or 132)
-    op = ("rms_norm" if is_rms else "layer_norm") + (".bwd" if backward else ".fwd")
-    return _tuning.pick(op, dev, itemsize, (m, n), default)
+    return _tuning.pick(_op_name(is_rms, backward), dev, itemsize, (m, n), default)
+
+
+def _op_name(is_rms: bool, backward: bool) -> str:
+    return ("rms_norm" if is_rms else "layer_norm") + (".bwd" if backward else ".fwd")
 
 
 def _formula(m: int, block_n: int, itemsize: int, backward: bool, sms: int) -> dict:
@@ -228,50 +230,90 @@ def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
     return cdiv(n_tiles, per), per
 
 
+class _Plan:
+    """One shape's launch: configuration, grid, block sizes and, for the backward, its reduction's."""
+
+    __slots__ = ("op", "cfg", "progs", "per", "block_n", "rows", "warps", "red_grid", "red_p", "red_n")
+
+    def __init__(self, m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool):
+        self.op = _op_name(is_rms, backward)
+        self.cfg = cfg = _config(m, n, dev, itemsize, is_rms, backward)
+        self.progs, self.per = _grid(m, dev, cfg)
+        self.block_n = next_power_of_2(n)
+        self.rows, self.warps = cfg["rows"], cfg["warps"]
+        if _INTERP:
+            self.red_n = min(self.block_n, 4096)
+            self.red_p = max(1, min(next_power_of_2(self.progs), 65536 // self.red_n))
+        else:
+            self.red_n, self.red_p = 128, 32
+        self.red_grid = cdiv(n, self.red_n)
+
+
+def _plan(x: torch.Tensor, m: int, n: int, is_rms: bool, backward: bool) -> _Plan:
+    key = (m, n, x.element_size(), x.get_device(), is_rms, backward)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = _Plan(m, n, x.device, key[2], is_rms, backward)
+    else:
+        _tuning.last[p.op] = p.cfg  # as pick records it: the configuration this launch takes
+    return p
+
+
 def plan(x: torch.Tensor, is_rms: bool, backward: bool) -> tuple[dict, int, int]:
     """(configuration, programs, tiles per program) of the launch on the 2-D ``x`` (the benchmarks' notes)."""
     m, n = x.shape
-    cfg = _config(m, n, x.device, x.element_size(), is_rms, backward)
-    return (cfg, *_grid(m, x.device, cfg))
+    p = _plan(x, m, n, is_rms, backward)
+    return p.cfg, p.progs, p.per
+
+
+def _alloc(like: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A row-major ``(m, n)`` buffer, shaped as ``like`` when given (its caller's shape: no view to take
+    afterwards). Integers as separate arguments: ``torch.empty((m, n))`` parses its tuple for ~1 µs more."""
+    if like is not None:
+        return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+    return torch.empty(m, n, dtype=dtype, device=dev)
 
 
 def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, is_rms: bool,
-            residual: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None):
-    """``x``, ``residual``: 2-D ``(M, N)`` with unit column stride. Returns ``(y, mean, rstd, h)``."""
+            residual: torch.Tensor | None = None, residual_dtype: torch.dtype | None = None,
+            out_like: torch.Tensor | None = None):
+    """``x``, ``residual``: 2-D ``(M, N)`` with unit column stride. Returns ``(y, mean, rstd, h)``; ``y`` and
+    ``h`` have the shape of ``out_like`` when it is given (a tensor of which ``x`` is the ``(M, N)`` view),
+    else ``(M, N)``."""
     m, n = x.shape
     dev = x.device
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
-    mean = rstd if is_rms else torch.empty((m,), dtype=torch.float32, device=dev)
+    y = _alloc(out_like, m, n, out_dtype, dev)
+    rstd = torch.empty(m, dtype=torch.float32, device=dev)
+    mean = rstd if is_rms else torch.empty(m, dtype=torch.float32, device=dev)
     h = None
     if residual is not None:
-        h = torch.empty((m, n), dtype=residual_dtype or x.dtype, device=dev)
+        h = _alloc(out_like, m, n, residual_dtype or x.dtype, dev)
     if m == 0 or n == 0:
         if n == 0:
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
-    block_n = next_power_of_2(n)
-    cfg, progs, per = plan(x, is_rms, False)
-    _fwd_kernel[(progs,)](
+    p = _plan(x, m, n, is_rms, False)
+    _fwd_kernel[(p.progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
         weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), per,
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), p.per,
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=cfg["rows"], BLOCK_N=block_n, num_warps=cfg["warps"])
+        BLOCK_M=p.rows, BLOCK_N=p.block_n, num_warps=p.warps)
     return y, (None if is_rms else mean), rstd, h
 
 
 def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory_efficient: bool,
              is_rms: bool, dx_dtype: torch.dtype, dresidual: torch.Tensor | None = None,
-             eps: float | None = None):
+             eps: float | None = None, out_like: torch.Tensor | None = None):
     """``dy``, ``v`` (input, or output when memory-efficient), ``dresidual``: 2-D ``(M, N)``. ``eps``: the
     forward's epsilon; with it, rows of one element (RMSNorm) or two (LayerNorm) keep fp32 accuracy.
+    ``out_like``: as :func:`forward`'s, for ``dx``.
 
     Returns ``(dx, dweight, dbias)``; ``dweight``/``dbias`` are None without weight/bias.
     """
     m, n = v.shape
     dev = v.device
-    dx = torch.empty((m, n), dtype=dx_dtype, device=dev)
+    dx = _alloc(out_like, m, n, dx_dtype, dev)
     dw = torch.empty_like(weight) if weight is not None else None
     db = torch.empty_like(bias) if bias is not None else None
     if m == 0 or n == 0:
@@ -279,30 +321,24 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
             if g is not None:
                 g.zero_()
         if dresidual is not None:
-            dx.copy_(dresidual)
+            dx.view(m, n).copy_(dresidual)
         return dx, dw, db
-    block_n = next_power_of_2(n)
-    cfg, progs, per = plan(v, is_rms, True)
+    p = _plan(v, m, n, is_rms, True)
+    progs = p.progs
     has_w, has_b = weight is not None, bias is not None
-    dwp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_w else dx
-    dbp = torch.empty((progs, n), dtype=torch.float32, device=dev) if has_b else dx
+    dwp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_w else dx
+    dbp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_b else dx
     _bwd_kernel[(progs,)](
         dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
         dresidual if dresidual is not None else dy, dx, dwp, dbp,
-        m, n, dy.stride(0), v.stride(0), dresidual.stride(0) if dresidual is not None else 0, per,
+        m, n, dy.stride(0), v.stride(0), dresidual.stride(0) if dresidual is not None else 0, p.per,
         float(eps) if eps is not None else 0.0,
         IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, MEM_EFF=memory_efficient, HAS_DR=dresidual is not None,
         ONE_DIRECTION=eps is not None and n <= (1 if is_rms else 2),
-        BLOCK_M=cfg["rows"], BLOCK_N=block_n, num_warps=cfg["warps"])
+        BLOCK_M=p.rows, BLOCK_N=p.block_n, num_warps=p.warps)
     if has_w:
-        if _interpreting():
-            rn = min(block_n, 4096)
-            rp = max(1, min(next_power_of_2(progs), 65536 // rn))
-        else:
-            rn, rp = 128, 32
-        _reduce_kernel[(cdiv(n, rn),)](dwp, dbp, dw, db if has_b else dw, progs, n,
-                                             HAS_B=has_b, BLOCK_P=rp, BLOCK_N=rn)
+        _reduce_kernel[(p.red_grid,)](dwp, dbp, dw, db if has_b else dw, progs, n,
+                                      HAS_B=has_b, BLOCK_P=p.red_p, BLOCK_N=p.red_n)
     elif has_b:  # bias without weight: reduce the bias partials alone
-        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False,
-                                               BLOCK_P=32, BLOCK_N=128)
+        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False, BLOCK_P=32, BLOCK_N=128)
     return dx, dw, db

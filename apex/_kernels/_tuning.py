@@ -14,6 +14,12 @@ exactly) and passes its formula's answer as the default. The answer comes from, 
 Nothing here runs at import time; the device's name and SM count are asked once per device and cached.
 :func:`assume_device` stands in a GPU's name and SM count for CPU tensors, so that a launch compiled
 without a GPU (``apex.testing.triton_compile``) takes the configuration and grid it would take there.
+
+Launchers keep what they derive from :func:`pick` (grid, block sizes, buffer shapes) in a :func:`plan_cache`
+keyed by the few integers that determine it, so that a call with a shape seen before costs a dict lookup.
+Those caches are emptied whenever :func:`pick`'s answer could change: an :func:`override` or an
+:func:`assume_device` block begins or ends, or :func:`invalidate` is called (after replacing
+``_tuned.TABLES`` in a running process).
 """
 
 from __future__ import annotations
@@ -28,6 +34,20 @@ import torch
 _overrides: dict[str, dict] = {}
 last: dict[str, dict] = {}  # the configuration each op's latest launch took (what a sweep reports)
 _assumed: list[tuple[str, int]] = []
+_plan_caches: list[dict] = []
+
+
+def plan_cache() -> dict:
+    """A dict for one launcher's launch plans, emptied by :func:`invalidate` (see the module docstring)."""
+    cache: dict = {}
+    _plan_caches.append(cache)
+    return cache
+
+
+def invalidate() -> None:
+    """Forget every cached launch plan: the next launch of each shape asks :func:`pick` again."""
+    for cache in _plan_caches:
+        cache.clear()
 
 
 @contextlib.contextmanager
@@ -35,6 +55,7 @@ def override(op: str, **config) -> Iterator[None]:
     """Within the block, launches of ``op`` take ``config`` (keys as that launcher's table entries)."""
     previous = _overrides.get(op)
     _overrides[op] = dict(config)
+    invalidate()
     try:
         yield
     finally:
@@ -42,16 +63,19 @@ def override(op: str, **config) -> Iterator[None]:
             _overrides.pop(op, None)
         else:
             _overrides[op] = previous
+        invalidate()
 
 
 @contextlib.contextmanager
 def assume_device(name: str, sms: int) -> Iterator[None]:
     """Within the block, CPU tensors are launched for as if on a GPU named ``name`` with ``sms`` SMs."""
     _assumed.append((name, int(sms)))
+    invalidate()
     try:
         yield
     finally:
         _assumed.pop()
+        invalidate()
 
 
 @functools.cache

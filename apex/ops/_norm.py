@@ -112,8 +112,8 @@ _select_for_device._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def select(input: torch.Tensor) -> str:
     """``apex._backend.select`` for one tensor, usable inside ``torch.compile``-traced code."""
-    if input.is_cuda and not torch.compiler.is_compiling():
-        return _backend.select_device("cuda")  # eager: no device object to build
+    if not torch.compiler.is_compiling():
+        return _backend.select_tensor(input)  # eager: no device object to build
     return _select_for_device(input.device.type)
 
 
@@ -123,11 +123,16 @@ def use_kernel(input: torch.Tensor, out_dtype: torch.dtype, n: int, *params) -> 
         return False
     if n > MAX_FUSED_N or input.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
         return False
-    return all(p is None or p.dtype in KERNEL_DTYPES for p in params)
+    for p in params:  # a loop, not all(<generator>): asked on every call
+        if p is not None and p.dtype not in KERNEL_DTYPES:
+            return False
+    return True
 
 
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as a 2-D ``(rows, n)`` tensor with unit column stride, a view whenever strides allow."""
+    if t.dim() == 2 and t.stride(1) == 1:  # already one (a call's usual input): no view to make
+        return t
     t2 = t.reshape(-1, n) if n > 0 else t.reshape(-1, 0)
     if t2.stride(-1) != 1 and n > 1:
         t2 = t2.contiguous()

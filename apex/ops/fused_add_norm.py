@@ -42,7 +42,7 @@ def _numel(shape) -> int:
     return n
 
 
-@custom_op("apex::fused_add_norm_fwd", materialize_grads=False)
+@custom_op("apex::fused_add_norm_fwd", materialize_grads=False, grad_outputs=2)
 def _fwd_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
             normalized_shape: list[int], eps: float, is_rms: bool, memory_efficient: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -53,10 +53,10 @@ def _fwd_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
     y, mean, rstd, h = kernels.forward(rows_view(input, n), w, b, eps, input.dtype, is_rms,
-                                       rows_view(residual, n), h_dtype)
+                                       rows_view(residual, n), h_dtype, out_like=input)
     if mean is None:
-        mean = rstd.new_empty((0,))
-    return y.view(input.shape), h.view(input.shape), mean, rstd
+        mean = rstd.new_empty(0)
+    return y, h, mean, rstd
 
 
 @_fwd_op.register_fake
@@ -79,10 +79,9 @@ def _bwd_op(grad_y: Tensor, grad_h: Tensor, mean: Tensor | None, rstd: Tensor, i
                                   weight.contiguous() if weight is not None else None,
                                   bias.contiguous() if bias is not None else None,
                                   mean if mean is not None and not is_rms else None, rstd, memory_efficient,
-                                  is_rms, dx_dtype, rows_view(grad_h, n))
-    empty = grad_y.new_empty((0,))
-    return (dx.view(input_or_output.shape), dw if dw is not None else empty,
-            db if db is not None else empty.clone())
+                                  is_rms, dx_dtype, rows_view(grad_h, n), out_like=input_or_output)
+    # The schema's outputs are tensors: empty ones stand for the absent parameters' gradients.
+    return dx, dw if dw is not None else grad_y.new_empty(0), db if db is not None else grad_y.new_empty(0)
 
 
 @_bwd_op.register_fake

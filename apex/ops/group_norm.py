@@ -211,7 +211,7 @@ def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-@custom_op("apex::group_norm_fwd", materialize_grads=False)
+@custom_op("apex::group_norm_fwd", materialize_grads=False, grad_outputs=1)
 def _fwd_op(input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, act: str
             ) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = group_norm_forward(input, num_groups, weight, bias, eps, act)

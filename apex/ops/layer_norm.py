@@ -92,8 +92,8 @@ def _forward(input, shape, n, weight, bias, eps, out_dtype):
 
         y, mean, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None
                                            else None, bias.contiguous() if bias is not None else None,
-                                           eps, out_dtype)
-        return y.view(input.shape), mean, rstd
+                                           eps, out_dtype, out_like=input)
+        return y, mean, rstd
     return _forward_torch(input, shape, weight, bias, eps, out_dtype)
 
 
@@ -122,15 +122,20 @@ def _backward_checked(grad_output, mean, rstd, input_or_output, shape, n, weight
         dx, dw, db = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
                                       weight.contiguous() if weight is not None else None,
                                       bias.contiguous() if bias is not None else None,
-                                      mean.reshape(-1) if mean is not None else None,
-                                      rstd.reshape(-1).float(), memory_efficient, dx_dtype, eps=eps)
-        return dx.view(input_or_output.shape), dw, db
+                                      _flat(mean) if mean is not None else None, _flat(rstd).float(),
+                                      memory_efficient, dx_dtype, eps=eps, out_like=input_or_output)
+        return dx, dw, db
     return _backward_torch(grad_output, mean, rstd, input_or_output, shape, weight, bias,
                            memory_efficient, dx_dtype)
 
 
+def _flat(stat: Tensor) -> Tensor:
+    # The forward's statistics are 1-D already: no reshape (a view, ~1.5 µs) per call.
+    return stat if stat.dim() == 1 else stat.reshape(-1)
+
+
 # ------------------------------------------------------------------------------------------ custom ops
-@custom_op("apex::layer_norm_fwd", materialize_grads=False)
+@custom_op("apex::layer_norm_fwd", materialize_grads=False, grad_outputs=1)
 def _fwd_op(input: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
             eps: float, memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     # Its one caller, layer_norm, checked the arguments (and torch.compile records it after that check).
@@ -160,8 +165,9 @@ def _bwd_op(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, input_or_out
     # forward only) still run.
     dx, dw, db = _backward_checked(grad_output, mean, rstd, input_or_output, normalized_shape,
                                    _numel(normalized_shape), weight, bias, memory_efficient, dx_dtype, eps)
-    empty = grad_output.new_empty((0,))
-    return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
+    # The schema's outputs are tensors: empty ones stand for the absent parameters' gradients.
+    return (dx, dw if dw is not None else grad_output.new_empty(0),
+            db if db is not None else grad_output.new_empty(0))
 
 
 @_bwd_op.register_fake

@@ -90,8 +90,8 @@ def _forward(input, n, weight, eps, out_dtype):
         from apex._kernels import rms_norm as kernels
 
         y, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
-                                     eps, out_dtype)
-        return y.view(input.shape), rstd
+                                     eps, out_dtype, out_like=input)
+        return y, rstd
     return _forward_torch(input, n, weight, eps, out_dtype)
 
 
@@ -117,8 +117,9 @@ def _backward_checked(grad_output, rstd, input_or_output, n, weight, memory_effi
 
         dx, dw = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
                                   weight.contiguous() if weight is not None else None,
-                                  rstd.reshape(-1).float(), memory_efficient, dx_dtype, eps=eps)
-        return dx.view(input_or_output.shape), dw
+                                  (rstd if rstd.dim() == 1 else rstd.reshape(-1)).float(), memory_efficient,
+                                  dx_dtype, eps=eps, out_like=input_or_output)
+        return dx, dw
     return _backward_torch(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype, eps)
 
 
@@ -130,7 +131,7 @@ def _numel(shape) -> int:
     return n
 
 
-@custom_op("apex::rms_norm_fwd", materialize_grads=False)
+@custom_op("apex::rms_norm_fwd", materialize_grads=False, grad_outputs=1)
 def _fwd_op(input: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
             memory_efficient: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     # Its one caller, rms_norm, checked the arguments (and torch.compile records it after that check).
@@ -152,7 +153,7 @@ def _bwd_op(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor, weight: 
     # forward only) still run.
     dx, dw = _backward_checked(grad_output, rstd, input_or_output, _numel(normalized_shape), weight,
                                memory_efficient, dx_dtype, eps)
-    return dx, dw if dw is not None else grad_output.new_empty((0,))
+    return dx, dw if dw is not None else grad_output.new_empty(0)
 
 
 @_bwd_op.register_fake
