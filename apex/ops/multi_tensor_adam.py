@@ -83,9 +83,9 @@ def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_corre
     bias_correction = int(bool(bias_correction))
     beta1, beta2, eps, weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
     if capturable:
-        lr_t = as_scalar_tensor(lr, device, "lr")
-        step_t = as_scalar_tensor(step, device, "step")
-        inv_t = as_scalar_tensor(inv_scale, device, "inv_scale")
+        lr_t = _scalar(lr, device, "lr")
+        step_t = _scalar(step, device, "step")
+        inv_t = _scalar(inv_scale, device, "inv_scale")
     if _backend.select(g) == "triton":
         from apex._kernels import multi_tensor_adam as kernels
 
@@ -104,6 +104,15 @@ def _adam(noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_corre
         else:
             _adam_torch(lists, float(lr), float(step), beta1, beta2, eps, weight_decay, mode, bias_correction,
                         grad_scale=None, found_inf=None)
+
+
+def _scalar(value, device, name: str) -> torch.Tensor:
+    """``as_scalar_tensor``, without an op for what is already a one-element fp32 tensor on ``device`` (the
+    kernel reads its one element): an optimizer's device-side lr, step and scale."""
+    if type(value) is torch.Tensor and value.dtype is torch.float32 and value.device == device \
+            and value.numel() == 1:
+        return value
+    return as_scalar_tensor(value, device, name)
 
 
 def _check_lists(tensor_lists, n_lists) -> None:

@@ -131,8 +131,10 @@ class FusedAdam(FusedOptimizerBase):
         device = group["params"][0].device if group["params"] else torch.device("cpu")
         return torch.tensor([int(count)], dtype=torch.int32, device=device)
 
-    def _bump_group_step(self, group: dict, found: torch.Tensor | None = None) -> None:
-        """Apex's group step count: +1 per step (when capturable, +0 on a step skipped for an inf)."""
+    def _bump_group_step(self, group: dict, found: torch.Tensor | None = None, ok: torch.Tensor | None = None
+                         ) -> None:
+        """Apex's group step count: +1 per step (when capturable, +0 on a step skipped for an inf: ``found``
+        non-zero, or ``ok``, a one-element bool tensor, false)."""
         count = group.get("step")
         if not self.capturable:
             group["step"] = (count if type(count) is int else 0 if count is None else int(_number(count, "step"))) + 1
@@ -140,7 +142,9 @@ class FusedAdam(FusedOptimizerBase):
         if not isinstance(count, torch.Tensor) or count.device != group["params"][0].device \
                 or count.dtype != torch.int32:
             count = group["step"] = self._group_step_value(group, 0 if count is None else _number(count, "step"))
-        count.add_(1 if found is None else (found == 0).reshape(count.shape))  # (+ a bool: one op)
+        if ok is None:
+            ok = True if found is None else (found == 0).reshape(count.shape)
+        count.add_(ok)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -225,6 +229,23 @@ class FusedAdam(FusedOptimizerBase):
             plan.buckets.append(b)
         return plan
 
+    def _flag_from(self, found: torch.Tensor, noop: torch.Tensor) -> torch.Tensor:
+        """Set the kernels' skip flag ``noop`` from ``found`` (inf/NaN found) and return ``found == 0`` (a
+        one-element bool tensor, by which the step counters move). Without a scaler ``found`` is the constant
+        zero of ``_no_scaling``: the flag is cleared once, and no op runs at the following steps."""
+        device = noop.device
+        consts = self._overflow_bufs.get(("no scaling", device))
+        if consts is not None and found is consts[0]:
+            ok = self._overflow_bufs.get(("ok", device))
+            if ok is None or self._overflow_bufs.get(("flag clear", device)) is not noop:
+                noop.zero_()
+                ok = self._overflow_bufs[("ok", device)] = torch.ones(1, dtype=torch.bool, device=device)
+                self._overflow_bufs[("flag clear", device)] = noop
+            return ok
+        self._overflow_bufs[("flag clear", device)] = None
+        torch.ne(found, 0, out=noop)
+        return torch.logical_not(noop)
+
     def _step_plan(self, group: dict, plan: Plan, gs: list, gptrs: tuple, scaling_on) -> None:
         beta1, beta2 = group["betas"]
         bias_correction = 1 if group.get("bias_correction", True) else 0
@@ -232,9 +253,9 @@ class FusedAdam(FusedOptimizerBase):
         if self.capturable:
             found, inv_scale = scaling_on(device)
             noop = self._overflow_buf(device)
-            torch.ne(found, 0, out=noop)  # the kernels' skip flag; the counters move by (found == 0)
-            plan.step_buf.add_(torch.logical_not(noop).reshape(()))
-            self._bump_group_step(group, found)
+            ok = self._flag_from(found, noop)
+            plan.step_buf.add_(ok)
+            self._bump_group_step(group, ok=ok)
             plan.watch(plan.step_buf)
         else:
             plan.step_host += 1.0
