@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, next_power_of_2
 from apex._kernels.bias_swiglu import column_tiles
 
 
@@ -75,9 +76,9 @@ def _bwd_db_kernel(DY, X, Bias, DX, DB, M, N, sdr, sdc, sxr, sxc, BLOCK_M: tl.co
 
 
 def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
-    bn = min(triton.next_power_of_2(max(N, 1)), 1024)
-    bm = max(1, min(triton.next_power_of_2(max(M, 1)), 4096 // bn))
-    return bm, bn, (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    bn = min(next_power_of_2(max(N, 1)), 1024)
+    bm = max(1, min(next_power_of_2(max(M, 1)), 4096 // bn))
+    return bm, bn, (cdiv(M, bm), cdiv(N, bn))
 
 
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from apex._kernels import _norm, _tuning
+from apex._kernels._host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -90,9 +91,9 @@ def _bwd_db_kernel(DY, X, Bias, DX, DB, DBp, M, N, rows_per_prog, sdr, sdc, sxr,
 
 
 def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
-    bn = min(triton.next_power_of_2(max(N, 1)), 1024)
-    bm = max(1, min(triton.next_power_of_2(max(M, 1)), 4096 // bn))
-    return bm, bn, (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    bn = min(next_power_of_2(max(N, 1)), 1024)
+    bm = max(1, min(next_power_of_2(max(M, 1)), 4096 // bn))
+    return bm, bn, (cdiv(M, bm), cdiv(N, bn))
 
 
 def _config(op: str, x: torch.Tensor, M: int, N: int) -> dict:
@@ -108,7 +109,7 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) 
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M * N:
         cfg = _config("bias_swiglu.fwd", x, M, N)
-        grid = (triton.cdiv(M, cfg["rows"]), triton.cdiv(N, cfg["cols"]))
+        grid = (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"]))
         _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
                           HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
     return y
@@ -120,7 +121,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
     dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
     if M * N:
         cfg = _config("bias_swiglu.bwd", x, M, N)
-        grid = (triton.cdiv(M, cfg["rows"]), triton.cdiv(N, cfg["cols"]))
+        grid = (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"]))
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
                           x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"],
                           BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
@@ -130,9 +131,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
 def column_tiles(M: int, N: int) -> tuple[int, int, tuple[int]]:
     """Tiles for the column-owning kernels: narrow column blocks so that ~256 programs share the columns
     (one per SM and more on current GPUs), each walking all rows in ``BLOCK_M`` steps."""
-    bn = max(16, min(128, triton.next_power_of_2(triton.cdiv(max(N, 1), 256))))
-    bm = max(1, min(triton.next_power_of_2(max(M, 1)), 4096 // bn))
-    return bm, bn, (triton.cdiv(N, bn),)
+    bn = max(16, min(128, next_power_of_2(cdiv(max(N, 1), 256))))
+    bm = max(1, min(next_power_of_2(max(M, 1)), 4096 // bn))
+    return bm, bn, (cdiv(N, bn),)
 
 
 def _db_formula(M: int, N: int, dev: torch.device) -> dict:
@@ -142,10 +143,10 @@ def _db_formula(M: int, N: int, dev: torch.device) -> dict:
     least 8 passes (fewer rows stay one launch); the chunks' fp32 partial sums (splits x 2N x 4 bytes, 0.6 MB
     at 16384 x 2·8192 against 1.3 GB of rows) are summed in a fixed order by a second launch.
     """
-    cols = max(16, min(128, triton.next_power_of_2(max(N, 1))))
-    rows = max(1, min(triton.next_power_of_2(max(M, 1)), 4096 // cols))
+    cols = max(16, min(128, next_power_of_2(max(N, 1))))
+    rows = max(1, min(next_power_of_2(max(M, 1)), 4096 // cols))
     sms = _tuning.device(dev)[1] or 132
-    splits = max(1, min(triton.cdiv(2 * sms, triton.cdiv(N, cols)), triton.cdiv(M, 8 * rows)))
+    splits = max(1, min(cdiv(2 * sms, cdiv(N, cols)), cdiv(M, 8 * rows)))
     return {"rows": rows, "cols": cols, "warps": 4, "stages": 1, "splits": splits}
 
 
@@ -158,15 +159,15 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     db = torch.empty((2 * N,), dtype=bias.dtype, device=x.device)
     if N:
         cfg = _tuning.pick("bias_swiglu.bwd_db", x.device, x.element_size(), (M, N), _db_formula(M, N, x.device))
-        per = triton.cdiv(triton.cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
-        splits = triton.cdiv(max(M, 1), per)
+        per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
+        splits = cdiv(max(M, 1), per)
         part = torch.empty((splits, 2 * N), dtype=torch.float32, device=x.device) if splits > 1 else db
-        _bwd_db_kernel[(triton.cdiv(N, cfg["cols"]), splits)](
+        _bwd_db_kernel[(cdiv(N, cfg["cols"]), splits)](
             dy, x, bias, dx, db, part, M, N, per, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
             BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], STAGES=cfg["stages"], SPLIT=splits > 1,
             num_warps=cfg["warps"])
         if splits > 1:
             # The norms' fixed-order column sum of fp32 partial rows, one rounding to the bias dtype.
-            _norm._reduce_kernel[(triton.cdiv(2 * N, 128),)](part, part, db, db, splits, 2 * N, HAS_B=False,
+            _norm._reduce_kernel[(cdiv(2 * N, 128),)](part, part, db, db, splits, 2 * N, HAS_B=False,
                                                               BLOCK_P=32, BLOCK_N=128)
     return dx, db

@@ -11,15 +11,11 @@ derivative of that loss. Each program writes one partial loss sum; they are adde
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -52,6 +48,10 @@ def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, M, K, K_REAL, alpha, gamma, smo
     tl.store(part_ptr + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
 
 
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_focal_fwd)
+
+
 @triton.jit
 def _focal_bwd(grad_ptr, g_ptr, npos_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -66,10 +66,10 @@ def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tens
     """``(loss, partial_grad)`` for a contiguous ``[M, K]`` ``x``; loss is a 0-d fp32 tensor."""
     m, k = x.shape
     grad = torch.empty_like(x)
-    block_k = triton.next_power_of_2(max(k, 1))
-    budget = 65536 if _interpreting() else 4096
-    rows = max(1, min(triton.next_power_of_2(max(m, 1)), budget // block_k))
-    progs = triton.cdiv(m, rows) if m else 0
+    block_k = next_power_of_2(max(k, 1))
+    budget = 65536 if _INTERP else 4096
+    rows = max(1, min(next_power_of_2(max(m, 1)), budget // block_k))
+    progs = cdiv(m, rows) if m else 0
     parts = torch.zeros(max(progs, 1), device=x.device, dtype=torch.float32)
     if progs:
         _focal_fwd[(progs,)](x, labels, grad, parts, m, k, int(num_real_classes), float(alpha), float(gamma),
@@ -82,7 +82,7 @@ def backward(grad_loss: torch.Tensor, partial_grad: torch.Tensor, num_positives_
     """Scale ``partial_grad`` in place by ``grad_loss / num_positives_sum`` and return it."""
     n = partial_grad.numel()
     if n:
-        block = 65536 if _interpreting() else 1024
-        _focal_bwd[(triton.cdiv(n, block),)](partial_grad, grad_loss.reshape(1).float(),
+        block = 65536 if _INTERP else 1024
+        _focal_bwd[(cdiv(n, block),)](partial_grad, grad_loss.reshape(1).float(),
                                             num_positives_sum.reshape(1).float(), n, BLOCK=block)
     return partial_grad

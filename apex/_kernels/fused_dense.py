@@ -22,17 +22,13 @@ wrong) and one fixed tile configuration, sized to the problem, is used.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
+
 NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @triton.jit
@@ -46,6 +42,10 @@ def _act(x, ACT: tl.constexpr):
         t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u); libdevice is unavailable under the interpreter
         x = 0.5 * x * (1.0 + t)
     return x
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_act)
 
 
 @triton.jit
@@ -132,11 +132,11 @@ def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K,
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
 def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
-    if _interpreting():
+    if _INTERP:
         # The interpreter pays per operation, not per element: one large tile per dimension.
         return dict(BM=_pow2(m, 16, 64), BN=_pow2(n, 16, 128), BK=_pow2(k, 16, 128), GROUP_M=8,
                     num_warps=4, num_stages=1)
@@ -168,12 +168,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     if m == 0 or n == 0:
         return c
     cfg = _config(m, n, k, a.dtype)
-    interp = _interpreting()
+    interp = _INTERP
     precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
     upcast = interp and a.dtype == torch.bfloat16
     xa = aux_a if aux_a is not None else a
     yc = aux_c if aux_c is not None else c
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    grid = (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)
     _gemm_kernel[grid](
         a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),

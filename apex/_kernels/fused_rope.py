@@ -25,18 +25,12 @@ at row ``s // img_w``, the second by ``(cos_w, sin_w)`` at row ``s % img_w``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from apex._kernels import _tuning
-from apex._kernels._host import cdiv, next_power_of_2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -114,6 +108,10 @@ def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
     tl.store(y_row + hh * ys_h + d * ys_d, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_rope_kernel)
+
+
 def _strides2(t: torch.Tensor | None) -> tuple[int, int]:
     return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
@@ -131,7 +129,7 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
         return y
     BLOCK_D = next_power_of_2(D)
     # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
-    cap = 16384 if _interpreting() else 4096
+    cap = 16384 if _INTERP else 4096
     cfg = _tuning.pick("fused_rope.bwd" if backward else "fused_rope.fwd", x.device, x.element_size(),
                        (S * B, H, D), {"heads": max(1, min(next_power_of_2(H), cap // BLOCK_D)), "warps": 4})
     BLOCK_H = cfg["heads"]

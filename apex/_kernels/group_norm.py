@@ -16,19 +16,15 @@ per-(n, slice) partial rows by one ``sum`` over rows: no atomics anywhere.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
+
 # Tile sizes (elements); tests lower them to exercise the split path. None: the defaults below.
 LIMITS: dict[str, int | None] = {"tile": None, "fuse_max": None}
 MAX_GROUP_CHANNELS = 16384
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @triton.jit
@@ -38,6 +34,10 @@ def _tile(x_ptr, n, g, s0, s_end, sn, sc, ss, CG, BLOCK_S: tl.constexpr, BLOCK_C
     mask = (s < s_end)[:, None] & (c < CG)[None, :]
     offs = n.to(tl.int64) * sn + (g * CG + c)[None, :].to(tl.int64) * sc + s[:, None].to(tl.int64) * ss
     return offs, mask, c
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_tile)
 
 
 @triton.jit
@@ -234,18 +234,18 @@ def supported(channels_per_group: int) -> bool:
 
 def _plan(n: int, groups: int, cg: int, s: int):
     """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem."""
-    interp = _interpreting()
+    interp = _INTERP
     tile = LIMITS["tile"] or (65536 if interp else 4096)
     fuse_max = LIMITS["fuse_max"] or (65536 if interp else 16384)
-    block_c = triton.next_power_of_2(cg)
-    s_pow = triton.next_power_of_2(max(s, 1))
+    block_c = next_power_of_2(cg)
+    s_pow = next_power_of_2(max(s, 1))
     if s_pow * block_c <= fuse_max:
         return True, s_pow, block_c, max(s, 1), 1
     block_s = min(s_pow, max(1, tile // block_c))
     target = 3 * n * groups if interp else 1024  # programs wanted; the interpreter pays per program
-    split = max(1, min(triton.cdiv(s, block_s), triton.cdiv(target, n * groups)))
-    s_per = triton.cdiv(triton.cdiv(s, split), block_s) * block_s
-    return False, block_s, block_c, s_per, triton.cdiv(s, s_per)
+    split = max(1, min(cdiv(s, block_s), cdiv(target, n * groups)))
+    s_per = cdiv(cdiv(s, split), block_s) * block_s
+    return False, block_s, block_c, s_per, cdiv(s, s_per)
 
 
 def _strides(x: torch.Tensor):
@@ -276,7 +276,7 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, BLOCK_S=bs, BLOCK_C=bc)
     _gn_apply[(n * groups, split)](x, y, w, b, part, mean, rstd, groups, s, cg, s_per, split, sn, sc, ss,
                                    float(eps), HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
-                                   BLOCK_P=triton.next_power_of_2(split))
+                                   BLOCK_P=next_power_of_2(split))
     return y, mean, rstd
 
 
@@ -300,7 +300,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean,
     if not fused:
         _gn_bwd_dx[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, groups, s, cg, s_per, split,
                                         sn, sc, ss, HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
-                                        BLOCK_P=triton.next_power_of_2(split))
+                                        BLOCK_P=next_power_of_2(split))
     if not has_w:
         return dx, None, None
     return dx, cpart[:, :ch].sum(0), cpart[:, ch:].sum(0)

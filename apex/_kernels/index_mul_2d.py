@@ -9,15 +9,11 @@ on every run.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -31,6 +27,10 @@ def _gather_mul(a_ptr, b_ptr, idx_ptr, out_ptr, M, F, sa, sb, so, ROWS: tl.const
     b = tl.load(b_ptr + rows.to(tl.int64)[:, None] * sb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], (a * b).to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_gather_mul)
 
 
 @triton.jit
@@ -61,9 +61,9 @@ def _segment_mul_sum(g_ptr, b_ptr, perm_ptr, start_ptr, out_ptr, a_ptr, out2_ptr
 
 
 def _tiles(m: int, f: int):
-    block_f = min(triton.next_power_of_2(max(f, 1)), 256)
-    budget = 16384 if _interpreting() else 2048
-    rows = max(1, min(triton.next_power_of_2(max(m, 1)), budget // block_f))
+    block_f = min(next_power_of_2(max(f, 1)), 256)
+    budget = 16384 if _INTERP else 2048
+    rows = max(1, min(next_power_of_2(max(m, 1)), budget // block_f))
     return rows, block_f
 
 
@@ -73,7 +73,7 @@ def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: t
     out = torch.empty((m, f), device=b.device, dtype=out_dtype)
     if m and f:
         rows, bf = _tiles(m, f)
-        _gather_mul[(triton.cdiv(m, rows), triton.cdiv(f, bf))](a, b, idx, out, m, f, a.stride(0), b.stride(0),
+        _gather_mul[(cdiv(m, rows), cdiv(f, bf))](a, b, idx, out, m, f, a.stride(0), b.stride(0),
                                                                out.stride(0), ROWS=rows, BLOCK_F=bf)
     return out
 
@@ -92,10 +92,10 @@ def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_ou
     start = torch.zeros(rows_out + 1, device=b.device, dtype=torch.int64)
     torch.cumsum(counts, 0, out=start[1:])
     rows, bf = _tiles(rows_out, f)
-    if _interpreting():
+    if _INTERP:
         rows = min(rows, 16)
     pair = a is not None
-    _segment_mul_sum[(triton.cdiv(rows_out, rows), triton.cdiv(f, bf))](
+    _segment_mul_sum[(cdiv(rows_out, rows), cdiv(f, bf))](
         g, b, perm, start, out, a if pair else out, out2 if pair else out, rows_out, f, g.stride(0), b.stride(0),
         out.stride(0), a.stride(0) if pair else 0, out2.stride(0) if pair else 0, ROWS=rows, BLOCK_F=bf, PAIR=pair)
     return (out, out2) if pair else out

@@ -14,15 +14,11 @@ On GPUs the two products use the input dtype (fp16/bf16 tensor cores, fp32 accum
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -30,6 +26,10 @@ def _mm(a, b, LOW: tl.constexpr, DT: tl.constexpr):
     if LOW:
         return tl.dot(a.to(DT), b.to(DT))
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_mm)
 
 
 @triton.jit
@@ -180,8 +180,8 @@ def _attn_bwd_dkdv(q, k, v, mask, bias, do, lse, delta, dk, dv,
 
 
 def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
-    block_d = max(16, triton.next_power_of_2(d))
-    if _interpreting() or device.type != "cuda":
+    block_d = max(16, next_power_of_2(d))
+    if _INTERP or device.type != "cuda":
         return 32, 64, block_d, 1  # the interpreter pays per op: few, large blocks
     if block_d <= 64:
         return 64, 64, block_d, 4
@@ -195,7 +195,7 @@ def _strides4(t):
 def _common(q, k, v, mask, bias):
     z, h, nq, d = q.shape
     nk = k.shape[2]
-    low = q.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
     return (*q.stride(), *k.stride(), *v.stride(), *_strides4(mask), *_strides4(bias), h, nq, nk, d), low
 
 
@@ -209,7 +209,7 @@ def forward(q, k, v, mask, bias, scale: float, inf: float):
         return o, lse
     bm, bn, bd, warps = _blocks(d, q.device)
     args, low = _common(q, k, v, mask, bias)
-    _attn_fwd[(triton.cdiv(nq, bm), z * h)](
+    _attn_fwd[(cdiv(nq, bm), z * h)](
         q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *args,
         float(scale), float(inf), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
@@ -234,9 +234,9 @@ def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds:
     b_arg = bias if bias is not None else q
     flags = dict(HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_D=bd, num_warps=warps)
-    _attn_bwd_dq[(triton.cdiv(nq, bm), z * h)](
+    _attn_bwd_dq[(cdiv(nq, bm), z * h)](
         q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *args,
         float(scale), float(inf), NEED_DS=need_ds, **flags)
-    _attn_bwd_dkdv[(triton.cdiv(nk, bn), z * h)](
+    _attn_bwd_dkdv[(cdiv(nk, bn), z * h)](
         q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *args, float(scale), float(inf), **flags)
     return dq, dk, dv, ds

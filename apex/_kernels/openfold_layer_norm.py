@@ -15,21 +15,17 @@ autotuners hold a single fixed config, since the interpreter cannot benchmark.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
+
 MAX_N = 16384  # longer rows do not fit one tile; the op layer sends them to PyTorch
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def _configs() -> list:
-    if _interpreting():
+    if _INTERP:
         return [triton.Config({"ROWS": 16}, num_warps=1)]
     return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
 
@@ -47,6 +43,10 @@ def _row_start(rows, D1, D2, S0, S1, S2):
     i0 = r // (D1 * D2)
     rest = r % (D1 * D2)
     return i0 * S0 + (rest // D2) * S1 + (rest % D2) * S2
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_row_start)
 
 
 @triton.autotune(configs=_configs(), key=["M", "N"], prune_configs_by={"early_config_prune": _prune})
@@ -159,8 +159,8 @@ def forward(x: torch.Tensor, weight, bias, eps: float):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, mean, rstd
-    block_n = triton.next_power_of_2(n)
-    _ln_fwd[lambda meta: (triton.cdiv(m, meta["ROWS"]),)](
+    block_n = next_power_of_2(n)
+    _ln_fwd[lambda meta: (cdiv(m, meta["ROWS"]),)](
         x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd,
         m, n, d1, d2, s0, s1, s2, sn, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=block_n)
@@ -178,9 +178,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
     if m > 0:
         _ln_bwd[(progs,)](
             dy, x, weight if weight is not None else x, mean, rstd, dx,
-            dw_part if need_dw else dx, db_part if need_db else dx, m, n, triton.cdiv(m, progs),
+            dw_part if need_dw else dx, db_part if need_db else dx, m, n, cdiv(m, progs),
             d1, d2, s0, s1, s2, sn, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
-            BLOCK_N=triton.next_power_of_2(n))
+            BLOCK_N=next_power_of_2(n))
     sums = []
     for part, dt, need in ((dw_part, w_dtype, need_dw), (db_part, b_dtype, need_db)):
         if not need:
@@ -190,7 +190,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
         if m == 0:
             out.zero_()
         else:
-            block_c = min(triton.next_power_of_2(n), 256)
-            _column_sum[(triton.cdiv(n, block_c),)](part, out, progs, n, BLOCK_P=16, BLOCK_C=block_c)
+            block_c = min(next_power_of_2(n), 256)
+            _column_sum[(cdiv(n, block_c),)](part, out, progs, n, BLOCK_P=16, BLOCK_C=block_c)
         sums.append(out)
     return dx, sums[0], sums[1]

@@ -12,20 +12,14 @@ loaded. Several short rows share one program.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from apex._kernels._host import cdiv
+from apex._kernels._host import cdiv, interpreted
 
 # Widest row held in registers in one block on a GPU (fp32: 32 values per thread at 16 warps).
 MAX_BLOCK = 16384
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def _next_pow2(n: int) -> int:
@@ -39,6 +33,10 @@ def _row_coords(pid, R, NP, SQ, ROWS: tl.constexpr):
     q = rows % SQ
     bh = rows // SQ
     return rows, rmask, q, bh % NP, bh // NP
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_row_coords)
 
 
 @triton.jit
@@ -147,7 +145,7 @@ def _bwd_kernel(DY, Y, DX, scale, R, NP, SQ, SK,
 
 def _config(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, int]:
     """``(ROWS, BLOCK, ONE_BLOCK, num_warps)`` for ``n_rows`` rows of ``sk`` keys."""
-    interp = _interpreting()
+    interp = _INTERP
     cap = max_block if max_block is not None else MAX_BLOCK
     block = min(_next_pow2(max(sk, 1)), _next_pow2(cap))
     one = sk <= block

@@ -13,24 +13,24 @@ import torch
 import triton
 import triton.language as tl
 
-from apex._kernels.multi_tensor import _interpreting
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 def _layout(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
     N, C, L = x.shape
     R = N * L
-    bc = min(triton.next_power_of_2(C), 32 if L == 1 else 4)
-    if _interpreting():
+    bc = min(next_power_of_2(C), 32 if L == 1 else 4)
+    if _INTERP:
         # The interpreter pays per op, not per element: few large tiles.
-        br = max(16, min(triton.next_power_of_2(R), 4096 // bc))
+        br = max(16, min(next_power_of_2(R), 4096 // bc))
         max_rows = 4
     else:
-        br = max(16, min(triton.next_power_of_2(R), 2048 // bc))
+        br = max(16, min(next_power_of_2(R), 2048 // bc))
         max_rows = 256
-    tiles = triton.cdiv(R, br)
+    tiles = cdiv(R, br)
     rows = min(tiles, max_rows)
-    iters = triton.cdiv(tiles, rows)
-    rows = triton.cdiv(tiles, iters)
+    iters = cdiv(tiles, rows)
+    rows = cdiv(tiles, iters)
     return C, L, R, bc, br, rows, iters
 
 
@@ -43,6 +43,10 @@ def _tile(pc, pr, it, C, L, R, ITERS, BLOCK_R: tl.constexpr, BLOCK_C: tl.constex
     off = (n * C * L + l_)[:, None] + (c.to(tl.int64) * L)[None, :]
     mask = (r < R)[:, None] & (c < C)[None, :]
     return off, mask
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_tile)
 
 
 @triton.jit
@@ -145,7 +149,7 @@ def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s1 = torch.empty((rows, C), dtype=torch.float32, device=x.device)
     s2 = torch.empty_like(s1)
     shift = torch.empty(C, dtype=torch.float32, device=x.device)
-    _stats_kernel[(triton.cdiv(C, bc), rows)](x, s1, s2, shift, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
+    _stats_kernel[(cdiv(C, bc), rows)](x, s1, s2, shift, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
     m1 = s1.sum(0) / R
     var = (s2.sum(0) / R - m1 * m1).clamp_(min=0)
     return shift + m1, var
@@ -154,7 +158,7 @@ def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def forward(x, scale, shift, z, fuse_relu: bool) -> torch.Tensor:
     C, L, R, bc, br, rows, iters = _layout(x)
     y = torch.empty_like(x)
-    _forward_kernel[(triton.cdiv(C, bc), rows)](x, z if z is not None else x, y, scale.contiguous(),
+    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, scale.contiguous(),
                                                  shift.contiguous(), C, L, R, iters, HAS_Z=z is not None,
                                                  RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
     return y
@@ -164,7 +168,7 @@ def backward_reduce(dy, x, mean, scale, shift, z, fuse_relu: bool):
     C, L, R, bc, br, rows, iters = _layout(x)
     s1 = torch.empty((rows, C), dtype=torch.float32, device=x.device)
     s2 = torch.empty_like(s1)
-    _backward_reduce_kernel[(triton.cdiv(C, bc), rows)](
+    _backward_reduce_kernel[(cdiv(C, bc), rows)](
         dy, x, z if z is not None else x, mean.contiguous(), scale.contiguous(), shift.contiguous(), s1, s2,
         C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
     return s1.sum(0), s2.sum(0)
@@ -176,7 +180,7 @@ def backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, f
     dx = torch.empty_like(x)
     dz = torch.empty_like(x) if need_dz else dx
     k = (mean_dy_xmu * invstd * invstd).contiguous()
-    _backward_elemt_kernel[(triton.cdiv(C, bc), rows)](
+    _backward_elemt_kernel[(cdiv(C, bc), rows)](
         dy, x, z if z is not None else x, dx, dz, mean.contiguous(), scale.contiguous(), shift.contiguous(),
         mean_dy.contiguous(), k, C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu),
         NEED_DZ=bool(need_dz), BLOCK_R=br, BLOCK_C=bc)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, next_power_of_2
+
 
 @triton.jit
 def _row_of(b, t, u, T, U, g_len, offset, PACKED: tl.constexpr):
@@ -101,7 +103,7 @@ def _joint_bwd(dh_ptr, mask_ptr, flen_ptr, glen_ptr, boff_ptr, df_ptr, dg_ptr, T
 
 
 def _block_h(H: int) -> int:
-    return min(1024, triton.next_power_of_2(max(H, 16)))
+    return min(1024, next_power_of_2(max(H, 16)))
 
 
 def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bool, relu: bool,
@@ -115,7 +117,7 @@ def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bo
     mask = torch.zeros(shape, dtype=torch.uint8, device=f.device) if masked else h
     boff = batch_offset if pack_output else f_len
     bh = _block_h(H)
-    grid = (B * T, triton.cdiv(U, tile_size), triton.cdiv(H, bh))
+    grid = (B * T, cdiv(U, tile_size), cdiv(H, bh))
     _joint_fwd[grid](f, g, f_len, g_len, boff, h, mask, T, U, H, 1.0 - dropout_prob, seed,
                      PACKED=pack_output, RELU=relu, DROPOUT=dropout, TILE_U=tile_size, BLOCK_H=bh)
     return h, (mask if masked else None)
@@ -131,7 +133,7 @@ def backward(dh, mask, f_len, g_len, batch_offset, T: int, U: int, pack_output: 
     m = mask if mask is not None else dh
     bh = _block_h(H)
     for for_f, L in ((True, T), (False, U)):
-        _joint_bwd[(B * L, triton.cdiv(H, bh))](dh, m, f_len, g_len, boff, df, dg, T, U, H, scale,
+        _joint_bwd[(B * L, cdiv(H, bh))](dh, m, f_len, g_len, boff, df, dg, T, U, H, scale,
                                                 PACKED=pack_output, MASKED=mask is not None, FOR_F=for_f,
                                                 BLOCK_H=bh)
     return df, dg

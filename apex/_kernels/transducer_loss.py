@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
+
 
 @triton.jit
 def _lae(a, b):
@@ -27,6 +29,10 @@ def _lae(a, b):
     safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.exp(a - safe) + tl.exp(b - safe)
     return tl.where(m == float("-inf"), m, safe + tl.log(tl.where(m == float("-inf"), 1.0, total)))
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_lae)
 
 
 @triton.jit
@@ -159,16 +165,16 @@ def _row_lse(x_ptr, lse_ptr, R, V, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 def _block_v(V: int) -> int:
-    return min(1024, triton.next_power_of_2(max(V, 16)))
+    return min(1024, next_power_of_2(max(V, 16)))
 
 
 def _rows_per_program(rows: int, block_v: int) -> int:
     # About 4K elements per tile; under the interpreter, where each program costs a fixed overhead, at most
     # ~16 programs.
     per = max(1, 4096 // block_v)
-    if triton.knobs.runtime.interpret:
-        per = max(per, triton.cdiv(rows, 16))
-    return triton.next_power_of_2(min(per, max(rows, 1)))
+    if _INTERP:
+        per = max(per, cdiv(rows, 16))
+    return next_power_of_2(min(per, max(rows, 1)))
 
 
 def row_lse(x, acc_dtype: torch.dtype):
@@ -179,7 +185,7 @@ def row_lse(x, acc_dtype: torch.dtype):
     if rows:
         bv = _block_v(V)
         per = _rows_per_program(rows, bv)
-        _row_lse[(triton.cdiv(rows, per),)](x, lse, rows, V, ROWS=per, BLOCK_V=bv)
+        _row_lse[(cdiv(rows, per),)](x, lse, rows, V, ROWS=per, BLOCK_V=bv)
     return lse
 
 
@@ -194,11 +200,11 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
     loss = torch.empty((B,), dtype=acc_dtype, device=logp.device)
     tx, ux = (1, 1) if packed else (logp.shape[1], logp.shape[2])
     boff = batch_offset if packed else f_len
-    bb = triton.next_power_of_2(B) if triton.knobs.runtime.interpret else 1
+    bb = next_power_of_2(B) if _INTERP else 1
     if B:
-        _alpha_beta[(triton.cdiv(B, bb),)](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux,
+        _alpha_beta[(cdiv(B, bb),)](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux,
                                            V, label.stride(0), blank_idx, PACKED=packed, BB=bb,
-                                           BLOCK_U=triton.next_power_of_2(max(U, 2)))
+                                           BLOCK_U=next_power_of_2(max(U, 2)))
     return alpha, beta, loss
 
 
@@ -215,7 +221,7 @@ def grad(logp, lse, loss_grad, alpha, beta, label, f_len, y_len, batch_offset, r
     if rows:
         bv = _block_v(V)
         per = _rows_per_program(rows, bv)
-        _grad[(triton.cdiv(rows, per),)](logp, lse, label, f_len, y_len, boff, rowb, alpha, beta, loss_grad, out,
+        _grad[(cdiv(rows, per),)](logp, lse, label, f_len, y_len, boff, rowb, alpha, beta, loss_grad, out,
                                          rows, T, U, tx, ux, V, label.stride(0), blank_idx, PACKED=packed,
                                          FUSED=fused, ROWS=per, BLOCK_V=bv)
     return out

@@ -8,15 +8,11 @@ Triton interpreter bf16 operands are upcast to fp32 before the dot (its bf16 dot
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -48,8 +44,12 @@ def _wgrad_kernel(A, G, W, K, NI, NO, sak, sai, sgk, sgo, swo, swi,
     tl.store(wp, (w + acc).to(W.dtype.element_ty), mask=wm)
 
 
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_wgrad_kernel)
+
+
 def _block(n: int, cap: int) -> int:
-    return max(16, min(triton.next_power_of_2(max(n, 1)), cap))
+    return max(16, min(next_power_of_2(max(n, 1)), cap))
 
 
 def accumulate(a: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
@@ -58,12 +58,12 @@ def accumulate(a: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
     NO = g.shape[1]
     if NI * NO == 0 or K == 0:
         return
-    interp = _interpreting()
+    interp = _INTERP
     # Interpreted programs cost per program: larger tiles there; GPU tiles sized for tensor cores.
     bo, bi, bk = (_block(NO, 128), _block(NI, 128), _block(K, 128)) if interp else \
         (_block(NO, 128), _block(NI, 128), 32)
     upcast = interp or a.dtype != g.dtype
-    grid = (triton.cdiv(NO, bo), triton.cdiv(NI, bi))
+    grid = (cdiv(NO, bo), cdiv(NI, bi))
     _wgrad_kernel[grid](a, g, w, K, NI, NO, a.stride(0), a.stride(1), g.stride(0), g.stride(1),
                         w.stride(0), w.stride(1), UPCAST=upcast,
                         IEEE=a.dtype == torch.float32 or upcast,
