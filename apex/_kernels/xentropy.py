@@ -8,18 +8,12 @@ once and written once; the gradient may be written over the logits themselves (`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from apex._kernels import _tuning
-from apex._kernels._host import cdiv, next_power_of_2
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
@@ -46,9 +40,15 @@ def _xent_fwd(x_ptr, lab_ptr, loss_ptr, lse_ptr, M, V, stride_x, smoothing, padd
         x_lab += tl.sum(tl.where(cols[None, :] == label[:, None], x, 0.0), axis=1)
     lse = m + tl.log(s)
     loss = lse - (1.0 - smoothing) * x_lab - smoothing * (sum_x / V)
+    # A label outside [0, V) (and not padding_idx) gives a NaN loss: checked here, not by a host read.
+    loss = tl.where((label < 0) | (label >= V), float("nan"), loss)
     loss = tl.where(label == padding_idx, 0.0, loss)
     tl.store(loss_ptr + rows, loss, mask=rmask)
     tl.store(lse_ptr + rows, lse, mask=rmask)
+
+
+# The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
+_INTERP = interpreted(_xent_fwd)
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def _xent_bwd(g_ptr, x_ptr, lab_ptr, lse_ptr, out_ptr, M, V, stride_x, stride_o,
     mask = rmask[:, None] & (cols < V)[None, :]
     label = tl.load(lab_ptr + rows, mask=rmask, other=0)
     g = tl.load(g_ptr + rows * stride_g, mask=rmask, other=0.0).to(tl.float32)
-    g = tl.where(label == padding_idx, 0.0, g)
+    # Padding rows and rows whose label lies outside [0, V) (a NaN loss) give a zero gradient.
+    g = tl.where((label == padding_idx) | (label < 0) | (label >= V), 0.0, g)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -73,43 +74,65 @@ def _xent_bwd(g_ptr, x_ptr, lab_ptr, lse_ptr, out_ptr, M, V, stride_x, stride_o,
 def _rows_per_program(m: int, v: int, block: int) -> int:
     # Short vocabularies: several rows per program keep the grid (and the interpreter's time) small.
     rows = max(1, min(64, 4096 // max(block, 1)))
-    if interpreting():
+    if _INTERP:
         rows = max(rows, min(64, next_power_of_2(max(1, m // 8))))
     return min(next_power_of_2(max(m, 1)), rows)
 
 
 def _block(v: int) -> int:
-    cap = 8192 if interpreting() else 4096
+    cap = 8192 if _INTERP else 4096
     return min(cap, next_power_of_2(max(v, 16)))
+
+
+# (rows, V, itemsize, device index, backward) -> the launch's (grid, rows, block, warps, stages).
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(x: torch.Tensor, m: int, v: int, backward: bool) -> tuple:
+    key = (m, v, x.element_size(), x.get_device(), backward)
+    p = _PLANS.get(key)
+    op = "xentropy.bwd" if backward else "xentropy.fwd"
+    if p is None:
+        if backward:
+            block = min(_block(v), 1024 if not _INTERP else 8192)
+            cfg = _tuning.pick(op, x.device, key[2], (m, v),
+                               {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
+            grid = (cdiv(m, cfg["rows"]), cdiv(v, cfg["block"]))
+        else:
+            block = _block(v)
+            cfg = _tuning.pick(op, x.device, key[2], (m, v), {"rows": _rows_per_program(m, v, block),
+                                                                "block": block, "warps": 4, "stages": 1})
+            grid = (cdiv(m, cfg["rows"]),)
+        p = _PLANS[key] = (grid, cfg["rows"], cfg["block"], cfg["warps"], cfg.get("stages", 1), cfg)
+    else:
+        _tuning.last[op] = p[5]  # as pick records it
+    return p
 
 
 def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(losses, lse)`` in fp32 for a ``[M, V]`` view with unit column stride."""
+    """``(losses, lse)`` in fp32 for a ``[M, V]`` view with unit column stride. A row whose label lies
+    outside ``[0, V)`` and is not ``padding_idx`` gets a NaN loss (no host-side check)."""
     m, v = x.shape
-    losses = torch.empty(m, device=x.device, dtype=torch.float32)
-    lse = torch.empty(m, device=x.device, dtype=torch.float32)
+    dev = x.device
+    losses = torch.empty(m, device=dev, dtype=torch.float32)
+    lse = torch.empty(m, device=dev, dtype=torch.float32)
     if m == 0:
         return losses, lse
-    block = _block(v)
-    cfg = _tuning.pick("xentropy.fwd", x.device, x.element_size(), (m, v),
-                       {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4, "stages": 1})
-    _xent_fwd[(cdiv(m, cfg["rows"]),)](x, labels, losses, lse, m, v, x.stride(0), float(smoothing),
-                                              int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"],
-                                              STAGES=cfg["stages"], num_warps=cfg["warps"])
+    grid, rows, block, warps, stages, _ = _plan(x, m, v, False)
+    _xent_fwd[grid](x, labels, losses, lse, m, v, x.stride(0), float(smoothing), int(padding_idx), ROWS=rows,
+                    BLOCK=block, STAGES=stages, num_warps=warps)
     return losses, lse
 
 
 def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, smoothing: float,
              padding_idx: int, out: torch.Tensor) -> torch.Tensor:
-    """Write the logits' gradient into ``out`` (which may be ``x`` itself) and return it."""
+    """Write the logits' gradient into ``out`` (which may be ``x`` itself) and return it; rows whose label is
+    padding or outside ``[0, V)`` get zeros."""
     m, v = x.shape
     if m == 0 or v == 0:
         return out
-    block = min(_block(v), 1024 if not interpreting() else 8192)
-    cfg = _tuning.pick("xentropy.bwd", x.device, x.element_size(), (m, v),
-                       {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
-    grid = (cdiv(m, cfg["rows"]), cdiv(v, cfg["block"]))
+    grid, rows, block, warps, _, _ = _plan(x, m, v, True)
     _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride(0), out.stride(0), grad.stride(0),
-                    float(smoothing), int(padding_idx), ROWS=cfg["rows"], BLOCK=cfg["block"], num_warps=cfg["warps"])
+                    float(smoothing), int(padding_idx), ROWS=rows, BLOCK=block, num_warps=warps)
     return out

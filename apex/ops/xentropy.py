@@ -11,6 +11,13 @@ logits (as Apex's kernel at e13873de, which always returns fp32 losses), fp64 fo
 the logits' dtype. ``half_to_float`` is accepted for Apex's signature; it only decides the dtype of the
 ``max_log_sum_exp`` that the ``xentropy_cuda.forward`` adapter returns.
 
+Labels outside ``[0, V)`` that are not ``padding_idx``: the PyTorch path (CPU tensors) raises ``ValueError``
+naming the first one. The Triton path (CUDA/ROCm tensors) checks them in its kernels instead: such a row's
+loss is NaN and its gradient zero, so a bad label shows in the loss (any reduction of it is NaN) without
+the host reading the labels back: a check on the host would wait for the GPU (one synchronisation per call,
+longer than the kernels themselves), where PyTorch's own CUDA ``cross_entropy`` asserts on the device
+(aborting the process) and Liger-Kernel's checks nothing.
+
 ``inplace_backward=True`` (not in Apex) writes the logits' gradient over the logits' own buffer: for large
 vocabularies the ``[rows, V]`` gradient is then never allocated next to the logits, which saves one
 logits-sized buffer at the peak of the backward. The logits must not be used after the loss's backward
@@ -54,7 +61,12 @@ def _check(logits: object, labels: object, smoothing: object, padding_idx: objec
         raise ValueError(f"smoothing must be a float in [0, 1], got {smoothing!r}")
     if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
         raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
-    v = logits.shape[-1]
+    return logits.shape[-1]
+
+
+def _check_labels(labels: Tensor, v: int, padding_idx: int | None) -> None:
+    """Labels in ``[0, V)`` or ``padding_idx``, read on the host: the PyTorch path's check (the Triton
+    path's kernels give those rows a NaN loss instead, without a device synchronisation)."""
     if labels.numel() and (padding_idx is None or 0 <= padding_idx < v):
         # Every allowed label lies in [0, V): one reduction and one read instead of four operators.
         lo, hi = torch.stack(labels.reshape(-1).aminmax()).tolist()
@@ -68,12 +80,15 @@ def _check(logits: object, labels: object, smoothing: object, padding_idx: objec
         if bool(bad.any()):
             first = int(labels.reshape(-1)[bad.reshape(-1)][0])
             raise ValueError(f"labels must lie in [0, {v}) or equal padding_idx={padding_idx}, got {first}")
-    return v
+
+
+_NO_PAD = -(1 << 63)
 
 
 def _pad(padding_idx: int | None) -> int:
-    # No padding: −1 never matches, since the checks reject negative labels then.
-    return -1 if padding_idx is None else int(padding_idx)
+    # No padding: the smallest int64, so that a label of -1 (or any other out-of-range value a caller may
+    # pass) still gives the Triton path's NaN, not a padding row's zero.
+    return _NO_PAD if padding_idx is None else int(padding_idx)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,19 +98,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------- dispatch (no autograd)
 def softmax_cross_entropy_forward(logits: Tensor, labels: Tensor, smoothing: float = 0.0,
                                   padding_idx: int | None = 0) -> tuple[Tensor, Tensor]:
-    """``(losses, lse)``: per-row losses (zero on padding rows) and ``log Σ exp`` of each row."""
+    """``(losses, lse)``: per-row losses (zero on padding rows) and ``log Σ exp`` of each row. Out-of-range
+    labels: ``ValueError`` on the PyTorch path, a NaN loss on the Triton path (see the module docstring)."""
     v = _check(logits, labels, smoothing, padding_idx)
-    lead = logits.shape[:-1]
-    x = logits.reshape(-1, v)
-    lab = labels.reshape(-1)
+    flat = logits.dim() == 2  # the usual [rows, V]: no reshape in or out (each ~1.5-3 µs)
+    x = logits if flat else logits.reshape(-1, v)
+    lab = labels if flat else labels.reshape(-1)
     if select(logits) == "triton" and logits.dtype != torch.float64:
         from apex._kernels import xentropy as kernels
 
         if x.stride(-1) != 1:
             x = x.contiguous()
         losses, lse = kernels.forward(x, lab.contiguous(), float(smoothing), _pad(padding_idx))
-        return losses.reshape(lead), lse.reshape(lead)
-    losses, lse = _forward_torch(x, lab, float(smoothing), padding_idx)
+    else:
+        _check_labels(labels, v, padding_idx)
+        losses, lse = _forward_torch(x, lab, float(smoothing), padding_idx)
+    if flat:
+        return losses, lse
+    lead = logits.shape[:-1]
     return losses.reshape(lead), lse.reshape(lead)
 
 
@@ -118,7 +138,9 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
                                    smoothing: float = 0.0, padding_idx: int | None = 0,
                                    inplace: bool = False) -> Tensor:
     """Gradient of the losses with respect to the logits; ``inplace=True`` writes it over ``logits``."""
-    _check(logits, labels, smoothing, padding_idx)
+    v = _check(logits, labels, smoothing, padding_idx)
+    if select(logits) != "triton" or logits.dtype == torch.float64:
+        _check_labels(labels, v, padding_idx)
     lead = tuple(logits.shape[:-1])
     for name, t in (("grad_loss", grad_loss), ("max_log_sum_exp", lse)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead:
@@ -133,10 +155,11 @@ def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
     """:func:`softmax_cross_entropy_backward` on arguments already checked (by it, or by the forward that
     saved them): no second pass over the labels."""
     v = logits.shape[-1]
-    x = logits.reshape(-1, v)
-    lab = labels.reshape(-1)
-    g = grad_loss.reshape(-1)
-    s = lse.reshape(-1)
+    flat = logits.dim() == 2  # the usual [rows, V]: no reshape in or out
+    x = logits if flat else logits.reshape(-1, v)
+    lab = labels if flat else labels.reshape(-1)
+    g = grad_loss if flat else grad_loss.reshape(-1)
+    s = lse if flat else lse.reshape(-1)
     if select(logits) == "triton" and logits.dtype != torch.float64:
         from apex._kernels import xentropy as kernels
 
@@ -145,9 +168,12 @@ def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
         else:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            out = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
-        kernels.backward(g, x, lab.contiguous(), s.float().contiguous(), float(smoothing), _pad(padding_idx),
-                         out)
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if s.dtype != torch.float32:
+            s = s.float()
+        kernels.backward(g, x, lab.contiguous(), s.contiguous(), float(smoothing), _pad(padding_idx), out)
+        if flat:
+            return out
         return out.view(logits.shape) if inplace else out.reshape(logits.shape)
     dx = _backward_torch(g, x, lab, s, float(smoothing), padding_idx, inplace)
     return dx.view(logits.shape)
