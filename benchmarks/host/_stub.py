@@ -4,7 +4,8 @@ Inside :func:`stubbed_launches` a ``kernel[grid](...)`` call does everything up 
 launcher's own Python: allocations, configuration, grid, argument list) and then returns at once, compiled
 (``JITFunction.run``) or under the interpreter (``InterpretedFunction.run``). The outputs stay as
 ``torch.empty`` left them: time with it, check values without it. ``Stub.launches`` and ``Stub.kernels``
-count what was skipped, so a table can show how many launches a call makes.
+count what was skipped, so a table can show how many launches a call makes. Both host-cost suites use it
+(``bench_op_host.py``, ``bench_optimizer_host.py``).
 """
 
 from __future__ import annotations
@@ -22,21 +23,31 @@ class Stub:
 
 
 @contextlib.contextmanager
-def stubbed_launches() -> Iterator[Stub]:
-    """Within the block every Triton launch is counted and skipped."""
+def stubbed_launches(torch_fused_adam: bool = False) -> Iterator[Stub]:
+    """Within the block every Triton launch is counted and skipped; with ``torch_fused_adam``, PyTorch's
+    ``torch._fused_adamw_`` / ``torch._fused_adam_`` (the kernels of ``AdamW(fused=True)``) return at once
+    too, so that PyTorch's optimizer step is timed the same way."""
+    import torch
     from triton.runtime import interpreter, jit
 
     stub = Stub()
     saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
+    saved_torch = torch._fused_adamw_, torch._fused_adam_
 
     def run(fn, *args, grid=None, warmup=False, **kwargs):
         if not warmup:
             stub.launches += 1
             stub.kernels[getattr(fn, "__name__", "kernel")] += 1
 
+    def nothing(*args, **kwargs):
+        return None
+
     jit.JITFunction.run = run
     interpreter.InterpretedFunction.run = run
+    if torch_fused_adam:
+        torch._fused_adamw_ = torch._fused_adam_ = nothing
     try:
         yield stub
     finally:
         jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
+        torch._fused_adamw_, torch._fused_adam_ = saved_torch

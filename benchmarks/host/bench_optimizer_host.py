@@ -45,23 +45,12 @@ SIZES = (100, 1000, 10000)
 def stubbed():
     """Triton launches and PyTorch's fused Adam kernels return at once; apex takes its Triton path on CPU
     tensors (as ``apex.testing.triton_compile`` lets it, without the interpreter)."""
-    import torch
-    from triton.runtime import interpreter, jit
-
     import apex
     from apex import _backend
+    from benchmarks.host._stub import stubbed_launches
 
-    def nothing(*args, **kwargs):
-        return None
-
-    saved = (jit.JITFunction.run, interpreter.InterpretedFunction.run, torch._fused_adamw_, torch._fused_adam_)
-    jit.JITFunction.run = interpreter.InterpretedFunction.run = nothing
-    torch._fused_adamw_ = torch._fused_adam_ = nothing
-    try:
-        with _backend.compile_only_mode(), apex.backend("triton"):
-            yield
-    finally:
-        jit.JITFunction.run, interpreter.InterpretedFunction.run, torch._fused_adamw_, torch._fused_adam_ = saved
+    with stubbed_launches(torch_fused_adam=True), _backend.compile_only_mode(), apex.backend("triton"):
+        yield
 
 
 def _params(n: int, dtype=None):
