@@ -112,21 +112,54 @@ def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
 _INTERP = interpreted(_rope_kernel)
 
 
-def _strides2(t: torch.Tensor | None) -> tuple[int, int]:
-    return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+def _strides2(t: torch.Tensor | None, dims: tuple[int, int]) -> tuple[int, int]:
+    return (t.stride(dims[0]), t.stride(dims[1])) if t is not None else (0, 0)
+
+
+# (S·B, H, D, itemsize, device index, backward) -> (head block, warps): the launch a shape takes.
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(x: torch.Tensor, sb: int, h: int, d: int, block_d: int, backward: bool) -> tuple[int, int]:
+    key = (sb, h, d, x.element_size(), x.get_device(), backward)
+    p = _PLANS.get(key)
+    op = "fused_rope.bwd" if backward else "fused_rope.fwd"
+    if p is None:
+        # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
+        cap = 16384 if _INTERP else 4096
+        cfg = _tuning.pick(op, x.device, key[3], (sb, h, d),
+                           {"heads": max(1, min(next_power_of_2(h), cap // block_d)), "warps": 4})
+        p = _PLANS[key] = (cfg["heads"], cfg["warps"], cfg)
+    else:
+        _tuning.last[op] = p[2]  # as pick records it
+    return p[0], p[1]
 
 
 def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
          ta: torch.Tensor, tb: torch.Tensor | None = None, tc: torch.Tensor | None = None,
-         td: torch.Tensor | None = None, cu: torch.Tensor | None = None, img_w: int = 1) -> torch.Tensor:
+         td: torch.Tensor | None = None, cu: torch.Tensor | None = None, img_w: int = 1,
+         dims: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Write the rotation of ``x`` (a 4-D ``[S, B, H, D]`` view) into ``y`` (same logical shape).
 
-    ``ta``..``td`` are 2-D ``[rows, cols]`` views of the angle or cos/sin tables; ``cu`` the int
-    ``cu_seqlens`` (mode 2).
+    ``ta``..``td`` are the angle or cos/sin tables, read as ``[rows, cols]`` along their dimensions ``dims``
+    (2-D views by default; the ops pass their 4-D tables and the two dimensions, which saves a view per table
+    per call); ``cu`` the int ``cu_seqlens`` (mode 2).
     """
     S, B, H, D = x.shape
     if S * B * H * D == 0:
         return y
+    BLOCK_D = next_power_of_2(D)
+    BLOCK_H, warps = _plan(x, S * B, H, D, BLOCK_D, backward)
+    n_cu = cu.numel() if cu is not None else 1
+    grid = (S * B, cdiv(H, BLOCK_H))
+    strides = (*_strides2(ta, dims), *_strides2(tb, dims), *_strides2(tc, dims), *_strides2(td, dims))
+    _rope_kernel[grid](x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
+                       td if td is not None else ta, cu if cu is not None else ta,
+                       B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
+                       MODE=mode, BACKWARD=backward, ROUND=y.dtype in (torch.float16, torch.bfloat16),
+                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                       BLOCK_CU=next_power_of_2(max(n_cu, 2)), num_warps=warps)
+    return y
     BLOCK_D = next_power_of_2(D)
     # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
     cap = 16384 if _INTERP else 4096
