@@ -307,23 +307,6 @@ def test_the_ptx_check_sees_a_planted_approximate_division(tmp_path):
 
 
 # --------------------------------------------------------------- fp32 scalar arguments under the interpreter
-@pytest.fixture
-def fp32_scalar_arguments(monkeypatch):
-    """Interpreted kernels receive Python-float arguments as fp32 scalars, as compiled kernels do."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as itp
-
-    convert = itp._implicit_cvt
-
-    def implicit_cvt(arg):
-        if isinstance(arg, float):
-            return tl.tensor(itp.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
-        return convert(arg)
-
-    monkeypatch.setattr(itp, "_implicit_cvt", implicit_cvt)
-
-
 def _flat(tree):
     if isinstance(tree, torch.Tensor):
         return [tree]
@@ -331,16 +314,18 @@ def _flat(tree):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_results_do_not_depend_on_fp64_scalar_arguments(name, request):
+def test_results_do_not_depend_on_fp64_scalar_arguments(name):
     if _device.requested() != "cpu":
         pytest.skip("an interpreter check: compiled kernels always receive fp32 scalars (the float64 references of "
                     "the optimizer tests check them on the GPU)")
     pytest.importorskip("triton")
     import apex
+    from apex.testing import fp32_scalar_arguments, wide_scalar_arguments
 
+    fp32_scalar_arguments()  # tests/conftest.py's prepare_interpreter() has it on already
     with apex.backend("triton"):
-        wide = _flat(CASES[name]())
-        request.getfixturevalue("fp32_scalar_arguments")
+        with wide_scalar_arguments():
+            wide = _flat(CASES[name]())
         narrow = _flat(CASES[name]())
     for i, (a, b) in enumerate(zip(wide, narrow)):
         if a.dtype in (torch.float16, torch.bfloat16):
@@ -374,3 +359,25 @@ def test_adam_swa_fp32_state_matches_float64_with_beta2_0_999(backend_name, mode
         for name, got, ref in (("param", p[i], rp), ("exp_avg", m[i], rm), ("exp_avg_sq", v[i], rv),
                                ("swa", swa[i], rs)):
             assert rel_error(got, ref) <= 1e-6, f"{name}[{i}]: {rel_error(got, ref):.2e}"
+
+
+def test_interpreted_kernels_receive_fp32_scalars_as_compiled_ones_do(triton_device):
+    """``prepare_interpreter()`` (tests/conftest.py) passes Python floats as fp32, as a GPU launch does: ``1 - b``
+    from ``b = 0.999`` is the fp32 result there, and the exact one only inside ``wide_scalar_arguments()``."""
+    import triton
+    import triton.language as tl
+
+    from apex.testing import wide_scalar_arguments
+
+    @triton.jit
+    def one_minus(out, b):
+        tl.store(out, 1.0 - b)
+
+    fp32 = float(1 - torch.tensor(0.999, dtype=torch.float32).double())
+    out = torch.zeros(1, dtype=torch.float64)
+    one_minus[(1,)](out, 0.999)
+    assert out.item() == fp32
+    if _device.requested() == "cpu":
+        with wide_scalar_arguments():
+            one_minus[(1,)](out, 0.999)
+        assert out.item() == pytest.approx(1 - 0.999, rel=1e-7)  # 1.3e-5 from the fp32 result

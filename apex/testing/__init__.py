@@ -14,9 +14,11 @@ from apex.testing.numerics import (
 from apex.testing.triton_trace import (
     TritonTrace,
     count_eager,
+    fp32_scalar_arguments,
     prepare_interpreter,
     round_bf16_to_nearest_even,
     speed_up_interpreter,
+    wide_scalar_arguments,
 )
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "TritonTrace",
     "assert_rel_close",
     "count_eager",
+    "fp32_scalar_arguments",
     "inject_nonfinite",
     "rand",
     "rel_error",
@@ -33,4 +36,5 @@ __all__ = [
     "run_distributed",
     "speed_up_interpreter",
     "to_float64",
+    "wide_scalar_arguments",
 ]

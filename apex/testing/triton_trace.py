@@ -304,7 +304,50 @@ def round_bf16_to_nearest_even() -> None:
     itp.InterpreterBuilder._apex_bf16_rne = True
 
 
+def fp32_scalar_arguments() -> None:
+    """Make interpreted kernels receive Python-float arguments as fp32 scalars, as compiled kernels do.
+
+    Triton's interpreter hands a float argument to the kernel as a Python float, so ``1 - beta2`` computed in
+    a kernel from ``beta2 = 0.999`` is exact there and 1.3e-5 off on a GPU, where the argument is fp32.
+    Idempotent; :func:`wide_scalar_arguments` turns it off for a block (to compare the two).
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter as itp
+
+    if getattr(itp._implicit_cvt, "_apex_fp32", False):
+        return
+    convert = itp._implicit_cvt
+
+    def implicit_cvt(arg):
+        if type(arg) is float and implicit_cvt.enabled:
+            return tl.tensor(itp.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return convert(arg)
+
+    implicit_cvt._apex_fp32 = True
+    implicit_cvt.enabled = True
+    itp._implicit_cvt = implicit_cvt
+
+
+class wide_scalar_arguments:
+    """``with wide_scalar_arguments():`` interpreted kernels get Python floats again (the bare interpreter's
+    float64 arithmetic), where :func:`fp32_scalar_arguments` is on."""
+
+    def __enter__(self) -> wide_scalar_arguments:
+        from triton.runtime import interpreter as itp
+
+        self._cvt = itp._implicit_cvt if getattr(itp._implicit_cvt, "_apex_fp32", False) else None
+        if self._cvt is not None:
+            self._was, self._cvt.enabled = self._cvt.enabled, False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cvt is not None:
+            self._cvt.enabled = self._was
+
+
 def prepare_interpreter() -> None:
-    """Everything tests and benchmarks want from the interpreter: speed and GPU-like bf16 rounding."""
+    """Everything tests and benchmarks want from the interpreter: speed, GPU-like bf16 rounding, and fp32
+    scalar arguments as a GPU launch passes them."""
     speed_up_interpreter()
     round_bf16_to_nearest_even()
+    fp32_scalar_arguments()
