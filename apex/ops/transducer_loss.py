@@ -247,11 +247,18 @@ def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, 
     return g.to(out_dtype)
 
 
+def _check_opt(opt) -> None:
+    # Apex's kernel TORCH_CHECKs the optimisation level (it picks the CUDA algorithm; here it picks nothing).
+    if opt not in (-1, 0, 1):
+        raise RuntimeValueError(f"opt must be -1, 0 or 1 (Apex: invalid optimization level), got {opt!r}")
+
+
 # ------------------------------------------------------------------------------------------- autograd
 class TransducerLossFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
                 debug_list, opt, packed_input):
+        _check_opt(opt)
         # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
         if _backend.select(x) == "triton":
             lse = row_lse(x)
@@ -300,6 +307,7 @@ def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blan
 # ------------------------------------------------------------------- compat: transducer_loss_cuda.*
 def forward(x, label, fLen, yLen, batchOffset, maxFLen, blankIdx, opt, packedInput):  # noqa: N803
     """``transducer_loss_cuda.forward`` on log-probabilities ``x``: ``[alpha, beta, loss]``."""
+    _check_opt(opt)
     alpha, beta, loss = loss_forward(x, label, fLen, yLen, batchOffset if packedInput else None,
                                      maxFLen, int(blankIdx), bool(packedInput))
     return [alpha, beta, loss]

@@ -54,6 +54,8 @@ def _padded(qkv, seq, pos, b, s):
 
 def fmha(qkv: Tensor, cu_seqlens: Tensor, p_dropout: float, max_s: int, is_training: bool = True) -> Tensor:
     """Context ``(total, heads, head_dim)`` of the packed sequences (autograd through SDPA)."""
+    if not p_dropout < 1:  # Apex's fmha_api: TORCH_CHECK(p_dropout < 1.f)
+        raise RuntimeValueError(f"p_dropout must be < 1, got {p_dropout!r}")
     seq, pos, keys, s = _layout(qkv, cu_seqlens, max_s)
     b = keys.shape[0]
     q, k, v = _padded(qkv, seq, pos, b, s)

@@ -36,6 +36,8 @@ def _check(x, gamma, beta):
 
 
 def _forward(x2: Tensor, gamma: Tensor, beta: Tensor, epsilon: float):
+    if not epsilon >= 0:  # Apex's ln_fwd: TORCH_CHECK(epsilon >= 0.f)
+        raise RuntimeValueError(f"epsilon must be >= 0, got {epsilon!r}")
     # fp32 statistics for half inputs on every path (apex.ops.layer_norm's CPU path normalises an fp32 copy).
     return layer_norm_forward(x2, (gamma.numel(),), gamma, beta, epsilon, gamma.dtype)
 
