@@ -184,7 +184,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("dist_device")
 
 
+# torch's settings modules: their options live outside the module's __dict__, so pytest >= 9.2's monkeypatch
+# undoes a setattr on one with a delattr, which deletes the option for every later test (use the module's own
+# patch(), or torch.backends' flags() context managers).
+_SETTINGS_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+
+
+def _deleted_settings() -> dict:
+    """How many of each loaded settings module's options are deleted (a deleted option stays in ``_config``,
+    hidden: reading it raises AttributeError; none is, as torch ships them), and whether torch.backends' TF32
+    flags are still there."""
+    import sys
+
+    found = {name: sum(entry.hide for entry in sys.modules[name]._config.values())
+             for name in _SETTINGS_MODULES if name in sys.modules}
+    for flags in (torch.backends.cuda.matmul, torch.backends.cudnn):
+        found[type(flags).__name__] = int(not hasattr(flags, "allow_tf32"))
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    before = _deleted_settings()
     yield
+    lost = [name for name, n in _deleted_settings().items() if n > before.get(name, 0)]
+    if lost:
+        pytest.fail(f"the test deleted settings of {lost}: undo a patch of torch's settings with their own "
+                    "patch()/flags(), not monkeypatch.setattr", pytrace=False)

@@ -23,11 +23,14 @@ from apex.testing import assert_rel_close, rand
 
 
 @pytest.fixture
-def one_compile_thread(monkeypatch):
+def one_compile_thread():
     import torch._inductor.config as inductor_config
 
-    # No subprocess pool of compile workers on the shared 2-core test machine.
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
+    # No subprocess pool of compile workers on the shared 2-core test machine. The config module's own
+    # patch(), not monkeypatch: pytest >= 9.2 undoes a setattr on a module whose attributes live outside its
+    # __dict__ with a delattr, which deletes the option for every later test.
+    with inductor_config.patch(compile_threads=1):
+        yield
 
 
 def test_backend_is_registered():
