@@ -13,21 +13,17 @@ import triton
 import triton.language as tl
 
 from apex._kernels import multi_tensor as mt
+from apex._kernels._host import cdiv
 
 _BLOCK_T = 128
-_firsts: dict = {}
 
 
 def chunk_first(tab: mt.TensorTable) -> torch.Tensor:
-    """Device int32 tensor of each tensor's first chunk index (plus the total), cached per table."""
-    entry = _firsts.get(id(tab))
-    if entry is not None and entry[0] is tab:
-        return entry[1]
-    dev = torch.tensor(tab.chunk_first, dtype=torch.int32).to(tab.ptrs.device)
-    if len(_firsts) > 64:
-        _firsts.clear()
-    _firsts[id(tab)] = (tab, dev)
-    return dev
+    """Device int64 tensor of each tensor's first chunk index (plus the total): the table's own, uploaded
+    with its layout (no copy, and no host work per tensor, at a call)."""
+    if tab.first is not None:
+        return tab.first
+    return mt._upload(tab.chunk_first, tab.ptrs.device)  # (a table made by hand, without its layout)
 
 
 @triton.jit
@@ -63,9 +59,7 @@ def reduce_rows(partials: torch.Tensor, tab: mt.TensorTable, out: torch.Tensor, 
                 use_max: bool = False, sqrt: bool = True, blend: tuple[float, float] | None = None) -> None:
     """``out[r * T + t] = sqrt(sum of partials[r * C + c] over t's chunks)`` (or max; or a blend with
     ``out``'s old value: ``sqrt(a * old^2 + b * sum)`` / ``a * old + b * max``)."""
-    first = chunk_first(tab)
-    max_chunks = tab.max_chunks
     alpha, beta = blend if blend is not None else (0.0, 1.0)
-    grid = (triton.cdiv(tab.n_tensors, _BLOCK_T), rows)
-    _reduce_kernel[grid](partials, first, out, tab.n_tensors, tab.n_chunks, max_chunks, float(alpha),
+    grid = (cdiv(tab.n_tensors, _BLOCK_T), rows)
+    _reduce_kernel[grid](partials, chunk_first(tab), out, tab.n_tensors, tab.n_chunks, tab.max_chunks, float(alpha),
                          float(beta), MAX=use_max, SQRT=sqrt, BLEND=blend is not None, BLOCK_T=_BLOCK_T)

@@ -85,21 +85,23 @@ def columns(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[Column]:
 
 
 class _Checked:
-    """The signatures of recent calls that passed an op's checks, per (op, number of lists, lengths)."""
+    """The signatures of recent calls that passed an op's checks, per (op, number of lists, lengths), with
+    what the call read besides (each list's sizes and device)."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
         self.entries: OrderedDict = OrderedDict()
 
-    def seen(self, key, sig) -> bool:
+    def seen(self, key, sig) -> tuple | None:
+        """The facts kept with ``sig`` when the last call of ``key`` had exactly that signature, else None."""
         old = self.entries.get(key)
-        if old is None or old != sig:
-            return False
+        if old is None or old[0] != sig:
+            return None
         self.entries.move_to_end(key)
-        return True
+        return old[1]
 
-    def put(self, key, sig) -> None:
-        self.entries[key] = sig
+    def put(self, key, sig, facts: tuple) -> None:
+        self.entries[key] = (sig, facts)
         self.entries.move_to_end(key)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
@@ -109,14 +111,24 @@ _checked = _Checked()
 
 
 def _signature(lst, shapes: bool) -> tuple:
-    """Everything an op's list checks read of a list: address, size, dtype, device and layout of each
-    tensor (shapes where the op compares them; strides only where a tensor is not contiguous)."""
+    """What an op's list checks read of a list that can change at a given address: the size (or the shape,
+    where the op compares shapes), the dtype and the layout of each tensor (shapes and strides only where one
+    is not contiguous), with the addresses. The device follows from the address (one address is on one
+    device), so a repeated call does not read it: four C-level passes over the list."""
     contiguous = tuple(map(_contiguous, lst))
     sig = (tuple(map(_ptr, lst)), tuple(map(_shape if shapes else _numel, lst)), tuple(map(_dtype, lst)),
-           tuple(map(_device, lst)), contiguous)
+           contiguous)
     if not all(contiguous):
         sig += (tuple(t.shape for t in lst), tuple(t.stride() for t in lst))
     return sig
+
+
+def _facts(lst, sig: tuple, shapes: bool) -> tuple:
+    """``(numels, device, devices)`` of a list: its sizes, its one device (None when mixed) and, when mixed,
+    the device of each tensor."""
+    devices = tuple(map(_device, lst))
+    device = devices[0] if devices and devices.count(devices[0]) == len(devices) else None
+    return tuple(map(_numel, lst)) if shapes else sig[1], device, devices if device is None else None
 
 
 def checked(op, tensor_lists, check: Callable[[], object], *extra, shapes: bool = False) -> list:
@@ -144,15 +156,16 @@ def checked(op, tensor_lists, check: Callable[[], object], *extra, shapes: bool 
     except (TypeError, AttributeError, RuntimeError, NotImplementedError):
         check()  # not tensors, or sparse ones: the checks say what is wrong
         return list(tensor_lists)
-    if not _checked.seen(key, sig):
+    facts = _checked.seen(key, sig)
+    if facts is None:
         check()
-        _checked.put(key, sig)
+        facts = tuple(None if isinstance(s, int) else _facts(lst, s, shapes) for lst, s in zip(tensor_lists, sigs))
+        _checked.put(key, sig, facts)
     out: list = []
-    for lst, s in zip(tensor_lists, sigs):
+    for lst, s, f in zip(tensor_lists, sigs, facts):
         if isinstance(s, int):  # the same list object as an earlier one
             out.append(out[s])
             continue
-        ptrs, sizes, dtypes, devices = s[:4]
-        numels = tuple(map(_numel, lst)) if shapes else sizes
-        out.append(column(lst, ptrs=ptrs, numels=numels, dtypes=dtypes, devices=devices))
+        numels, device, devices = f
+        out.append(column(lst, ptrs=s[0], numels=numels, dtypes=s[2], device=device, devices=devices))
     return out

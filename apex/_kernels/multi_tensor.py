@@ -5,7 +5,9 @@ all on one device) as device-side int64 tables:
 
 * ``ptrs[l * T + t]``: the address of tensor ``t`` of list ``l``;
 * ``sizes[t]``: its number of elements (equal across lists);
-* ``chunk_tensor[c]`` / ``chunk_start[c]``: which tensor program ``c`` works on and where its chunk starts.
+* ``chunk_tensor[c]`` / ``chunk_start[c]``: which tensor program ``c`` works on and where its chunk starts;
+* ``first[t]``: the index of tensor ``t``'s first chunk (``first[T]`` = the number of chunks), for kernels that
+  reduce per-chunk results per tensor.
 
 A kernel written for the engine starts with :func:`chunk_coords` and :func:`tensor_ptr`, and is launched
 by :func:`launch` on a grid of one program per chunk. Chunks are ``CHUNK`` elements, a power of two fixed
@@ -21,6 +23,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 import triton
@@ -60,6 +63,7 @@ class TensorTable:
     block: int
     dtypes: tuple               # triton dtype of each list
     max_chunks: int = 1         # the most chunks of one tensor
+    first: torch.Tensor | None = None  # int64 [n_tensors + 1]: chunk_first on the device
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class _Layout:
     chunk_tensor: torch.Tensor
     chunk_start: torch.Tensor
     chunk_first: tuple[int, ...]
+    first: torch.Tensor
     n_chunks: int
     chunk: int
     block: int
@@ -105,6 +110,8 @@ class _LRU:
 _tables = _LRU()
 _layouts = _LRU()
 _col_ptrs = _LRU(256)
+_groupings = _LRU()
+_indices = _LRU()
 _ranges: dict = {}
 
 
@@ -148,9 +155,10 @@ def _layout(numels: tuple, device: torch.device) -> _Layout:
             chunk_start.append(s)
     chunk_first.append(len(chunk_tensor))
     n_t, n_c = len(numels), len(chunk_tensor)
-    dev = _upload(list(numels) + chunk_tensor + chunk_start, device)  # one copy
-    result = _Layout(sizes=dev[:n_t], chunk_tensor=dev[n_t:n_t + n_c].to(torch.int32), chunk_start=dev[n_t + n_c:],
-                     chunk_first=tuple(chunk_first), n_chunks=n_c, chunk=chunk, block=block,
+    dev = _upload(list(numels) + chunk_tensor + chunk_start + chunk_first, device)  # one copy
+    c0 = n_t + n_c + n_c
+    result = _Layout(sizes=dev[:n_t], chunk_tensor=dev[n_t:n_t + n_c].to(torch.int32), chunk_start=dev[n_t + n_c:c0],
+                     chunk_first=tuple(chunk_first), first=dev[c0:], n_chunks=n_c, chunk=chunk, block=block,
                      max_chunks=max(1, -(-max(numels) // chunk)))
     _layouts.put(key, result)
     return result
@@ -178,7 +186,7 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
                          chunk_tensor=lay.chunk_tensor, chunk_start=lay.chunk_start,
                          chunk_first=lay.chunk_first, n_tensors=len(first), n_chunks=lay.n_chunks,
                          chunk=lay.chunk, block=lay.block, dtypes=tuple(TORCH_TO_TL[d] for d in dtypes),
-                         max_chunks=lay.max_chunks)
+                         max_chunks=lay.max_chunks, first=lay.first)
     _tables.put(key, (first.numels, tuple(c.ptrs for c in cols), result))
     return result
 
@@ -207,10 +215,12 @@ def _all_indices(n: int) -> list[int]:
 def group(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[tuple[list[int], list]]:
     """Split lists into groups of tensors sharing (device, dtype of each list).
 
-    Returns ``[(indices, sublists), ...]`` where ``indices`` are positions in the original lists and the
-    sublists are :class:`apex._kernels._lists.Column` s. Empty tensors are left out: they need no work.
-    Lists that are Columns of one device and one dtype each (what apex's optimizers pass) make one group
-    without looking at any tensor.
+    Returns ``[(indices, sublists), ...]`` where ``indices`` are positions in the original lists (cached
+    lists: read them, do not change them) and the sublists are :class:`apex._kernels._lists.Column` s.
+    Empty tensors are left out: they need no work. Lists that are Columns of one device and one dtype each
+    (what apex's optimizers pass) make one group without looking at any tensor; mixed lists are split by a
+    plan cached on their devices, dtypes (and sizes, where one is empty), so that a repeated call picks its
+    groups' tensors with C-level ``itemgetter`` s instead of a Python loop over the tensors.
     """
     cols = columns(tensor_lists)
     first = cols[0]
@@ -218,20 +228,51 @@ def group(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[tuple[list[int
         return []
     if first.device is not None and all(c.dtype is not None for c in cols) and 0 not in first.numels:
         return [(_all_indices(len(first)), cols)]
+    out = []
+    for idx, pick, device, dtypes in _grouping(cols):
+        numels = pick(first.numels)
+        out.append((idx, [column(pick(c), ptrs=pick(c.ptrs), numels=numels, dtype=dt, device=device)
+                          for c, dt in zip(cols, dtypes)]))
+    return out
+
+
+def _grouping(cols: list) -> list:
+    """``[(indices, pick, device, dtypes), ...]`` for mixed lists: ``pick(seq)`` is the tuple of ``seq`` at
+    ``indices``. Keyed on everything the split reads: each tensor's device and dtypes, and the sizes when
+    one is 0."""
+    first = cols[0]
+    key = (len(first), first.device if first.device is not None else first.devices,
+           tuple(c.dtype if c.dtype is not None else c.dtypes for c in cols),
+           first.numels if 0 in first.numels else None)
+    cached = _groupings.get(key)
+    if cached is not None:
+        return cached
     groups: dict = {}
     devices = first.devices
     for i, n in enumerate(first.numels):
         if n == 0:
             continue
-        key = (devices[i],) + tuple(c.dtypes[i] for c in cols)
-        groups.setdefault(key, []).append(i)
-    out = []
-    for key, idx in groups.items():
-        subs = [column([c[i] for i in idx], ptrs=[c.ptrs[i] for i in idx],
-                       numels=tuple(first.numels[i] for i in idx), dtype=dt, device=key[0])
-                for c, dt in zip(cols, key[1:])]
-        out.append((idx, subs))
-    return out
+        groups.setdefault((devices[i],) + tuple(c.dtypes[i] for c in cols), []).append(i)
+    result = [(idx, itemgetter(*idx) if len(idx) > 1 else _one(idx[0]), k[0], k[1:]) for k, idx in groups.items()]
+    _groupings.put(key, result)
+    return result
+
+
+def _one(i: int):
+    return lambda seq: (seq[i],)
+
+
+def index_on(idx: list[int], device: torch.device) -> torch.Tensor:
+    """``idx`` (a list :func:`group` returned) as an int64 tensor on ``device``, uploaded once per list: a
+    launcher that gathers a group's per-tensor values indexes with it, not with a Python list (which costs
+    a conversion per element and, on a GPU, a blocking copy at every call)."""
+    key = (id(idx), device)
+    cached = _indices.get(key)
+    if cached is not None and cached[0] is idx:
+        return cached[1]
+    dev = _upload(idx, device)
+    _indices.put(key, (idx, dev))
+    return dev
 
 
 def launch(kernel, tab: TensorTable, *args, **meta) -> None:

@@ -8,11 +8,14 @@ Apex's ``chunk_size`` argument.
 
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 import triton
 import triton.language as tl
 
 from apex._kernels import multi_tensor as mt
+from apex._kernels._host import next_power_of_2
 
 
 @triton.jit
@@ -74,15 +77,16 @@ def _reduce_partials(partials, lo, hi, MAX_NORM: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _finalize_kernel(partials, n_partials, tensor_first, tensor_last, n_tensors, total_out, per_tensor_out,
+def _finalize_kernel(partials, n_partials, bounds, last_at, n_tensors, total_out, per_tensor_out,
                      per_tensor_prev, alpha, beta,
                      PER_TENSOR: tl.constexpr, MAX_NORM: tl.constexpr, BLEND: tl.constexpr,
                      BLOCK: tl.constexpr):
     tl.store(total_out, _reduce_partials(partials, 0, n_partials, MAX_NORM, BLOCK))
     if PER_TENSOR:
+        # Tensor t's partials are [bounds[t], bounds[last_at + t]).
         for t in range(0, n_tensors):
-            lo = tl.load(tensor_first + t)
-            hi = tl.load(tensor_last + t)
+            lo = tl.load(bounds + t)
+            hi = tl.load(bounds + last_at + t)
             norm = _reduce_partials(partials, lo, hi, MAX_NORM, BLOCK)
             if BLEND:
                 # Apex's norm_out blend: L2 sqrt(a*old^2 + b*n^2), max a*old + b*n.
@@ -103,20 +107,15 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
     With ``outputs`` also writes ``outputs[i] = inputs[i] * out_scale``. With ``blend_into`` the
     per-tensor norms are blended into that tensor in place (Apex's ``norm_out``).
     """
-    device = inputs[0].device
     lists = [inputs] if outputs is None else [inputs, outputs]
     groups = mt.group(lists)
     tables = [mt.table(sub) for _, sub in groups]
+    device = tables[0].ptrs.device if tables else inputs[0].device
     n_partials = sum(tab.n_chunks for tab in tables)
     partials = torch.empty(max(n_partials, 1), dtype=torch.float32, device=device)
-    first = [0] * len(inputs)
-    last = [0] * len(inputs)
     offset = 0
     dummy = partials
-    for (idx, _), tab in zip(groups, tables):
-        for j, i in enumerate(idx):
-            first[i] = offset + tab.chunk_first[j]
-            last[i] = offset + tab.chunk_first[j + 1]
+    for tab in tables:
         in_dt = tab.dtypes[0]
         out_dt = tab.dtypes[1] if outputs is not None else in_dt
         mt.launch_with_dtypes(
@@ -125,14 +124,44 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
             HAS_INV_SCALE=inv_scale is not None, WRITE_OUT=outputs is not None, MAX_NORM=max_norm,
             SKIP_IF_FLAGGED=skip_if_flagged)
         offset += tab.n_chunks
-    bounds = torch.tensor(first + last, dtype=torch.int64).to(device)
-    total = torch.empty(1, dtype=torch.float32, device=device)
+    n = len(inputs)
     want_per_tensor = per_tensor or blend_into is not None
+    bounds, last_at = _bounds(groups, tables, n, device) if want_per_tensor else (partials, 0)
+    total = torch.empty(1, dtype=torch.float32, device=device)
     per = blend_into if blend_into is not None else torch.empty(
-        len(inputs) if per_tensor else 0, dtype=torch.float32, device=device)
+        n if per_tensor else 0, dtype=torch.float32, device=device)
     _finalize_kernel[(1,)](
-        partials, n_partials, bounds[:len(inputs)], bounds[len(inputs):], len(inputs), total,
+        partials, n_partials, bounds, last_at, n, total,
         per if want_per_tensor else total, per if blend_into is not None else total, float(alpha), float(beta),
         PER_TENSOR=want_per_tensor, MAX_NORM=max_norm, BLEND=blend_into is not None,
-        BLOCK=min(1024, triton.next_power_of_2(max(n_partials, 1))))
+        BLOCK=min(1024, next_power_of_2(max(n_partials, 1))))
     return total, per
+
+
+_bounds_cache = mt._LRU()
+
+
+def _bounds(groups: list, tables: list, n: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(bounds, last_at)``: tensor ``i``'s partials are ``[bounds[i], bounds[last_at + i])``.
+
+    One group of every tensor (an optimizer's lists, a list of one dtype): the table's own device index of
+    first chunks, ``last_at = 1``. Otherwise the groups' partials lie one group after the other and the
+    bounds map them back to the tensors' places (empty tensors: an empty range): built once per (tables,
+    grouping) and uploaded without blocking, since both are cached objects that a repeated call gets back."""
+    if len(tables) == 1 and len(groups[0][0]) == n:
+        return tables[0].first, 1
+    key = (n, tuple(map(id, tables)), tuple(id(idx) for idx, _ in groups))
+    cached = _bounds_cache.get(key)
+    if cached is not None and all(map(is_, cached[0], tables)) and all(
+            a is idx for a, (idx, _) in zip(cached[1], groups)):
+        return cached[2], n
+    first, last = [0] * n, [0] * n
+    offset = 0
+    for (idx, _), tab in zip(groups, tables):
+        for j, i in enumerate(idx):
+            first[i] = offset + tab.chunk_first[j]
+            last[i] = offset + tab.chunk_first[j + 1]
+        offset += tab.n_chunks
+    dev = mt._upload(first + last, device)
+    _bounds_cache.put(key, (tuple(tables), tuple(idx for idx, _ in groups), dev))
+    return dev, n

@@ -271,15 +271,20 @@ def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u
 def stage1(lists: list, decays: torch.Tensor, grad_norm: torch.Tensor, max_norm: float, beta1: float,
            beta2: float, bc1: float, bc2: float, eps: float) -> None:
     """Apex's LAMB stage 1 on ``[g, p, m, v, update]``; ``decays``: fp32, one weight decay per tensor."""
+    n = len(lists[0])
     for idx, subs in mt.group(lists):
-        sel = decays[idx] if idx != list(range(len(lists[0]))) else decays
+        sel = decays if len(idx) == n else decays.index_select(0, mt.index_on(idx, decays.device))
         mt.launch(_stage1_kernel, mt.table(subs), sel.contiguous(), grad_norm, float(max_norm), float(beta1),
                   float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps))
 
 
 def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float, trust: bool) -> None:
     """Apex's LAMB stage 2 on ``[p, update]`` with per-tensor norms (fp32)."""
+    n = len(lists[0])
     for idx, subs in mt.group(lists):
-        whole = idx == list(range(len(lists[0])))
-        mt.launch(_stage2_kernel, mt.table(subs), p_norms if whole else p_norms[idx].contiguous(),
-                  u_norms if whole else u_norms[idx].contiguous(), float(lr), TRUST=bool(trust))
+        if len(idx) == n:  # one group of every tensor
+            pn, un = p_norms, u_norms
+        else:  # this group's tensors' norms, in order (gathered with an index uploaded once)
+            at = mt.index_on(idx, p_norms.device)
+            pn, un = p_norms.index_select(0, at), u_norms.index_select(0, at)
+        mt.launch(_stage2_kernel, mt.table(subs), pn, un, float(lr), TRUST=bool(trust))

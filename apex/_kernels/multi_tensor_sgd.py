@@ -100,11 +100,15 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
         grad_norms=None, param_norms=None, trust_coefficient=0.0, eps=0.0, lars=False) -> None:
     has_copy = len(lists) == 4
     full = lists if has_copy else lists + [lists[1]]
+    n = len(full[0])
     for indices, sub in mt.group(full):
-        w_dtype = sub[1][0].dtype
+        w_dtype = sub[1].dtype if sub[1].dtype is not None else sub[1][0].dtype
         rounded = not (lars or has_copy or w_dtype == torch.float32)
-        if lars:
-            gn, pn = grad_norms[indices], param_norms[indices]  # norms of this group's tensors, in order
+        if lars and len(indices) == n:  # one group of every tensor: the norms as they are
+            gn, pn = grad_norms, param_norms
+        elif lars:  # this group's tensors' norms, in order (gathered with an index uploaded once)
+            at = mt.index_on(indices, grad_norms.device)
+            gn, pn = grad_norms.index_select(0, at), param_norms.index_select(0, at)
         else:
             gn = pn = noop_flag
         mt.launch(_sgd_kernel, mt.table(sub), noop_flag, gn, pn,

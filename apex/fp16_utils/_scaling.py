@@ -42,19 +42,39 @@ def _split_contiguous(*lists):
     return good, bad
 
 
+def _checked_pair(inputs: list, outputs: list) -> list | None:
+    """``[inputs, outputs]`` as the Columns that ``multi_tensor_scale``'s checks make of them (a set of
+    tensors seen before costs one read of each tensor's address, size, dtype and layout, and nothing else), or
+    None when the checks refuse them (strides the kernel does not pair, a dtype it does not take): those go
+    the general way."""
+    from apex._kernels._lists import checked
+    from apex.ops._checks import check_tensor_lists
+
+    lists = [inputs, outputs]
+    try:
+        return checked("scale", lists, lambda: check_tensor_lists(lists, 2))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 @torch.no_grad()
-def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float) -> None:
+def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float) -> list | None:
     """``outputs[i] = inputs[i] * scale`` with the non-finite flag, for any strides and dtypes.
 
     GPU tensors go through ``multi_tensor_scale`` (one Triton launch per dtype group); CPU tensors straight
     to ``torch._amp_foreach_non_finite_check_and_unscale_``, which takes any strides and mixed dtypes, so
-    a step pays no per-tensor Python checks.
+    a step pays no per-tensor Python checks. Returns the lists as checked Columns where the kernel took them
+    whole (their ``dtype`` facts are then at hand), else None.
     """
     if not inputs:
-        return
+        return None
     if _backend.select(inputs) == "torch":
         _scale_into_torch(noop_flag, inputs, outputs, scale)
-        return
+        return None
+    cols = _checked_pair(inputs, outputs)
+    if cols is not None:  # every pair in a layout the kernel pairs: one call (checked: trusted as they are)
+        multi_tensor_scale(_CHUNK, noop_flag, cols, scale)
+        return cols
     good, bad = _split_contiguous(inputs) if inputs is outputs else _split_contiguous(inputs, outputs)
     if not bad:  # the lists as they are (an in-place unscale passes one list twice: read once)
         multi_tensor_scale(_CHUNK, noop_flag, [inputs, outputs], scale)
@@ -62,6 +82,7 @@ def scale_into(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: floa
         multi_tensor_scale(_CHUNK, noop_flag, [[inputs[i] for i in good], [outputs[i] for i in good]], scale)
     if bad:
         _scale_into_torch(noop_flag, [inputs[i] for i in bad], [outputs[i] for i in bad], scale)
+    return None
 
 
 def copy_masters_to_model(noop_flag: torch.Tensor, masters: list, model_params: list) -> None:
@@ -140,8 +161,12 @@ class LossScaler:
                 break
         return self._overflow_buf
 
-    def _warn_non_fp32(self, master_grads) -> None:
+    def _warn_non_fp32(self, master_grads, cols: list | None = None) -> None:
+        """Warn once about non-fp32 ``master_grads``; ``cols``: the lists as ``scale_into`` checked them,
+        whose dtype facts answer without reading the tensors again."""
         if LossScaler.warned_unscaling_non_fp32_grad:
+            return
+        if cols is not None and cols[1].dtype is torch.float32:
             return
         if set(map(_dtype, filter(_not_none, master_grads))) <= {torch.float32}:  # (no loop in Python)
             return
@@ -169,9 +194,9 @@ class LossScaler:
             ins, outs = [p[0] for p in pairs], [p[1] for p in pairs]
         if not ins:
             return
+        cols = scale_into(self._buf_for(ins), ins, outs, 1.0 / scale)
         if scale_override is None:  # with an override (FusedSGD's half model grads) half grads are the plan
-            self._warn_non_fp32(outs)
-        scale_into(self._buf_for(ins), ins, outs, 1.0 / scale)
+            self._warn_non_fp32(outs, cols)
 
     def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale_override=None) -> None:
         """``master = model / loss_scale + stashed`` (gradient accumulation across backward passes).

@@ -236,7 +236,11 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     """Stage 1 of Apex's two-stage LAMB on ``[grads, params, exp_avgs, exp_avg_sqs, updates]``: updates the
     moments and writes ``update = m̂ / (sqrt(v̂) + eps) + per_tensor_decay[i] * p`` (bias corrections of
     ``step + 1``; grads divided by the clip factor of ``global_grad_norm``)."""
-    device = check_tensor_lists(tensor_lists, 5)
+    from apex._kernels._lists import checked
+
+    # (checked once per set of tensors: a caller's new lists of the same tensors every step cost one read)
+    tensor_lists = checked("lamb_stage1", tensor_lists, lambda: check_tensor_lists(tensor_lists, 5))
+    device = first_device(tensor_lists)
     check_noop_flag(noop_flag, device)
     if device is None or not tensor_lists[0]:
         return
@@ -244,7 +248,7 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     if not isinstance(per_tensor_decay, torch.Tensor) or per_tensor_decay.numel() < n:
         raise ValueError(f"per_tensor_decay must be a tensor with one weight decay per tensor ({n})")
     gn = _check_norm_tensor(global_grad_norm, "global_grad_norm", device)
-    g, p, m, v, upd = [list(x) for x in tensor_lists]
+    g, p, m, v, upd = [x if isinstance(x, (list, tuple)) else list(x) for x in tensor_lists]
     maxn = float(max_global_grad_norm)
     s = int(step) + 1
     bc1, bc2 = 1.0 - float(beta1) ** s, 1.0 - float(beta2) ** s

@@ -168,10 +168,12 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         grads = all_grads(planned)
         # The norm is of the scaled gradients, so the threshold is scaled too.
         max_grad_norm = self.defaults["max_grad_norm"] * scale
-        cpu = self.multi_tensor_lamb is multi_tensor_lamb_mp and device.type == "cpu"
-        # The CPU path's workspaces, one per list, looked up once per step.
+        # The PyTorch path's workspaces, one per list, looked up once per step (only where that path runs:
+        # the lookup compares every parameter's shape).
+        cpu = (self.multi_tensor_lamb is multi_tensor_lamb_mp and device.type == "cpu"
+               and _backend.select(grads) == "torch")
         workspaces = {key: self._workspace_for(key, lst[1]) for key, lst in lists.items()} if cpu else {}
-        if (cpu and self.multi_tensor_l2norm is multi_tensor_l2norm_mp and _backend.select(grads) == "torch"
+        if (cpu and self.multi_tensor_l2norm is multi_tensor_l2norm_mp
                 and grads.dtype is not torch.float32):
             grad_norm = self._cpu_grad_norm(lists, workspaces)
         else:
