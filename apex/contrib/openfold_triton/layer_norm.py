@@ -13,23 +13,24 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from apex.ops.openfold_layer_norm import check_args, layer_norm_backward, layer_norm_forward
+from apex.ops.openfold_layer_norm import backward_checked, check_args, forward_checked
 
 
 class LayerNormSmallShapeOptImpl(Function):
     @staticmethod
     def forward(ctx, inputs, normalized_shape, weight, bias, eps=1e-05):
-        shape, _, _ = check_args(inputs, normalized_shape, weight, bias)
-        y, mean, rstd = layer_norm_forward(inputs, shape, weight, bias, eps)
+        shape, _, n = check_args(inputs, normalized_shape, weight, bias)
+        y, mean, rstd = forward_checked(inputs, shape, n, weight, bias, eps)
         ctx.save_for_backward(inputs, weight, bias, mean, rstd)
-        ctx.normalized_shape = shape
+        ctx.normalized_shape, ctx.n = shape, n
         return y
 
     @staticmethod
     def backward(ctx, d_y):
         inputs, weight, bias, mean, rstd = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
-        dx, dw, db = layer_norm_backward(d_y, inputs, ctx.normalized_shape, weight, bias, mean, rstd, needs)
+        # The saved tensors passed check_args in the forward: only grad_output's shape is new.
+        dx, dw, db = backward_checked(d_y, inputs, ctx.normalized_shape, ctx.n, weight, bias, mean, rstd, needs)
         return dx, None, dw, db, None
 
 
