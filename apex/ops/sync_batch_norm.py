@@ -58,6 +58,11 @@ def _scale_shift(x: torch.Tensor, mean, invstd, weight, bias) -> tuple[torch.Ten
     return scale, b - mean * scale
 
 
+def scale_shift(x: torch.Tensor, mean, invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` of the functions below, computed once by a caller that runs several of them."""
+    return _scale_shift(x, mean, invstd, weight, bias)
+
+
 def _v(t):
     """The PyTorch path works on ``[M, C]`` when ``L == 1``: PyTorch's CPU batch-norm kernels are several
     times faster on 2-D inputs than on ``[M, C, 1]``."""
@@ -83,9 +88,11 @@ def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.to(acc), var.to(acc)
 
 
-def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False) -> torch.Tensor:
-    """``y = x * scale + shift (+ z)`` (then relu with ``fuse_relu``), in ``x``'s dtype."""
-    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
+def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False,
+                     scale_shift: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``y = x * scale + shift (+ z)`` (then relu with ``fuse_relu``), in ``x``'s dtype. ``scale_shift``:
+    :func:`scale_shift`'s answer for these arguments, when the caller has it (saves four operators)."""
+    scale, shift = scale_shift or _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
@@ -123,9 +130,10 @@ def relu_grad(dy, x, mean, invstd, weight, bias, z=None) -> torch.Tensor:
     return _dy_act(_v(dy), _v(x), scale, shift, _v(z), True).view(x.shape)
 
 
-def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False):
+def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_relu: bool = False,
+                               scale_shift: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Local per-channel ``(sum_dy, sum_dy_xmu)`` in fp32 (``dy`` after the fused relu's mask)."""
-    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
+    scale, shift = scale_shift or _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
@@ -142,9 +150,10 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_r
 
 
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_dy_xmu, z=None,
-                              fuse_relu: bool = False, need_dz: bool = False):
+                              fuse_relu: bool = False, need_dz: bool = False,
+                              scale_shift: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``(dx, dz)`` in ``x``'s dtype (``dz`` only with ``need_dz``, else None)."""
-    scale, shift = _scale_shift(x, mean, invstd, weight, bias)
+    scale, shift = scale_shift or _scale_shift(x, mean, invstd, weight, bias)
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 

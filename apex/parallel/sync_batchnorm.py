@@ -71,24 +71,37 @@ class SyncBatchnormFunction(torch.autograd.Function):
             if running_mean is not None and momentum > 0:
                 with torch.no_grad():
                     unbiased = var * (count / (count - 1))
-                    running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-                    running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+                    if running_mean.dtype == mean.dtype == running_var.dtype:
+                        # The same two operators on both buffers in two calls instead of four.
+                        running = [running_mean, running_var]
+                        torch._foreach_mul_(running, 1 - momentum)
+                        torch._foreach_add_(running, [mean, unbiased], alpha=momentum)
+                    else:
+                        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         else:
             count = 0
             mean = running_mean.to(ops.acc_dtype(x))
             invstd = torch.rsqrt(running_var.to(ops.acc_dtype(x)) + eps)
-        y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu) if x.numel() else x.clone()
-        ctx.save_for_backward(x, zz, weight, bias, mean, invstd)
+        # The per-channel affine map, computed once for the forward and both backward passes.
+        scale, shift = ops.scale_shift(x, mean, invstd, weight, bias)
+        y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu, (scale, shift)) if x.numel() \
+            else x.clone()
+        ctx.save_for_backward(x, zz, weight, bias, mean, invstd, scale, shift)
         ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, z is not None)
+        if y.shape == input.shape and y._base is None:
+            return y  # already the output's shape and no view (a reshape and detach cost ~4 µs)
         # detach(): the reshape is a view of a tensor made here, which autograd would refuse to let an
         # in-place op (nn.ReLU(inplace=True) after the norm) modify; a detached alias has no such base.
-        return y.reshape(input.contiguous().shape).detach()
+        return y.reshape(input.shape).detach()
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, zz, weight, bias, mean, invstd = ctx.saved_tensors
+        x, zz, weight, bias, mean, invstd, scale, shift = ctx.saved_tensors
         count, use_batch_stats, group, distributed, fuse_relu, shape, has_z = ctx.meta
-        dy = grad_output.contiguous().reshape(x.shape)
+        dy = grad_output.contiguous()
+        if dy.shape != x.shape:
+            dy = dy.reshape(x.shape)
         if fuse_relu and x.numel() and (x.dtype == torch.float64 or _backend.select(x) == "torch"):
             # Mask once here instead of in each of the two backward passes.
             dy = ops.relu_grad(dy, x, mean, invstd, weight, bias, zz)
@@ -96,7 +109,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
         C = x.shape[1]
         if x.numel():
             sum_dy, sum_dy_xmu = ops.batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, zz,
-                                                                fuse_relu)
+                                                                fuse_relu, (scale, shift))
         else:
             sum_dy = sum_dy_xmu = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
         need_x, need_z, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -107,20 +120,23 @@ class SyncBatchnormFunction(torch.autograd.Function):
         if bias is not None and need_b:
             grad_bias = sum_dy.to(bias.dtype)
         if need_x or need_z:
-            if use_batch_stats:
-                sums = torch.cat([sum_dy, sum_dy_xmu])
-                if distributed:
-                    dist.all_reduce(sums, group=group)
+            if use_batch_stats and distributed:
+                sums = torch.cat([sum_dy, sum_dy_xmu])  # one collective for both
+                dist.all_reduce(sums, group=group)
                 mean_dy, mean_dy_xmu = (sums / count).split(C)
+            elif use_batch_stats:
+                mean_dy, mean_dy_xmu = sum_dy / count, sum_dy_xmu / count
             else:
                 mean_dy = mean_dy_xmu = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
             if x.numel():
                 dx, dz = ops.batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy,
-                                                       mean_dy_xmu, zz, fuse_relu, need_dz=need_z)
+                                                       mean_dy_xmu, zz, fuse_relu, need_dz=need_z,
+                                                       scale_shift=(scale, shift))
             else:
                 dx, dz = dy.clone(), dy.clone()
-            grad_input = dx.reshape(shape) if need_x else None
-            grad_z = dz.reshape(shape) if need_z else None
+            same = x.shape == shape  # a 3-D input: no reshape back
+            grad_input = (dx if same else dx.reshape(shape)) if need_x else None
+            grad_z = (dz if same else dz.reshape(shape)) if need_z else None
         return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
 
 
