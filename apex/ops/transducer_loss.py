@@ -55,15 +55,17 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
-    if int(f_len.min()) < 1:
-        raise ValueError(f"f_len values must be at least 1, got {int(f_len.min())}")
-    if int(y_len.min()) < 0 or int(y_len.max()) > label.shape[1]:
+    # The lengths' extremes in one host read (each int(t.min()) is a reduction and, on a GPU, a sync).
+    f_min, f_max, y_min, y_max = torch.stack((*f_len.aminmax(), *y_len.aminmax())).tolist()
+    if f_min < 1:
+        raise ValueError(f"f_len values must be at least 1, got {f_min}")
+    if y_min < 0 or y_max > label.shape[1]:
         raise ValueError(f"y_len values must lie in [0, {label.shape[1]}] (the label length), got "
-                         f"[{int(y_len.min())}, {int(y_len.max())}]")
+                         f"[{y_min}, {y_max}]")
     if packed_input:
         if batch_offset is None or max_f_len is None:
             raise ValueError("batch_offset and max_f_len are required when packed_input=True")
-        T, U = int(max_f_len), int(y_len.max()) + 1
+        T, U = int(max_f_len), y_max + 1
         expect = torch.cumsum(f_len.long() * (y_len.long() + 1), 0)
         if not isinstance(batch_offset, Tensor) or not torch.equal(batch_offset.long().cpu(), expect.cpu()):
             raise ValueError("batch_offset must equal cumsum(f_len * (y_len + 1))")
@@ -73,16 +75,27 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         if x.shape[0] != B:
             raise ValueError(f"x has batch size {x.shape[0]} but f_len has {B}")
         T, U = x.shape[1], x.shape[2]
-        if int(y_len.max()) + 1 > U:
-            raise ValueError(f"y_len + 1 must be at most x.size(2) = {U}, got {int(y_len.max()) + 1}")
-    if int(f_len.max()) > T:
+        if y_max + 1 > U:
+            raise ValueError(f"y_len + 1 must be at most x.size(2) = {U}, got {y_max + 1}")
+    if f_max > T:
         raise ValueError(f"f_len values must be at most {'max_f_len' if packed_input else 'x.size(1)'} = {T}, "
-                         f"got {int(f_len.max())}")
-    pos = torch.arange(label.shape[1], device=label.device)
-    used = label[pos.unsqueeze(0) < y_len.to(label.device).unsqueeze(1)]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= V):
-        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
+                         f"got {f_max}")
+    if y_max > 0:
+        _check_labels(label, y_len, V)
     return T, U
+
+
+def _check_labels(label, y_len, V: int) -> None:
+    """The labels within each row's length lie in ``[0, V)``."""
+    pos = torch.arange(label.shape[1], device=label.device)
+    used = pos.unsqueeze(0) < y_len.to(label.device).unsqueeze(1)
+    # Unused entries read as 0 (in range), so the extremes of all entries decide: one host read, no
+    # boolean indexing (a nonzero and a sync on GPUs).
+    lo, hi = label.masked_fill(~used, 0).aminmax()
+    lo, hi = torch.stack((lo, hi)).tolist()
+    if lo < 0 or hi >= V:
+        used = label[used]
+        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
 
 
 # ---------------------------------------------------------------------------------------------- torch

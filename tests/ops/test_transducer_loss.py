@@ -181,3 +181,23 @@ def test_bad_input(case, match):
         kw.update(packed_input=True, max_f_len=4, batch_offset=None if case == "no_offset" else boff + 1)
     with pytest.raises(ValueError, match=match):
         TL.transducer_loss(x, label, f_len, y_len, kw.pop("blank_idx", 4), **kw)
+
+
+def test_checks_read_the_lengths_and_only_the_used_labels():
+    """The checks read each length tensor's extremes once and the labels within each row's length only."""
+    x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
+    label[1, 1] = 99  # past y_len[1] = 1: never read, no error
+    ref = TL.transducer_loss(x, label, f_len, y_len, 4)
+    label[1, 1] = 0
+    # int64 frame lengths with int32 label lengths: the same losses.
+    assert torch.equal(TL.transducer_loss(x, label, f_len.long(), y_len, 4), ref)
+    label[0, 1] = -1
+    with pytest.raises(ValueError, match=r"label values must lie in \[0, 5\), got \[-1, "):
+        TL.transducer_loss(x, label, f_len, y_len, 4)
+    label[0, 1] = 0
+    with pytest.raises(ValueError, match=r"y_len values must lie in \[0, 2\] \(the label length\), got \[-1, 1\]"):
+        TL.transducer_loss(x, label, f_len, torch.tensor([1, -1]), 4)
+    with pytest.raises(ValueError, match=r"f_len values must be at most x.size\(1\) = 4, got 6"):
+        TL.transducer_loss(x, label, torch.tensor([2, 6]), y_len, 4)
+    with pytest.raises(ValueError, match=r"y_len \+ 1 must be at most x.size\(2\) = 2, got 3"):
+        TL.transducer_loss(x[:, :, :2], label, f_len, y_len, 4)
