@@ -156,6 +156,11 @@ def group_norm_forward(input: Tensor, num_groups: int, weight: Tensor | None = N
                        eps: float = 1e-5, act: str | None = "") -> tuple[Tensor, Tensor, Tensor]:
     """``(output, mean, rstd)`` without autograd; ``mean``/``rstd`` have ``N·G`` fp32 entries."""
     silu = check_args(input, num_groups, weight, bias, act)
+    return _forward_checked(input, num_groups, weight, bias, eps, silu)
+
+
+def _forward_checked(input, num_groups, weight, bias, eps, silu):
+    """:func:`group_norm_forward` on arguments :func:`check_args` passed."""
     x = _layout(input)
     if _use_kernel(x, num_groups):
         from apex._kernels import group_norm as kernels
@@ -176,13 +181,24 @@ def group_norm_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: 
     for name, t in (("mean", mean), ("rstd", rstd)):
         if not isinstance(t, torch.Tensor) or t.numel() != ng:
             raise ValueError(f"{name} must hold N·G = {ng} values")
+    return _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, silu)
+
+
+def _stat(t: Tensor) -> Tensor:
+    # The forward's own statistics are already 1-D contiguous fp32: no reshape or copy (~2 µs each).
+    if t.dim() == 1 and t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return t.reshape(-1).float().contiguous()
+
+
+def _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, silu):
+    """:func:`group_norm_backward` on arguments it checked (or the autograd forward's saved ones)."""
     x = _layout(input)
     if _use_kernel(x, num_groups):
         from apex._kernels import group_norm as kernels
 
         dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
-        dx, dw, db = kernels.backward(dy, x, num_groups, weight, bias, mean.reshape(-1).float().contiguous(),
-                                      rstd.reshape(-1).float().contiguous(), silu)
+        dx, dw, db = kernels.backward(dy, x, num_groups, weight, bias, _stat(mean), _stat(rstd), silu)
         return dx, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None
     return _backward_torch(grad_output, x, mean, rstd, num_groups, weight, bias, silu)
 
@@ -214,7 +230,8 @@ def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
 @custom_op("apex::group_norm_fwd", materialize_grads=False, grad_outputs=1)
 def _fwd_op(input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, act: str
             ) -> tuple[Tensor, Tensor, Tensor]:
-    y, mean, rstd = group_norm_forward(input, num_groups, weight, bias, eps, act)
+    # Called by group_norm with checked arguments (act normalised to "silu" or ""): no second check.
+    y, mean, rstd = _forward_checked(input, num_groups, weight, bias, eps, act == "silu")
     return y, mean, rstd
 
 
@@ -228,7 +245,8 @@ def _(input, num_groups, weight, bias, eps, act):
 @custom_op("apex::group_norm_bwd")
 def _bwd_op(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor, num_groups: int,
             weight: Tensor | None, bias: Tensor | None, act: str) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = group_norm_backward(grad_output, input, mean, rstd, num_groups, weight, bias, act)
+    # Called by the autograd backward with the forward's checked tensors; autograd checked grad_output's shape.
+    dx, dw, db = _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, act == "silu")
     empty = input.new_empty((0,))
     return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
 
