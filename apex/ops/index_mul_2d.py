@@ -43,7 +43,7 @@ def _check(in1: object, in2: object, idx1: object) -> None:
         if t.device != in1.device:
             raise ValueError(f"{name} is on {t.device} but in1 is on {in1.device}")
     if idx1.numel():
-        lo, hi = int(idx1.min()), int(idx1.max())
+        lo, hi = torch.stack(idx1.aminmax()).tolist()  # one reduction, one host read (a sync on GPUs)
         if lo < 0 or hi >= in1.shape[0]:
             raise ValueError(f"idx1 must index in1's rows [0, {in1.shape[0]}), got values in [{lo}, {hi}]")
 
@@ -98,6 +98,11 @@ class IndexMul2d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         in1, in2, idx1 = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            # No create_graph: nothing will differentiate the gradients, so the second Function (the
+            # double backward's graph node, ~15 µs) is not needed; its forward computes the same thing.
+            grad_in1, grad_in2 = backward_pair(grad_out, in1, in2, idx1)
+            return grad_in1, grad_in2, None
         grad_in1, grad_in2 = IndexMul2dBackward.apply(in1, in2, idx1, grad_out)
         return grad_in1, grad_in2, None
 
