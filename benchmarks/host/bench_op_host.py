@@ -20,7 +20,8 @@ and no checks, backend choice or dispatch: the floor of this job written the Lig
 same-job`` is the overhead of ours. ``liger`` rows (LayerNorm, RMSNorm) appear where Liger-Kernel is installed
 (``pip install -e ".[bench]"``). Times are the minimum over repeats of the mean of a loop of calls (the
 thread's CPU time), ours and both references interleaved: on a shared machine the minimum is the estimate
-least disturbed by other work.
+least disturbed by other work. Ratios are the median over repeats of ours ÷ the reference's loop timed next
+to it, which follows a drifting load better than a ratio of two minima.
 """
 
 from __future__ import annotations
@@ -478,12 +479,17 @@ def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
                 for _ in range(3):  # warm caches (launch configurations, autograd)
                     for fn in fns.values():
                         fn()
-                best = dict.fromkeys(fns, float("inf"))
+                times: dict = {key: [] for key in fns}
                 for _ in range(repeats):  # interleaved: a burst of other work on the machine hits all alike
                     for key, fn in fns.items():
-                        best[key] = min(best[key], _per_call(fn, calls))
-                for key, value in best.items():
-                    row[f"{key}{label}_us"] = round(value, 1)
+                        times[key].append(_per_call(fn, calls))
+                for key, values in times.items():
+                    row[f"{key}{label}_us"] = round(min(values), 1)
+                    if key:
+                        # The ratio of each loop of ours to the reference's loop next to it, median over the
+                        # repeats: steadier than a ratio of minima when the machine's load drifts.
+                        ratios = sorted(o / r for o, r in zip(times[""], values))
+                        row[f"{label}_per_{key[:-1]}"] = round(ratios[len(ratios) // 2], 3)
             rows.append(row)
     return rows
 
@@ -502,9 +508,9 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def _ratio(r: dict, key: str, ref: str) -> str:
-    a, b = r.get(key), r.get(ref)
-    return f"{a / b:.2f}" if a is not None and b else "-"
+def _ratio(r: dict, label: str, ref: str) -> str:
+    value = r.get(f"{label}_per_{ref}")
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def table(rows: list[dict]) -> str:
@@ -519,8 +525,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['op']} | {r['fwd_launches']} / {r.get('fwd_bwd_launches', '-')} | {r['fwd_allocs']} / "
             f"{r.get('fwd_bwd_allocs', '-')} | {r['fwd_us']} | {r.get('fwd_bwd_us', '-')} | "
             f"{r.get('plain_fwd_bwd_us', '-')} | {r.get('job_fwd_us', '-')} / {r.get('job_fwd_bwd_us', '-')} | "
-            f"{_ratio(r, 'fwd_bwd_us', 'plain_fwd_bwd_us')} | {_ratio(r, 'fwd_us', 'job_fwd_us')} | "
-            f"**{_ratio(r, 'fwd_bwd_us', 'job_fwd_bwd_us')}** |")
+            f"{_ratio(r, 'fwd_bwd', 'plain')} | {_ratio(r, 'fwd', 'job')} | **{_ratio(r, 'fwd_bwd', 'job')}** |")
     return "\n".join(lines)
 
 
