@@ -122,8 +122,9 @@ def _next_pow2(n: int) -> int:
 def _upload(values, device: torch.device) -> torch.Tensor:
     """An int64 device tensor of ``values`` (ints); on a GPU through pinned memory without blocking the host
     (a pageable copy waits for the GPU to drain, and is not allowed while a CUDA graph is being captured)."""
-    # (through an array: torch.tensor of a list of ints costs twice as much per element)
-    host = torch.frombuffer(array("q", values), dtype=torch.int64).clone() if len(values) else \
+    # (through an array: torch.tensor of a list of ints costs twice as much per element; the tensor keeps the
+    # array alive and is its only user, so it needs no copy of its own)
+    host = torch.frombuffer(array("q", values), dtype=torch.int64) if len(values) else \
         torch.zeros(0, dtype=torch.int64)
     if device.type == "cpu":
         return host

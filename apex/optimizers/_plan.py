@@ -24,7 +24,7 @@ usual); reload such a state with ``load_state_dict``.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import attrgetter, is_, is_not
+from operator import attrgetter, eq, is_, is_not
 
 import torch
 
@@ -36,6 +36,7 @@ _shape = attrgetter("shape")
 _ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _contiguous = torch.Tensor.is_contiguous
+_device_index = torch.Tensor.get_device
 
 
 class Plan:
@@ -54,6 +55,7 @@ class Plan:
         self.dtypes = tuple(map(_dtype, self.with_grad))
         self.numels = tuple(map(_numel, self.with_grad))
         self.shapes = tuple(map(_shape, self.with_grad))
+        self.devices = tuple(map(_device_index, self.with_grad))
         contiguous = tuple(map(_contiguous, self.with_grad))
         # Dense parameters that are not contiguous (channels_last): their gradients must have their strides.
         self.strided = tuple(i for i, c in enumerate(contiguous) if not c)
@@ -71,6 +73,21 @@ class Plan:
                 pair[1] = tensor._version
                 return
         self.watched.append([tensor, tensor._version])
+
+    def fits(self, gs: list) -> bool:
+        """Whether the gradients ``gs`` (one per ``with_grad``) have their parameters' dtypes, shapes, device
+        and layout, as the full checks require. Each fact is one C-level pass; the shapes are compared one at
+        a time as they are read (a tuple of the new ``torch.Size`` objects, kept whole, would wake the
+        garbage collector, which then walks the whole heap: several times the cost of the reads)."""
+        if tuple(map(_dtype, gs)) != self.dtypes or not all(map(eq, map(_shape, gs), self.shapes)):
+            return False
+        # (an int per tensor: a device index is read without making a torch.device)
+        if tuple(map(_device_index, gs)) != self.devices:
+            return False
+        if not self.strided:
+            return all(map(_contiguous, gs))
+        return (all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
+                and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided))
 
     def grads(self, group_params) -> tuple[list, tuple] | None:
         """``(grads, their addresses)`` of the plan's parameters for this step, or None when the plan no
@@ -93,14 +110,9 @@ class Plan:
             # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
             # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
             # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
-            if gids != self.gids or gptrs != self.gptrs:
-                if tuple(map(_dtype, gs)) != self.dtypes or tuple(map(_shape, gs)) != self.shapes:
-                    return None
-                if (self.strided or not all(map(_contiguous, gs))) and not (
-                        all(gs[i].stride() == st for i, st in zip(self.strided, self.strides))
-                        and all(gs[i].is_contiguous() for i in range(len(gs)) if i not in self.strided)):
-                    return None
-                self.gids, self.gptrs = gids, gptrs
+            if (gids != self.gids or gptrs != self.gptrs) and not self.fits(gs):
+                return None
+            self.gids, self.gptrs = gids, gptrs
         except (TypeError, RuntimeError, NotImplementedError):  # None, or sparse: the full checks say which
             return None
         return gs, gptrs

@@ -13,7 +13,7 @@ minimum over repeats of the mean of a loop of calls, in the calling thread's CPU
 on a shared machine, other processes' work does not count), each row interleaved with the reference.
 
 Rows: each apex optimizer after its first step (the gradients the same tensors every step, as with
-``zero_grad(set_to_none=False)``); ``FusedAdam, new gradients`` gives it new gradient tensors every step
+``zero_grad(set_to_none=False)``); the rows ``..., new gradients`` give it new gradient tensors every step
 (``zero_grad(set_to_none=True)`` and a backward; the allocation itself is not counted); the ``amp_C`` ops
 called with new Python lists of the same tensors every call; amp's in-place unscale of the gradients.
 
@@ -69,7 +69,6 @@ def _optimizer(name: str) -> Callable:
 
     return {
         "FusedAdam": lambda ps: o.FusedAdam(ps, lr=1e-3, weight_decay=0.01),
-        "FusedAdam, new gradients": lambda ps: o.FusedAdam(ps, lr=1e-3, weight_decay=0.01),
         "FusedAdam capturable, bf16 + masters": lambda ps: o.FusedAdam(ps, lr=1e-3, weight_decay=0.01,
                                                                        capturable=True, master_weights=True),
         "FusedSGD (momentum)": lambda ps: o.FusedSGD(ps, lr=0.1, momentum=0.9),
@@ -79,12 +78,14 @@ def _optimizer(name: str) -> Callable:
         "FusedLARS (momentum)": lambda ps: o.FusedLARS(ps, lr=0.1, momentum=0.9),
         "FusedMixedPrecisionLamb, bf16": lambda ps: o.FusedMixedPrecisionLamb(
             ps, lr=1e-3, reduced_precision_dtype=torch.bfloat16),
-    }[name]
+    }[name.removesuffix(NEW_GRADS)]
 
 
-OPTIMIZER_ROWS = ("FusedAdam", "FusedAdam, new gradients", "FusedAdam capturable, bf16 + masters",
-                  "FusedSGD (momentum)", "FusedAdagrad", "FusedLAMB", "FusedNovoGrad", "FusedLARS (momentum)",
-                  "FusedMixedPrecisionLamb, bf16")
+NEW_GRADS = ", new gradients"
+OPTIMIZER_ROWS = ("FusedAdam", "FusedAdam" + NEW_GRADS, "FusedAdam capturable, bf16 + masters",
+                  "FusedSGD (momentum)", "FusedSGD (momentum)" + NEW_GRADS, "FusedAdagrad", "FusedLAMB",
+                  "FusedLAMB" + NEW_GRADS, "FusedNovoGrad", "FusedLARS (momentum)", "FusedMixedPrecisionLamb, bf16",
+                  "FusedMixedPrecisionLamb, bf16" + NEW_GRADS)
 OP_ROWS = ("amp_C.multi_tensor_scale, new lists", "amp_C.multi_tensor_l2norm, new lists",
            "amp LossScaler.unscale (in place)")
 REFERENCE = "torch.optim.AdamW(fused=True)"
@@ -99,7 +100,7 @@ def build(name: str, n: int, new_grads: bool = False) -> tuple[Callable, Callabl
         params = _params(n, torch.bfloat16 if "bf16" in name else None)
         opt = (torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True) if name == REFERENCE
                else _optimizer(name)(params))
-        if new_grads or "new gradients" in name:
+        if new_grads or name.endswith(NEW_GRADS):
 
             def renew():
                 for p in params:
@@ -160,7 +161,7 @@ def run(names, sizes) -> list[dict]:
         row: dict = {"name": name}
         for n in sizes:
             with stubbed():
-                ours, ref = build(name, n), build(REFERENCE, n, new_grads="new gradients" in name)
+                ours, ref = build(name, n), build(REFERENCE, n, new_grads=name.endswith(NEW_GRADS))
                 us, ref_us = measure_pair(ours, ref, n)
             row[n] = {"us_per_call": us, "us_per_param": us / n, "torch_us_per_call": ref_us,
                       "torch_us_per_param": ref_us / n}
