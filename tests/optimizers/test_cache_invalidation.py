@@ -173,3 +173,30 @@ def test_one_launch_per_dtype_group_after_the_first_step(triton_device, name):
         with apex.backend("triton"), TritonTrace(bounds=False) as tr:
             opt.step()
         assert tr.launches == 2, (s, tr.kernels)  # fp32 and bf16, at the first step and with a plan
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_gradient_moved_to_another_device_is_refused(triton_device, name):
+    # ``grad.data = t`` takes a tensor of any dense device (``module.cpu()`` relies on it), and a new gradient
+    # tensor is checked by the plan's reads, not by the first step's checks: the device must be one of them (a
+    # kernel given a host address as a GPU one faults).
+    if triton_device.type == "cpu":
+        pytest.skip("needs a second device type: runs with the GPU under APEX_TEST_DEVICE=cuda")
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = make_params(SHAPES, dtype)
+    opt = OPTIMIZERS[name](params)
+    with apex.backend("triton"):
+        for s in range(3):
+            _set_grads(params, s)
+            opt.step()
+        _set_grads(params, 3)
+        params[1].grad.data = torch.randn(params[1].shape, dtype=dtype, device="cpu")
+        before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+        with pytest.raises(RuntimeError):
+            opt.step()
+    for p, q in zip(params, before[0]):
+        assert torch.equal(p.detach(), q)
+    for k, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, before[1]["state"][k][key]), key

@@ -123,6 +123,35 @@ def test_python_calls_per_step_do_not_grow_with_the_parameters(triton_device, st
     assert many == few, f"{name}: {few} Python calls per step with 4 parameters, {many} with 40"
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_step_with_new_gradients_starts_no_garbage_collection(triton_device, stubbed_launches, name):
+    """Reading the facts of thousands of new gradients keeps no object per tensor alive: a tuple of their
+    ``torch.Size`` objects, say, starts a collection every 700 of them, which walks the young objects (the
+    new gradients among them) and now and then the whole heap, several times the cost of the reads."""
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = _params(2000, dtype)
+    opt = OPTIMIZERS[name](params)
+    started: list = []
+
+    def count(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    with apex.backend("triton"):
+        for step in range(4):
+            for p in params:
+                p.grad = torch.zeros_like(p)  # new tensors, as zero_grad(set_to_none=True) and a backward make
+            if step < 3:  # (the first steps plan)
+                opt.step()
+        gc.collect()  # (the new gradients themselves are not the step's)
+        gc.callbacks.append(count)
+        try:
+            opt.step()
+        finally:
+            gc.callbacks.remove(count)
+    assert not started, f"{name}: the step started {len(started)} garbage collections"
+
+
 @pytest.mark.parametrize("op", ["scale", "l2norm", "axpby", "adam"])
 def test_amp_c_calls_do_not_grow_with_the_tensors(triton_device, stubbed_launches, op):
     import amp_C
