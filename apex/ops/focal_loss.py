@@ -51,8 +51,11 @@ def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamm
     if float(gamma) < 0:
         raise ValueError(f"gamma must be non-negative, got {gamma!r}")
     if targets.numel():
-        bad = (targets < -2) | (targets >= num_real_classes)
-        if bool(bad.any()):
+        # The extremes decide, in one reduction and one host read (a sync on GPUs); the message's first bad
+        # target is looked up only on failure.
+        lo, hi = torch.stack(targets.aminmax()).tolist()
+        if lo < -2 or hi >= num_real_classes:
+            bad = (targets < -2) | (targets >= num_real_classes)
             first = int(targets.reshape(-1)[bad.reshape(-1)][0])
             raise ValueError(f"cls_targets_at_level must be −2 (ignore), −1 (background) or a class in "
                              f"[0, {num_real_classes}), got {first}")
@@ -86,10 +89,12 @@ def focal_loss_forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_pos
     if select(cls_output) == "triton" and cls_output.dtype != torch.float64:
         from apex._kernels import focal_loss as kernels
 
-        loss, grad = kernels.forward(cls_output.reshape(-1, k).contiguous(),
-                                     cls_targets_at_level.reshape(-1).contiguous(), num_positives_sum,
+        two_d = cls_output.dim() == 2  # rows already: no reshapes in or out (~1-5 µs each)
+        loss, grad = kernels.forward((cls_output if two_d else cls_output.reshape(-1, k)).contiguous(),
+                                     (cls_targets_at_level if two_d else cls_targets_at_level.reshape(-1)
+                                      ).contiguous(), num_positives_sum,
                                      num_real_classes, float(alpha), float(gamma), float(label_smoothing))
-        return loss, grad.view(cls_output.shape)
+        return loss, grad if two_d else grad.view(cls_output.shape)
     loss, grad = _forward_torch(cls_output, cls_targets_at_level, num_real_classes, float(alpha), float(gamma),
                                 float(label_smoothing))
     return loss / num_positives_sum.reshape(()).to(loss.dtype), grad
