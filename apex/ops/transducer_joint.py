@@ -39,8 +39,10 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
     for name, t, cap in (("f_len", f_len, T), ("g_len", g_len, g.shape[1])):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
-        if B and (int(t.min()) < 0 or int(t.max()) > cap):
-            raise ValueError(f"{name} values must lie in [0, {cap}], got [{int(t.min())}, {int(t.max())}]")
+        if B:
+            lo, hi = torch.stack(t.aminmax()).tolist()  # one reduction, one host read (a sync on GPUs)
+            if lo < 0 or hi > cap:
+                raise ValueError(f"{name} values must lie in [0, {cap}], got [{lo}, {hi}]")
     if not 0.0 <= dropout_prob < 1.0:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
     if pack_output:

@@ -123,6 +123,7 @@ def test_compat_module(backend_name):
     ("no_offset", ValueError, "batch_offset"), ("packed_batch", ValueError, "packed_batch"),
     ("offset", ValueError, "batch_offset"), ("prob", ValueError, "dropout_prob"), ("tile", ValueError, "tile"),
     ("float_len", ValueError, "f_len"),
+    ("f_len_negative", ValueError, r"f_len values must lie in \[0, 3\], got \[-1, 2\]"),
 ])
 def test_bad_input(case, exc, match):
     f, g, f_len, g_len = _inputs(2, 3, 4, 8, [3, 2], [4, 2], torch.float32)
@@ -146,5 +147,7 @@ def test_bad_input(case, exc, match):
         kw = dict(tile_size=3)
     elif case == "float_len":
         f_len = f_len.float()
+    elif case == "f_len_negative":
+        f_len = torch.tensor([-1, 2])
     with pytest.raises(exc, match=match):
         TJ.transducer_joint(f, g, f_len, g_len, **kw)
