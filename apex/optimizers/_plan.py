@@ -11,7 +11,8 @@ holds, with one C-level pass per fact over the group (``map`` over the tensors, 
   every plan outright);
 * each parameter still lives at the same address (``param.data = ...`` moves it);
 * the same parameters have a gradient (a gradient set to None, or one that appears);
-* every gradient has its parameter's dtype and shape and is contiguous (or has its parameter's strides).
+* every gradient has its parameter's dtype, shape and device index (``get_device``, an int: CPU and meta
+  are both -1) and is contiguous (or has its parameter's strides).
 
 Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
 tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
