@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
@@ -135,6 +136,9 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
+_PLANS = _tuning.plan_cache()  # (m, n, k, dtype) -> (config, grid)
+
+
 def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
     if _INTERP:
         # The interpreter pays per operation, not per element: one large tile per dimension.
@@ -167,13 +171,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
     if m == 0 or n == 0:
         return c
-    cfg = _config(m, n, k, a.dtype)
+    key = (m, n, k, a.dtype)
+    planned = _PLANS.get(key)
+    if planned is None:  # (the target query behind _config costs a few µs: once per shape and dtype)
+        cfg = _config(m, n, k, a.dtype)
+        planned = _PLANS[key] = (cfg, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),))
+    cfg, grid = planned
     interp = _INTERP
     precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
     upcast = interp and a.dtype == torch.bfloat16
     xa = aux_a if aux_a is not None else a
     yc = aux_c if aux_c is not None else c
-    grid = (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)
     _gemm_kernel[grid](
         a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),

@@ -109,3 +109,18 @@ def test_cross_entropy_plans_follow_the_vocabulary_and_the_backend(triton_device
         (rg,) = torch.autograd.grad(F.cross_entropy(x64, lab, reduction="sum", label_smoothing=0.1), x64)
         for loss, g in outs:
             assert_rel_close([loss, g], [ref, rg], torch.float32)
+
+
+def test_gemm_plans_follow_the_shape(triton_device):
+    """FusedDense's GEMM keeps its block sizes and grid per (m, n, k, dtype): a larger output after a smaller
+    one with the same other sizes gets a grid that covers it."""
+    import apex
+    from apex.fused_dense import FusedDense
+
+    for m, k, n in [(8, 32, 16), (150, 32, 16), (8, 32, 200), (8, 96, 16)] * 2:
+        mod = FusedDense(k, n).to(triton_device)
+        x = torch.randn(m, k, device=triton_device)
+        with apex.backend("triton"), torch.no_grad():
+            y = mod(x)
+        ref = F.linear(x.double(), mod.weight.double(), mod.bias.double())
+        assert_rel_close(y, ref, torch.float32)
