@@ -18,28 +18,34 @@ from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 @triton.jit
 def _xent_fwd(x_ptr, lab_ptr, loss_ptr, lse_ptr, M, V, stride_x, smoothing, padding_idx,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+              ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, SMOOTH: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     label = tl.load(lab_ptr + rows, mask=rmask, other=0)
     base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    # The label's logit: one load per row (a compare and a sum over every chunk otherwise).
+    valid = rmask & (label >= 0) & (label < V)
+    x_lab = tl.load(x_ptr + rows.to(tl.int64) * stride_x + label, mask=valid, other=0.0).to(tl.float32)
     m = tl.full((ROWS,), -3.0e38, tl.float32)  # finite: exp(m_old − m_new) never sees −inf − (−inf)
-    s = tl.zeros((ROWS,), tl.float32)
-    sum_x = tl.zeros((ROWS,), tl.float32)
-    x_lab = tl.zeros((ROWS,), tl.float32)
+    # Σ exp(x − m) and Σ x are kept per lane and summed across the block once, after the loop: a chunk then
+    # pays one block-wide reduction (its maximum) instead of three, each with its shuffles and barriers.
+    s = tl.zeros((ROWS, BLOCK), tl.float32)
+    sum_x = tl.zeros((ROWS, BLOCK), tl.float32)
     # STAGES > 1: the next chunks' loads are issued (cp.async) while this one is reduced.
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < V)[None, :]
         x = tl.load(base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        s = s * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
         m = m_new
-        sum_x += tl.sum(tl.where(mask, x, 0.0), axis=1)
-        x_lab += tl.sum(tl.where(cols[None, :] == label[:, None], x, 0.0), axis=1)
-    lse = m + tl.log(s)
-    loss = lse - (1.0 - smoothing) * x_lab - smoothing * (sum_x / V)
+        if SMOOTH:  # Σ x only feeds the smoothing term
+            sum_x += tl.where(mask, x, 0.0)
+    lse = m + tl.log(tl.sum(s, axis=1))
+    loss = lse - (1.0 - smoothing) * x_lab
+    if SMOOTH:
+        loss -= smoothing * (tl.sum(sum_x, axis=1) / V)
     # A label outside [0, V) (and not padding_idx) gives a NaN loss: checked here, not by a host read.
     loss = tl.where((label < 0) | (label >= V), float("nan"), loss)
     loss = tl.where(label == padding_idx, 0.0, loss)
@@ -66,8 +72,13 @@ def _xent_bwd(g_ptr, x_ptr, lab_ptr, lse_ptr, out_ptr, M, V, stride_x, stride_o,
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     p = tl.exp(x - lse[:, None])
-    target = tl.where(cols[None, :] == label[:, None], 1.0 - smoothing, 0.0)
-    dx = g[:, None] * (p - target - smoothing / V)
+    # g·(p − ε/V − (1−ε)·[j = label]) as g·p − c, c one of the row's two constants (formed once): per element
+    # a select and a fused multiply-add. The label is compared as int32 (a 64-bit compare of every column
+    # costs three instructions); a label outside int32 lies outside [0, V), whose row has g = 0 above.
+    g_uniform = g * (smoothing / V)
+    g_at_label = g_uniform + g * (1.0 - smoothing)
+    c = tl.where(cols[None, :] == label.to(tl.int32)[:, None], g_at_label[:, None], g_uniform[:, None])
+    dx = g[:, None] * p - c
     tl.store(out_ptr + r64 * stride_o + cols[None, :], dx.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -94,7 +105,9 @@ def _plan(x: torch.Tensor, m: int, v: int, backward: bool) -> tuple:
     op = "xentropy.bwd" if backward else "xentropy.fwd"
     if p is None:
         if backward:
-            block = min(_block(v), 1024 if not _INTERP else 8192)
+            # One row of 4096 columns a program on a GPU: 14.8 SASS instructions an element on sm_90 against
+            # 17 for 4 rows x 1024 (the per-row constants and addresses are formed once per program).
+            block = _block(v)
             cfg = _tuning.pick(op, x.device, key[2], (m, v),
                                {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
             grid = (cdiv(m, cfg["rows"]), cdiv(v, cfg["block"]))
@@ -121,7 +134,7 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
         return losses, lse
     grid, rows, block, warps, stages, _ = _plan(x, m, v, False)
     _xent_fwd[grid](x, labels, losses, lse, m, v, x.stride(0), float(smoothing), int(padding_idx), ROWS=rows,
-                    BLOCK=block, STAGES=stages, num_warps=warps)
+                    BLOCK=block, STAGES=stages, SMOOTH=smoothing != 0.0, num_warps=warps)
     return losses, lse
 
 
