@@ -597,3 +597,38 @@ def _shards_and_replicas(rank, world):
 
 def test_four_ranks_two_shards_two_replicas():
     run_distributed(_shards_and_replicas, 4, timeout_s=90)
+
+
+def _one_rank_keeps_plans(rank, world):
+    """On one rank the reduced gradient shard and the gathered parameters are the bucket buffers themselves;
+    those buffers are kept from step to step as on several ranks, so the parameter copy's plan and the
+    gradient hooks' views are built once: after the first steps every step reuses the same plan object and
+    the same gradient buffer, and the values still equal FusedAdam's."""
+    from apex.optimizers import FusedAdam
+
+    model, ref = _model(), _model()
+    opt = _dfa(model)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    plans, grad_buffers = [], []
+    for step in range(5):
+        opt.zero_grad()
+        _loss(model, *_data(step, 0, rank)).backward()
+        grad_buffers.append([opt._comm_buffers.get(("grads", i)) for i in range(len(opt.state["buckets"]))])
+        opt.step()
+        _ref_step(ref, ref_opt, world, step, 1)
+        plans.append(list(opt._param_copy_cache.values()))
+    assert all(len(p) == 1 and p[0] is plans[2][0] for p in plans[2:]), "parameter copy plan rebuilt"
+    assert all(all(a is b and a is not None for a, b in zip(g, grad_buffers[2])) for g in grad_buffers[2:]), \
+        "gradient buffer replaced"
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                     tol=1e-6, name="one rank, kept buffers")
+
+
+def _one_rank(rank, world):
+    _one_rank_keeps_plans(rank, world)
+    _deferred_grad_copy(rank, world)  # the hooks' fast path is taken on one rank too
+    _master_in_gather_buffer(rank, world)
+
+
+def test_one_rank_keeps_its_buffers_plans_and_fast_paths(dist_device):
+    run_distributed(_one_rank, 1, timeout_s=60, device=dist_device)

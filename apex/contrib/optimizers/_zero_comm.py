@@ -226,7 +226,7 @@ class ZeroCommMixin:
 
     def _finish_bucket_grad_sync(self) -> None:
         """Wait for the reductions in flight and accumulate them into the local gradient shards."""
-        for bucket_id, gb in sorted(self._grads_buckets.items()):
+        for _, gb in sorted(self._grads_buckets.items()):
             if gb.status != zb.GradientStatus.SYNCING:
                 continue
             for w in gb.work or []:
@@ -234,13 +234,12 @@ class ZeroCommMixin:
             gb.work = None
             if gb.grads_shard is None:
                 # On one rank the reduced shard is the bucket buffer itself, which the next backward would
-                # write again: the contiguous buffer's part is copied, a reused buffer leaves the pool.
+                # write again: the contiguous buffer's part is copied; a reused buffer stays in the pool, lent
+                # to the shard as on several ranks (_grads_bucket_for hands out another while the shard lives,
+                # and after zero_grad the same one, so the hooks' cached views and plans stay valid).
                 shard = gb.sync_grads_shard
-                reused = self._comm_buffers.get(("grads", bucket_id))
                 if self.distributed_size == 1 and self.contiguous_grad_buffer:
                     shard = shard.clone()
-                elif self.distributed_size == 1 and reused is not None and reused.data_ptr() == shard.data_ptr():
-                    del self._comm_buffers[("grads", bucket_id)]
                 gb.grads_shard = shard
             else:
                 gb.grads_shard.add_(gb.sync_grads_shard)

@@ -65,8 +65,10 @@ class ZeroStepMixin:
                 pb.params_bucket = self._param_buffers[sb.dtypes()][start:start + sb.bucket_size]
                 r = self.distributed_rank * sb.shard_size
                 pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
-            elif sb.param_sync_dtype.is_floating_point and self.distributed_size > 1:
-                # Adam writes this rank's part of the bucket: the all-gather then copies nothing locally.
+            elif sb.param_sync_dtype.is_floating_point:
+                # Adam writes this rank's part of the bucket: the all-gather then copies nothing locally. On
+                # one rank too: a buffer kept across steps keeps the parameter copy's plan (_param_copy_part,
+                # keyed by the buffers' addresses) valid, where a new shard every step rebuilt its views.
                 pb.params_bucket = self._comm_buffer("params", bucket_id, sb.bucket_size, sb.param_sync_dtype)
                 r = self.distributed_rank * sb.shard_size
                 pb.params_shard = pb.params_bucket[r:r + sb.shard_size]
