@@ -386,13 +386,15 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             shard = self._fp16_p
             shard.copy_(self._fp32_p)
         _all_gather(self._new_params, shard, group=self._rs_pg)
-        params = [p.data for p in self._model_params]
-        if all(p.is_contiguous() for p in params):
+        params = self._model_params
+        # Read from the parameters themselves, one C-level pass per fact: a ``p.data`` per parameter made a
+        # tensor object each, most of this method's cost for many small parameters.
+        if all(map(torch.Tensor.is_contiguous, params)):
             # gathered: [rank][piece][slice]; each segment is contiguous there and in its parameter. The
-            # views are built again only when a parameter's storage changed (a few per parameter per step).
-            key = tuple(p.data_ptr() for p in params)
+            # views are built again only when a parameter's storage changed.
+            key = tuple(map(torch.Tensor.data_ptr, params))
             if self._segment_views is None or self._segment_views[0] != key:
-                flat = [p.view(-1) for p in params]
+                flat = [p.detach().view(-1) for p in params]
                 segs = self._gather_segments
                 self._segment_views = (key, [flat[i][o:o + n] for i, o, _, n in segs],
                                        [self._new_params[g:g + n] for _, _, g, n in segs])
@@ -400,7 +402,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             return
         # flat order: [piece][rank][slice]
         flat = self._new_params.view(lay.world, lay.pieces, lay.piece).transpose(0, 1).reshape(-1)
-        torch._foreach_copy_(params, [flat[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, params)])
+        torch._foreach_copy_([p.detach() for p in params],
+                             [flat[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, params)])
 
     # -- upstream's small public API --------------------------------------------------------------------------
     def set_global_scale(self, global_scale) -> None:
