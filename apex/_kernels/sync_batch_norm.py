@@ -3,8 +3,15 @@
 Element ``(n, c, l)`` lives at ``n*C*L + c*L + l``; ``r = n*L + l`` runs over the ``R = N*L`` values of a
 channel. A program owns ``BLOCK_C`` channels and ``ITERS`` tiles of ``BLOCK_R`` values of ``r``, so both
 layouts read memory in contiguous runs (along ``l`` channel-first, along ``c`` channel-last). Reductions
-write one fp32 partial per (program row, channel); the launcher sums the few partial rows, so results are
-deterministic (no atomics). Each kernel reads its inputs once and writes its outputs once.
+write one fp32 partial per (program row, channel); a second, per-channel kernel sums the partial rows in a
+fixed order, so results are deterministic (no atomics). Each kernel reads its inputs once and writes its
+outputs once.
+
+The training step's host work is a handful of launches: forward = statistics partials, ``_finish_kernel``
+(partial rows -> mean, invstd, scale, shift, running statistics; with ranks, once to the fp64 row that is
+all-gathered and once to merge the gathered rows), normalise; backward = reduction partials,
+``_backward_finish_kernel`` (-> the two sums, grad_weight, grad_bias), elementwise. Each per-channel PyTorch
+operator these replace costs a few microseconds of dispatch on the host and a launch on the GPU.
 """
 
 from __future__ import annotations
@@ -126,15 +133,23 @@ def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr
 
 
 @triton.jit
-def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, scale_ptr, shift_ptr, mdy_ptr,
-                           k_ptr, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
-                           NEED_DZ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
+                           sums_ptr, count, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
+                           NEED_DZ: tl.constexpr, USE_SUMS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
     pc, pr, c, cmask = _channel_block(C, BLOCK_C)
     mean = tl.load(mean_ptr + c, mask=cmask, other=0.0)
     scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
     shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
-    mdy = tl.load(mdy_ptr + c, mask=cmask, other=0.0)
-    k = tl.load(k_ptr + c, mask=cmask, other=0.0)
+    if USE_SUMS:
+        # The group's means of Σ dy' and Σ dy' (x - mean): a few per-channel operations in each program
+        # instead of operators (and launches) on the host.
+        invstd = tl.load(invstd_ptr + c, mask=cmask, other=0.0)
+        mdy = tl.div_rn(tl.load(sums_ptr + c, mask=cmask, other=0.0), count)
+        k = tl.div_rn(tl.load(sums_ptr + C + c, mask=cmask, other=0.0), count) * invstd * invstd
+    else:  # normalised with running statistics: the batch does not enter the statistics
+        mdy = tl.zeros([BLOCK_C], dtype=tl.float32)
+        k = tl.zeros([BLOCK_C], dtype=tl.float32)
     for it in range(ITERS):
         off, mask = _tile(pc, pr, it, C, L, R, ITERS, BLOCK_R, BLOCK_C)
         x, d = _grad_act(dy_ptr, x_ptr, z_ptr, off, mask, scale, shift, HAS_Z, RELU)
@@ -144,44 +159,214 @@ def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, scale
             tl.store(dz_ptr + off, d.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _sum_rows(ptr, c, cmask, C, ROWS, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Σ over the ``ROWS`` rows of an fp32 ``[ROWS, C]`` array, channels ``c``, in a fixed order."""
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, ROWS, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        acc += tl.load(ptr + p[:, None] * C + c[None, :], mask=(p < ROWS)[:, None] & cmask[None, :], other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+# _finish_kernel's MODE: where the statistics come from (and where they go).
+_LOCAL, _SEND, _MERGE, _EVAL = 0, 1, 2, 3
+
+
+@triton.jit
+def _finish_kernel(s1_ptr, s2_ptr, x0_ptr, gat_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr, out_ptr, C, ROWS, R, WORLD,
+                   count, keep, momentum, unbias, eps, MODE: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr, UPDATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    if MODE == 3:  # eval: the running statistics
+        mean = tl.load(rm_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        var = tl.load(rv_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    elif MODE == 2:
+        # Parallel Welford merge of the gathered fp64 rows [n_i, mean_i (C), var_i (C)], in fp64 and in rank
+        # order: exact for unequal per-rank counts.
+        stride = 1 + 2 * C
+        n = tl.zeros([BLOCK_C], dtype=tl.float64)
+        sm = tl.zeros([BLOCK_C], dtype=tl.float64)
+        for w in range(WORLD):
+            n_i = tl.load(gat_ptr + w * stride)
+            n += n_i
+            sm += n_i * tl.load(gat_ptr + w * stride + 1 + c, mask=cmask, other=0.0)
+        gmean = sm / n
+        sv = tl.zeros([BLOCK_C], dtype=tl.float64)
+        for w in range(WORLD):
+            n_i = tl.load(gat_ptr + w * stride)
+            d = tl.load(gat_ptr + w * stride + 1 + c, mask=cmask, other=0.0) - gmean
+            sv += n_i * (tl.load(gat_ptr + w * stride + 1 + C + c, mask=cmask, other=0.0) + d * d)
+        mean = gmean.to(tl.float32)
+        var = (sv / n).to(tl.float32)
+    else:
+        # The shifted sums Σ(x - x0), Σ(x - x0)² of the partial rows: mean = x0 + m1, var = m2 - m1².
+        m1 = tl.div_rn(_sum_rows(s1_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
+        m2 = tl.div_rn(_sum_rows(s2_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
+        var = tl.maximum(m2 - m1 * m1, 0.0)
+        mean = tl.load(x0_ptr + c, mask=cmask, other=0.0) + m1
+    if MODE == 1:  # this rank's row of the all-gather: [count, mean, var] in fp64
+        tl.store(out_ptr + c * 0, (c * 0 + count).to(tl.float64), mask=c == 0)
+        tl.store(out_ptr + 1 + c, mean.to(tl.float64), mask=cmask)
+        tl.store(out_ptr + 1 + C + c, var.to(tl.float64), mask=cmask)
+    else:
+        # Correctly rounded 1/sqrt (rsqrt.approx would differ from PyTorch's by an ulp or two).
+        invstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        scale = invstd
+        if HAS_W:
+            scale = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32) * invstd
+        shift = -mean * scale
+        if HAS_B:
+            shift = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32) - mean * scale
+        tl.store(out_ptr + c, mean, mask=cmask)
+        tl.store(out_ptr + C + c, invstd, mask=cmask)
+        tl.store(out_ptr + 2 * C + c, scale, mask=cmask)
+        tl.store(out_ptr + 3 * C + c, shift, mask=cmask)
+        if UPDATE:  # running statistics, in place: momentum-weighted, unbiased variance
+            rm = tl.load(rm_ptr + c, mask=cmask, other=0.0)
+            rv = tl.load(rv_ptr + c, mask=cmask, other=0.0)
+            new_m = rm.to(tl.float32) * keep + mean * momentum
+            new_v = rv.to(tl.float32) * keep + (var * unbias) * momentum
+            tl.store(rm_ptr + c, new_m.to(rm.dtype), mask=cmask)
+            tl.store(rv_ptr + c, new_v.to(rv.dtype), mask=cmask)
+
+
+@triton.jit
+def _backward_finish_kernel(s1_ptr, s2_ptr, invstd_ptr, sums_ptr, gw_ptr, gb_ptr, C, ROWS, HAS_GW: tl.constexpr,
+                            HAS_GB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    sum_dy = _sum_rows(s1_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
+    sum_dy_xmu = _sum_rows(s2_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
+    tl.store(sums_ptr + c, sum_dy, mask=cmask)
+    tl.store(sums_ptr + C + c, sum_dy_xmu, mask=cmask)
+    if HAS_GW:
+        gw = sum_dy_xmu * tl.load(invstd_ptr + c, mask=cmask, other=0.0)
+        tl.store(gw_ptr + c, gw.to(gw_ptr.dtype.element_ty), mask=cmask)
+    if HAS_GB:
+        tl.store(gb_ptr + c, sum_dy.to(gb_ptr.dtype.element_ty), mask=cmask)
+
+
+def _finish_layout(C: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the per-channel kernels: a tile of at most 2048 partials a program, 32 channels
+    (128-byte rows) a program on a GPU so that wide layers spread over several SMs."""
+    bc = min(next_power_of_2(C), 128 if _INTERP else 32)
+    return max(1, min(next_power_of_2(rows), 2048 // bc)), bc
+
+
+def _partials(x: torch.Tensor):
     C, L, R, bc, br, rows, iters = _layout(x)
-    s1 = torch.empty((rows, C), dtype=torch.float32, device=x.device)
-    s2 = torch.empty_like(s1)
-    shift = torch.empty(C, dtype=torch.float32, device=x.device)
-    _stats_kernel[(cdiv(C, bc), rows)](x, s1, s2, shift, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
-    m1 = s1.sum(0) / R
-    var = (s2.sum(0) / R - m1 * m1).clamp_(min=0)
-    return shift + m1, var
+    s1 = torch.empty((2, rows, C), dtype=torch.float32, device=x.device)
+    x0 = torch.empty(C, dtype=torch.float32, device=x.device)
+    _stats_kernel[(cdiv(C, bc), rows)](x, s1, s1[1], x0, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
+    return s1, x0, rows
+
+
+def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(mean, biased var)`` in fp32."""
+    s, x0, rows = _partials(x)
+    C, R = x.shape[1], x.shape[0] * x.shape[2]
+    row = torch.empty(1 + 2 * C, dtype=torch.float64, device=x.device)  # [count, mean, var], exact fp32 values
+    bp, bc = _finish_layout(C, rows)
+    _finish_kernel[(cdiv(C, bc),)](s, s[1], x0, x0, x0, x0, x0, x0, row, C, rows, float(R), 1, R, 1.0, 0.0,
+                                   1.0, 0.0, MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False,
+                                   BLOCK_P=bp, BLOCK_C=bc)
+    return row[1:1 + C].float(), row[1 + C:].float()
+
+
+def train_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float, momentum: float,
+                gather=None) -> tuple[int, torch.Tensor]:
+    """``(count, [mean, invstd, scale, shift] as a [4, C] fp32 tensor)`` of a training step, the running
+    statistics updated in place (with ``momentum > 0``). ``gather``: with ranks, a callable taking this
+    rank's fp64 row ``[count, mean (C), var (C)]`` and returning ``(rows of every rank [world, 1 + 2C],
+    total count)``; None for the local batch."""
+    s, x0, rows = _partials(x)
+    C, R = x.shape[1], x.shape[0] * x.shape[2]
+    bp, bc = _finish_layout(C, rows)
+    grid = (cdiv(C, bc),)
+    count, gat, world, mode = R, x0, 1, _LOCAL
+    if gather is not None:
+        send = torch.empty(1 + 2 * C, dtype=torch.float64, device=x.device)
+        _finish_kernel[grid](s, s[1], x0, x0, x0, x0, x0, x0, send, C, rows, float(R), 1, R, 1.0, 0.0, 1.0, 0.0,
+                             MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
+        gat, count = gather(send)
+        world, mode = gat.shape[0], _MERGE
+    out = torch.empty((4, C), dtype=torch.float32, device=x.device)
+    update = running_mean is not None and momentum > 0
+    rm, rv = (running_mean, running_var) if update else (x0, x0)
+    _finish_kernel[grid](s, s[1], x0, gat, weight if weight is not None else x0, bias if bias is not None else x0,
+                         rm, rv, out, C, rows, float(R), world, count, 1.0 - momentum, momentum,
+                         count / (count - 1), eps, MODE=mode, HAS_W=weight is not None,
+                         HAS_B=bias is not None, UPDATE=update, BLOCK_P=bp, BLOCK_C=bc)
+    return count, out
+
+
+def eval_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
+    """``[mean, invstd, scale, shift]`` ``[4, C]`` fp32 from the running statistics."""
+    C = x.shape[1]
+    bp, bc = _finish_layout(C, 1)
+    out = torch.empty((4, C), dtype=torch.float32, device=x.device)
+    rm = running_mean
+    _finish_kernel[(cdiv(C, bc),)](out, out, out, out, weight if weight is not None else out,
+                                   bias if bias is not None else out, rm, running_var, out, C, 1, 1.0, 1, 1, 1.0,
+                                   0.0, 1.0, eps, MODE=_EVAL, HAS_W=weight is not None, HAS_B=bias is not None,
+                                   UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
+    return out
 
 
 def forward(x, scale, shift, z, fuse_relu: bool) -> torch.Tensor:
     C, L, R, bc, br, rows, iters = _layout(x)
     y = torch.empty_like(x)
-    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, scale.contiguous(),
-                                                 shift.contiguous(), C, L, R, iters, HAS_Z=z is not None,
-                                                 RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, scale, shift, C, L, R, iters,
+                                         HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
     return y
 
 
-def backward_reduce(dy, x, mean, scale, shift, z, fuse_relu: bool):
+def _reduce_partials(dy, x, mean, scale, shift, z, fuse_relu: bool):
     C, L, R, bc, br, rows, iters = _layout(x)
-    s1 = torch.empty((rows, C), dtype=torch.float32, device=x.device)
-    s2 = torch.empty_like(s1)
+    s = torch.empty((2, rows, C), dtype=torch.float32, device=x.device)
     _backward_reduce_kernel[(cdiv(C, bc), rows)](
-        dy, x, z if z is not None else x, mean.contiguous(), scale.contiguous(), shift.contiguous(), s1, s2,
-        C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
-    return s1.sum(0), s2.sum(0)
+        dy, x, z if z is not None else x, mean, scale, shift, s, s[1], C, L, R, iters, HAS_Z=z is not None,
+        RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+    return s, rows
+
+
+def backward_sums(dy, x, mean, invstd, scale, shift, z, fuse_relu: bool, grad_weight=None, grad_bias=None):
+    """``[Σ dy', Σ dy' (x - mean)]`` as one fp32 ``[2 * C]`` tensor (ready for one all-reduce); writes
+    ``grad_weight = Σ dy' (x - mean) * invstd`` and ``grad_bias = Σ dy'`` into the given tensors."""
+    s, rows = _reduce_partials(dy, x, mean, scale, shift, z, fuse_relu)
+    C = x.shape[1]
+    bp, bc = _finish_layout(C, rows)
+    sums = torch.empty(2 * C, dtype=torch.float32, device=x.device)
+    _backward_finish_kernel[(cdiv(C, bc),)](
+        s, s[1], invstd if invstd is not None else sums, sums, grad_weight if grad_weight is not None else sums,
+        grad_bias if grad_bias is not None else sums, C, rows, HAS_GW=grad_weight is not None,
+        HAS_GB=grad_bias is not None, BLOCK_P=bp, BLOCK_C=bc)
+    return sums
+
+
+def backward_reduce(dy, x, mean, scale, shift, z, fuse_relu: bool):
+    C = x.shape[1]
+    sums = backward_sums(dy, x, mean.contiguous(), None, scale.contiguous(), shift.contiguous(), z, fuse_relu)
+    return sums[:C], sums[C:]
+
+
+def backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z, fuse_relu: bool, need_dz: bool):
+    """``(dx, dz)`` with ``mean_dy = sums[:C] / count`` and ``mean_dy_xmu = sums[C:] / count`` (``count``
+    None: both zero, as when normalising with running statistics)."""
+    C, L, R, bc, br, rows, iters = _layout(x)
+    dx = torch.empty_like(x)
+    dz = torch.empty_like(x) if need_dz else dx
+    _backward_elemt_kernel[(cdiv(C, bc), rows)](
+        dy, x, z if z is not None else x, dx, dz, mean, invstd, scale, shift, sums if sums is not None else mean,
+        float(count or 1), C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu), NEED_DZ=bool(need_dz),
+        USE_SUMS=count is not None, BLOCK_R=br, BLOCK_C=bc)
+    return dx, (dz if need_dz else None)
 
 
 def backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu: bool,
                    need_dz: bool):
-    C, L, R, bc, br, rows, iters = _layout(x)
-    dx = torch.empty_like(x)
-    dz = torch.empty_like(x) if need_dz else dx
-    k = (mean_dy_xmu * invstd * invstd).contiguous()
-    _backward_elemt_kernel[(cdiv(C, bc), rows)](
-        dy, x, z if z is not None else x, dx, dz, mean.contiguous(), scale.contiguous(), shift.contiguous(),
-        mean_dy.contiguous(), k, C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu),
-        NEED_DZ=bool(need_dz), BLOCK_R=br, BLOCK_C=bc)
-    return dx, (dz if need_dz else None)
+    sums = torch.cat([mean_dy, mean_dy_xmu])  # the means as sums over a count of one
+    return backward_elemt_sums(dy, x, mean.contiguous(), invstd.contiguous(), scale.contiguous(),
+                               shift.contiguous(), sums, 1, z, fuse_relu, need_dz)

@@ -14,9 +14,16 @@ returns fp32 statistics; elementwise outputs have the input's dtype (fp32, fp16 
 
 Statistics are one pass over the input with per-channel shifted sums (shift = the channel's first
 element), which keeps fp32 accuracy when the mean is large against the spread.
+
+On the Triton path a training step finishes its per-channel work in kernels too (:func:`train_stats`,
+:func:`eval_stats`, :func:`backward_sums`, :func:`backward_elemt_sums`): statistics, running-statistics
+update, scale/shift, ``grad_weight``/``grad_bias`` and the group means of the backward, instead of some
+thirty per-channel PyTorch operators whose dispatch dominated the host cost of a call.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,6 +42,24 @@ def _select(x: torch.Tensor) -> str:
     return "torch" if x.dtype == torch.float64 else _backend.select(x)
 
 
+_KERNELS = None
+
+
+def _kernels():
+    """The Triton kernels' module, imported on first use (importing this module imports no Triton)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from apex._kernels import sync_batch_norm
+
+        _KERNELS = sync_batch_norm
+    return _KERNELS
+
+
+def backend(x: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: the path the functions below take for ``x``."""
+    return _select(x)
+
+
 def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
     """The contiguous ``[N, C, L]`` view the functions below expect."""
     if x.dim() < 2:
@@ -45,7 +70,8 @@ def as_ncl(x: torch.Tensor, channel_last: bool) -> torch.Tensor:
     x = x.contiguous()
     if channel_last or x.dim() == 2:
         return x.reshape(-1, x.shape[-1], 1)
-    return x.reshape(x.shape[0], x.shape[1], -1)
+    # Not -1: an empty batch (a rank without samples) would leave L ambiguous.
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
 def _scale_shift(x: torch.Tensor, mean, invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,3 +198,38 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
     dx.addcmul_(d, _ch(scale, x))
     dz = d.to(x.dtype).view(shape) if need_dz else None
     return dx.to(x.dtype).view(shape), dz
+
+
+# ---------------------------------------------------------------------- Triton path: per-channel work in kernels
+def train_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float, momentum: float,
+                gather=None) -> tuple[int, torch.Tensor]:
+    """Triton path (``backend(x) == "triton"``, ``x`` not empty): ``(count, stats)`` with ``stats`` the fp32
+    ``[4, C]`` rows ``mean, invstd, scale, shift`` of the batch, and ``running_mean``/``running_var``
+    (contiguous, or None) updated in place with ``momentum`` (none when 0) and the unbiased variance.
+    ``gather`` (with ranks): called with this rank's fp64 row ``[count, mean (C), var (C)]``, returns
+    ``(every rank's row as [world, 1 + 2C], total count)``; the rows are merged in fp64."""
+    return _kernels().train_stats(x, weight, bias, running_mean, running_var, eps, momentum, gather)
+
+
+def eval_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
+    """Triton path: the ``[4, C]`` rows ``mean, invstd, scale, shift`` from the running statistics."""
+    return _kernels().eval_stats(x, weight, bias, running_mean, running_var, eps)
+
+
+def apply_scale_shift(x: torch.Tensor, scale, shift, z=None, fuse_relu: bool = False) -> torch.Tensor:
+    """Triton path: :func:`batch_norm_elemt` given the contiguous fp32 ``scale`` and ``shift``."""
+    return _kernels().forward(x, scale, shift, z, fuse_relu)
+
+
+def backward_sums(dy, x, mean, invstd, scale, shift, z=None, fuse_relu: bool = False, grad_weight=None,
+                  grad_bias=None) -> torch.Tensor:
+    """Triton path: ``[Σ dy', Σ dy' (x - mean)]`` as one fp32 ``[2 * C]`` tensor; writes ``Σ dy' (x - mean) *
+    invstd`` into ``grad_weight`` and ``Σ dy'`` into ``grad_bias`` where given (any float dtype)."""
+    return _kernels().backward_sums(dy, x, mean, invstd, scale, shift, z, fuse_relu, grad_weight, grad_bias)
+
+
+def backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z=None, fuse_relu: bool = False,
+                        need_dz: bool = False):
+    """Triton path: :func:`batch_norm_backward_elemt` with ``mean_dy, mean_dy_xmu = sums / count`` computed in
+    the kernel (``count`` None: both zero)."""
+    return _kernels().backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z, fuse_relu, need_dz)

@@ -47,6 +47,24 @@ def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
     return int(n.item()), gmean.to(acc), gvar.to(acc)
 
 
+def _check_count(count: int, shape) -> None:
+    if count <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(shape)}")
+
+
+def _gather_rows(row: torch.Tensor, group, shape) -> tuple[torch.Tensor, int]:
+    """All-gather each rank's fp64 row ``[count, mean (C), var (C)]`` into one ``[world, 1 + 2C]`` tensor (the
+    collective writes each rank's row into its view) and return it with the group's count."""
+    world = dist.get_world_size(group)
+    rows = torch.empty((world, row.numel()), dtype=row.dtype, device=row.device)
+    dist.all_gather(list(rows.unbind(0)), row, group=group)
+    count = int(sum(rows[:, 0].tolist()))
+    if count == 0:
+        raise ValueError("SyncBatchNorm got an empty batch on every rank")
+    _check_count(count, shape)
+    return rows, count
+
+
 class SyncBatchnormFunction(torch.autograd.Function):
     """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``)."""
 
@@ -56,6 +74,24 @@ class SyncBatchnormFunction(torch.autograd.Function):
         x = ops.as_ncl(input, channel_last)
         zz = ops.as_ncl(z, channel_last).to(x.dtype) if z is not None else None
         C = x.shape[1]
+        fused = (x.numel() > 0 and ops.backend(x) == "triton"
+                 and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous())))
+        if fused:
+            # Statistics, running-statistics update and scale/shift in kernels: no per-channel operators.
+            if not use_batch_stats:
+                count = 0
+                stats = ops.eval_stats(x, weight, bias, running_mean, running_var, eps)
+            elif distributed:
+                count, stats = ops.train_stats(x, weight, bias, running_mean, running_var, eps, momentum,
+                                               lambda row: _gather_rows(row, process_group, input.shape))
+            else:
+                _check_count(x.shape[0] * x.shape[2], input.shape)
+                count, stats = ops.train_stats(x, weight, bias, running_mean, running_var, eps, momentum)
+            mean, invstd, scale, shift = stats.unbind(0)
+            y = ops.apply_scale_shift(x, scale, shift, zz, fuse_relu)
+            ctx.save_for_backward(x, zz, weight, bias, mean, invstd, scale, shift)
+            ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, True)
+            return y if y.shape == input.shape else y.reshape(input.shape).detach()
         if use_batch_stats:
             count = x.shape[0] * x.shape[2]
             if count > 0:
@@ -64,9 +100,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 mean = var = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
             if distributed:
                 count, mean, var = _merge_stats(count, mean, var, process_group)
-            if count <= 1:
-                raise ValueError(f"Expected more than 1 value per channel when training, got input size "
-                                 f"{tuple(input.shape)}")
+            _check_count(count, input.shape)
             invstd = torch.rsqrt(var + eps)
             if running_mean is not None and momentum > 0:
                 with torch.no_grad():
@@ -88,7 +122,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
         y = ops.batch_norm_elemt(x, mean, invstd, weight, bias, zz, fuse_relu, (scale, shift)) if x.numel() \
             else x.clone()
         ctx.save_for_backward(x, zz, weight, bias, mean, invstd, scale, shift)
-        ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, z is not None)
+        ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, False)
         if y.shape == input.shape and y._base is None:
             return y  # already the output's shape and no view (a reshape and detach cost ~4 µs)
         # detach(): the reshape is a view of a tensor made here, which autograd would refuse to let an
@@ -98,10 +132,27 @@ class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, zz, weight, bias, mean, invstd, scale, shift = ctx.saved_tensors
-        count, use_batch_stats, group, distributed, fuse_relu, shape, has_z = ctx.meta
+        count, use_batch_stats, group, distributed, fuse_relu, shape, fused = ctx.meta
         dy = grad_output.contiguous()
         if dy.shape != x.shape:
             dy = dy.reshape(x.shape)
+        need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
+        if fused:
+            # Both sums, grad_weight and grad_bias from one reduction and one finishing kernel; the group's
+            # means of the sums are taken inside the elementwise kernel.
+            grad_weight = torch.empty_like(weight) if weight is not None and need_w else None
+            grad_bias = torch.empty_like(bias) if bias is not None and need_b else None
+            sums = ops.backward_sums(dy, x, mean, invstd, scale, shift, zz, fuse_relu, grad_weight, grad_bias)
+            grad_input = grad_z = None
+            if need_x or need_z:
+                if use_batch_stats and distributed:
+                    dist.all_reduce(sums, group=group)
+                dx, dz = ops.backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums,
+                                                 count if use_batch_stats else None, zz, fuse_relu, need_z)
+                same = x.shape == shape
+                grad_input = (dx if same else dx.reshape(shape)) if need_x else None
+                grad_z = (dz if same else dz.reshape(shape)) if need_z else None
+            return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
         if fuse_relu and x.numel() and (x.dtype == torch.float64 or _backend.select(x) == "torch"):
             # Mask once here instead of in each of the two backward passes.
             dy = ops.relu_grad(dy, x, mean, invstd, weight, bias, zz)
@@ -112,8 +163,6 @@ class SyncBatchnormFunction(torch.autograd.Function):
                                                                 fuse_relu, (scale, shift))
         else:
             sum_dy = sum_dy_xmu = torch.zeros(C, dtype=ops.acc_dtype(x), device=x.device)
-        need_x, need_z, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                          ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         grad_input = grad_z = grad_weight = grad_bias = None
         if weight is not None and need_w:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)

@@ -2,8 +2,8 @@
 
 Each case is checked against a float64 batch norm computed by PyTorch (output, input/z/weight/bias
 gradients, running statistics). The Triton path runs under the interpreter with a bounds check and must
-take exactly four launches for a forward and backward (statistics, normalise, backward reduction,
-backward elementwise).
+take exactly six launches for a forward and backward (statistics partials, finishing, normalise; backward
+reduction partials, finishing, backward elementwise) and no per-channel PyTorch operators.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def test_sync_batch_norm_single_process_matches_float64(backend_name, shape, cha
             tr.watch(x, z, gy)
             y = bn(x, z) if with_z else bn(x)
             y.backward(gy)
-        assert tr.launches == 4, dict(tr.kernels)
+        assert dict(tr.kernels) == {"_stats_kernel": 1, "_finish_kernel": 1, "_forward_kernel": 1,
+                                    "_backward_reduce_kernel": 1, "_backward_finish_kernel": 1,
+                                    "_backward_elemt_kernel": 1}, dict(tr.kernels)
     else:
         y = bn(x, z) if with_z else bn(x)
         y.backward(gy)
@@ -192,3 +194,93 @@ def test_stats_and_gradients_random_shapes(backend_name, n, c, l_, channel_last,
     assert_rel_close(x.grad, ref_dx, tol=1e-4, baseline=xb.grad, name="dx")
     assert_rel_close(bn.weight.grad, ref_dw, tol=1e-4, baseline=wb.grad, name="dweight")
     assert_rel_close(bn.bias.grad, ref_db, tol=1e-5, baseline=bb.grad, name="dbias")
+
+
+def test_triton_path_runs_no_per_channel_operators(backend_name):
+    # Statistics, running-statistics update, scale/shift, grad_weight/grad_bias and the means of the
+    # backward are finished in kernels: a training step issues no PyTorch operator of its own besides the
+    # module's num_batches_tracked += 1 (eval: none at all).
+    from apex._backend import interpreting
+    from apex.testing import count_eager
+
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path is PyTorch operators by design")
+    bn = SyncBatchNorm(6, fuse_relu=True)
+    x = (torch.randn(3, 6, 4, 5) + 1).requires_grad_()
+    z = torch.randn(3, 6, 4, 5).requires_grad_()
+    gy = torch.randn(3, 6, 4, 5)
+
+    def step():
+        bn(x, z).backward(gy)
+        x.grad = z.grad = bn.weight.grad = bn.bias.grad = None  # no accumulation into .grad
+
+    def own(counts):
+        ops_ = dict(counts["ops"])
+        if interpreting():
+            ops_.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+        return ops_
+
+    assert own(count_eager(step)) == {"add_": 1}
+    bn.eval()
+    assert own(count_eager(step)) == {}
+
+
+@pytest.mark.parametrize("kind", ["half_module", "no_affine", "no_running_stats", "momentum_zero"])
+def test_triton_finishing_variants_match_float64(backend_name, kind):
+    # The finishing kernel's branches: fp16 weight/bias and running statistics (a module in half), no
+    # weight or bias, no running statistics (batch statistics in eval too), momentum 0 (no update).
+    C = 5
+    x = (torch.randn(4, C, 6) * 3 + 2).half() if kind == "half_module" else torch.randn(4, C, 6) * 3 + 2
+    x.requires_grad_()
+    gy = torch.randn(4, C, 6).to(x.dtype)
+    bn = SyncBatchNorm(C, affine=kind != "no_affine", track_running_stats=kind != "no_running_stats",
+                       momentum=0.0 if kind == "momentum_zero" else 0.1)
+    if bn.affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    if kind == "half_module":
+        bn.half()
+    with TritonTrace(bounds=True) if backend_name == "triton" else _null():
+        y = bn(x)
+        y.backward(gy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = bn.weight.detach().double().requires_grad_() if bn.affine else None
+    b64 = bn.bias.detach().double().requires_grad_() if bn.affine else None
+    ref = F.batch_norm(x64, None, None, w64, b64, True, 0.0, bn.eps)
+    ref.backward(gy.double())
+    tol = 2e-3 if kind == "half_module" else 1e-5
+    assert_rel_close(y, ref, tol=tol, name="out")
+    assert_rel_close(x.grad, x64.grad, tol=4 * tol, name="dx")
+    if bn.affine:
+        assert_rel_close(bn.weight.grad, w64.grad, tol=4 * tol, name="dweight")
+        assert_rel_close(bn.bias.grad, b64.grad, tol=tol, name="dbias")
+    xc = x.detach().double().transpose(0, 1).reshape(C, -1)
+    if kind == "no_running_stats":
+        assert bn.running_mean is None
+        bn.eval()  # batch statistics in eval mode too
+        assert_rel_close(bn(x.detach()), ref.detach(), tol=tol, name="eval out")
+    elif kind == "momentum_zero":
+        assert torch.equal(bn.running_mean, torch.zeros(C)) and torch.equal(bn.running_var, torch.ones(C))
+    else:
+        assert bn.running_mean.dtype == x.dtype  # updated in its own dtype (fp16 for a module in half)
+        assert_rel_close(bn.running_mean, 0.1 * xc.mean(1), tol=tol / 2, name="running_mean")
+        assert_rel_close(bn.running_var, 0.9 + 0.1 * xc.var(1, unbiased=True), tol=tol / 2, name="running_var")
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_results_are_deterministic_run_to_run(backend_name, channel_last):
+    # The partial rows are summed in a fixed order (no atomics): bit-for-bit equal outputs, gradients and
+    # running statistics from two identical modules.
+    shape = (8, 7, 6, 33) if channel_last else (8, 33, 7, 6)
+    x = torch.randn(shape) * 2 + 1
+    gy = torch.randn(shape)
+    results = []
+    for _ in range(2):
+        bn = SyncBatchNorm(33, channel_last=channel_last)
+        xi = x.clone().requires_grad_()
+        y = bn(xi)
+        y.backward(gy)
+        results.append((y, xi.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -3,7 +3,9 @@
 Per-rank batch sizes differ (rank r holds 2 + r samples), so the parallel Welford merge must weight each
 rank by its count. The loss is ``Σ y * g`` with a fixed random ``g``: each rank's input gradient must equal
 its slice of the reference input gradient, and the sum over ranks of the local weight/bias gradients must
-equal the reference's.
+equal the reference's. The same cases run on the Triton path on 2 ranks (interpreted on the CPU, compiled
+under ``APEX_TEST_DEVICE=cuda``): per-rank statistics finished to one fp64 row in a kernel, all-gathered, and
+merged, with the running statistics, in another.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import apex
 import apex.parallel as P
 from apex.testing import rel_error, run_distributed
 
@@ -153,3 +156,21 @@ def _syncbn_worker(rank, world):
 def test_sync_batchnorm_matches_batchnorm_over_the_concatenated_batch(world, dist_device):
     # on a GPU: SyncBatchNorm's Triton kernels against cuDNN's batch norm, statistics exchanged by Gloo
     run_distributed(_syncbn_worker, world, device=dist_device)
+
+
+def _triton_worker(rank, world):
+    with apex.backend("triton"):
+        for i, case in enumerate(CASES):
+            _case(rank, world, *case, seed=200 + i)
+        # A rank with an empty batch merges its zero-count row through the PyTorch operators, the other
+        # through the kernels: the collectives must still pair up and agree.
+        sbn = P.SyncBatchNorm(C)
+        x = torch.randn(0 if rank == 0 else 6, C, 4).requires_grad_()
+        y = sbn(x)
+        y.sum().backward()
+        if rank == 1:
+            _check("empty rank 0", y.detach(), F.batch_norm(x.detach(), None, None, training=True))
+
+
+def test_sync_batchnorm_triton_path_on_two_ranks(dist_device):
+    run_distributed(_triton_worker, 2, device=dist_device, timeout_s=120.0)
