@@ -12,6 +12,11 @@ The training step's host work is a handful of launches: forward = statistics par
 all-gathered and once to merge the gathered rows), normalise; backward = reduction partials,
 ``_backward_finish_kernel`` (-> the two sums, grad_weight, grad_bias), elementwise. Each per-channel PyTorch
 operator these replace costs a few microseconds of dispatch on the host and a launch on the GPU.
+
+Buffers, fp32 ``[rows, C]``: ``st`` = mean, invstd, scale, shift (what the elementwise kernels read and the
+backward keeps); the forward's workspace = the shift ``x0``, then the ``P`` rows of Σ(x - x0), then the ``P`` rows
+of Σ(x - x0)²; the backward's = Σ dy', Σ dy' (x - mean) (all-reduced with ranks), then the two sets of ``P``
+partial rows. Kernels take the ``(N, C, L)`` sizes, not views, so launchers reshape nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import triton.language as tl
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
-def _layout(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
-    N, C, L = x.shape
+def _layout(N: int, C: int, L: int) -> tuple[int, int, int, int, int]:
+    """(R, BLOCK_C, BLOCK_R, rows of programs, tiles per program) of the input's ``[N, C, L]`` view."""
     R = N * L
     bc = min(next_power_of_2(C), 32 if L == 1 else 4)
     if _INTERP:
@@ -38,7 +43,7 @@ def _layout(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
     rows = min(tiles, max_rows)
     iters = cdiv(tiles, rows)
     rows = cdiv(tiles, iters)
-    return C, L, R, bc, br, rows, iters
+    return R, bc, br, rows, iters
 
 
 @triton.jit
@@ -66,9 +71,9 @@ def _channel_block(C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(x_ptr, s1_ptr, s2_ptr, shift_ptr, C, L, R, ITERS,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _stats_kernel(x_ptr, ws_ptr, C, L, R, ITERS, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc, pr, c, cmask = _channel_block(C, BLOCK_C)
+    rows = tl.num_programs(1)
     # Shifted sums: Σ(x - x0) and Σ(x - x0)² with x0 the channel's first element keep fp32 accurate.
     shift = tl.load(x_ptr + c.to(tl.int64) * L, mask=cmask, other=0.0).to(tl.float32)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
@@ -79,17 +84,17 @@ def _stats_kernel(x_ptr, s1_ptr, s2_ptr, shift_ptr, C, L, R, ITERS,
         d = tl.where(mask, x - shift[None, :], 0.0)
         acc1 += d
         acc2 += d * d
-    tl.store(s1_ptr + pr * C + c, tl.sum(acc1, axis=0), mask=cmask)
-    tl.store(s2_ptr + pr * C + c, tl.sum(acc2, axis=0), mask=cmask)
-    tl.store(shift_ptr + c, shift, mask=cmask & ((c * 0 + pr) == 0))
+    tl.store(ws_ptr + (1 + pr) * C + c, tl.sum(acc1, axis=0), mask=cmask)
+    tl.store(ws_ptr + (1 + rows + pr) * C + c, tl.sum(acc2, axis=0), mask=cmask)
+    tl.store(ws_ptr + c, shift, mask=cmask & ((c * 0 + pr) == 0))
 
 
 @triton.jit
-def _forward_kernel(x_ptr, z_ptr, y_ptr, scale_ptr, shift_ptr, C, L, R, ITERS,
-                    HAS_Z: tl.constexpr, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _forward_kernel(x_ptr, z_ptr, y_ptr, st_ptr, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc, pr, c, cmask = _channel_block(C, BLOCK_C)
-    scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
-    shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
+    scale = tl.load(st_ptr + 2 * C + c, mask=cmask, other=0.0)
+    shift = tl.load(st_ptr + 3 * C + c, mask=cmask, other=0.0)
     for it in range(ITERS):
         off, mask = _tile(pc, pr, it, C, L, R, ITERS, BLOCK_R, BLOCK_C)
         x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -114,13 +119,13 @@ def _grad_act(dy_ptr, x_ptr, z_ptr, off, mask, scale, shift, HAS_Z: tl.constexpr
 
 
 @triton.jit
-def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr, s1_ptr, s2_ptr,
-                            C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, st_ptr, ws_ptr, C, L, R, ITERS, HAS_Z: tl.constexpr,
+                            RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc, pr, c, cmask = _channel_block(C, BLOCK_C)
-    mean = tl.load(mean_ptr + c, mask=cmask, other=0.0)
-    scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
-    shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
+    rows = tl.num_programs(1)
+    mean = tl.load(st_ptr + c, mask=cmask, other=0.0)
+    scale = tl.load(st_ptr + 2 * C + c, mask=cmask, other=0.0)
+    shift = tl.load(st_ptr + 3 * C + c, mask=cmask, other=0.0)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for it in range(ITERS):
@@ -128,23 +133,22 @@ def _backward_reduce_kernel(dy_ptr, x_ptr, z_ptr, mean_ptr, scale_ptr, shift_ptr
         x, d = _grad_act(dy_ptr, x_ptr, z_ptr, off, mask, scale, shift, HAS_Z, RELU)
         acc1 += d
         acc2 += tl.where(mask, d * (x - mean[None, :]), 0.0)
-    tl.store(s1_ptr + pr * C + c, tl.sum(acc1, axis=0), mask=cmask)
-    tl.store(s2_ptr + pr * C + c, tl.sum(acc2, axis=0), mask=cmask)
+    tl.store(ws_ptr + (2 + pr) * C + c, tl.sum(acc1, axis=0), mask=cmask)
+    tl.store(ws_ptr + (2 + rows + pr) * C + c, tl.sum(acc2, axis=0), mask=cmask)
 
 
 @triton.jit
-def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
-                           sums_ptr, count, C, L, R, ITERS, HAS_Z: tl.constexpr, RELU: tl.constexpr,
-                           NEED_DZ: tl.constexpr, USE_SUMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+def _backward_elemt_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, st_ptr, sums_ptr, count, C, L, R, ITERS,
+                           HAS_Z: tl.constexpr, RELU: tl.constexpr, NEED_DZ: tl.constexpr, USE_SUMS: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pc, pr, c, cmask = _channel_block(C, BLOCK_C)
-    mean = tl.load(mean_ptr + c, mask=cmask, other=0.0)
-    scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
-    shift = tl.load(shift_ptr + c, mask=cmask, other=0.0)
+    mean = tl.load(st_ptr + c, mask=cmask, other=0.0)
+    scale = tl.load(st_ptr + 2 * C + c, mask=cmask, other=0.0)
+    shift = tl.load(st_ptr + 3 * C + c, mask=cmask, other=0.0)
     if USE_SUMS:
         # The group's means of Σ dy' and Σ dy' (x - mean): a few per-channel operations in each program
         # instead of operators (and launches) on the host.
-        invstd = tl.load(invstd_ptr + c, mask=cmask, other=0.0)
+        invstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
         mdy = tl.div_rn(tl.load(sums_ptr + c, mask=cmask, other=0.0), count)
         k = tl.div_rn(tl.load(sums_ptr + C + c, mask=cmask, other=0.0), count) * invstd * invstd
     else:  # normalised with running statistics: the batch does not enter the statistics
@@ -174,9 +178,9 @@ _LOCAL, _SEND, _MERGE, _EVAL = 0, 1, 2, 3
 
 
 @triton.jit
-def _finish_kernel(s1_ptr, s2_ptr, x0_ptr, gat_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr, out_ptr, C, ROWS, R, WORLD,
-                   count, keep, momentum, unbias, eps, MODE: tl.constexpr, HAS_W: tl.constexpr,
-                   HAS_B: tl.constexpr, UPDATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _finish_kernel(ws_ptr, gat_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr, out_ptr, C, ROWS, R, WORLD, count, keep,
+                   momentum, unbias, eps, MODE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                   UPDATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
     if MODE == 3:  # eval: the running statistics
@@ -202,10 +206,10 @@ def _finish_kernel(s1_ptr, s2_ptr, x0_ptr, gat_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr
         var = (sv / n).to(tl.float32)
     else:
         # The shifted sums Σ(x - x0), Σ(x - x0)² of the partial rows: mean = x0 + m1, var = m2 - m1².
-        m1 = tl.div_rn(_sum_rows(s1_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
-        m2 = tl.div_rn(_sum_rows(s2_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
+        m1 = tl.div_rn(_sum_rows(ws_ptr + C, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
+        m2 = tl.div_rn(_sum_rows(ws_ptr + (1 + ROWS) * C, c, cmask, C, ROWS, BLOCK_P, BLOCK_C), R)
         var = tl.maximum(m2 - m1 * m1, 0.0)
-        mean = tl.load(x0_ptr + c, mask=cmask, other=0.0) + m1
+        mean = tl.load(ws_ptr + c, mask=cmask, other=0.0) + m1
     if MODE == 1:  # this rank's row of the all-gather: [count, mean, var] in fp64
         tl.store(out_ptr + c * 0, (c * 0 + count).to(tl.float64), mask=c == 0)
         tl.store(out_ptr + 1 + c, mean.to(tl.float64), mask=cmask)
@@ -233,16 +237,16 @@ def _finish_kernel(s1_ptr, s2_ptr, x0_ptr, gat_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr
 
 
 @triton.jit
-def _backward_finish_kernel(s1_ptr, s2_ptr, invstd_ptr, sums_ptr, gw_ptr, gb_ptr, C, ROWS, HAS_GW: tl.constexpr,
-                            HAS_GB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _backward_finish_kernel(ws_ptr, st_ptr, gw_ptr, gb_ptr, C, ROWS, HAS_GW: tl.constexpr, HAS_GB: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
-    sum_dy = _sum_rows(s1_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
-    sum_dy_xmu = _sum_rows(s2_ptr, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
-    tl.store(sums_ptr + c, sum_dy, mask=cmask)
-    tl.store(sums_ptr + C + c, sum_dy_xmu, mask=cmask)
+    sum_dy = _sum_rows(ws_ptr + 2 * C, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
+    sum_dy_xmu = _sum_rows(ws_ptr + (2 + ROWS) * C, c, cmask, C, ROWS, BLOCK_P, BLOCK_C)
+    tl.store(ws_ptr + c, sum_dy, mask=cmask)
+    tl.store(ws_ptr + C + c, sum_dy_xmu, mask=cmask)
     if HAS_GW:
-        gw = sum_dy_xmu * tl.load(invstd_ptr + c, mask=cmask, other=0.0)
+        gw = sum_dy_xmu * tl.load(st_ptr + C + c, mask=cmask, other=0.0)
         tl.store(gw_ptr + c, gw.to(gw_ptr.dtype.element_ty), mask=cmask)
     if HAS_GB:
         tl.store(gb_ptr + c, sum_dy.to(gb_ptr.dtype.element_ty), mask=cmask)
@@ -255,118 +259,123 @@ def _finish_layout(C: int, rows: int) -> tuple[int, int]:
     return max(1, min(next_power_of_2(rows), 2048 // bc)), bc
 
 
-def _partials(x: torch.Tensor):
-    C, L, R, bc, br, rows, iters = _layout(x)
-    s1 = torch.empty((2, rows, C), dtype=torch.float32, device=x.device)
-    x0 = torch.empty(C, dtype=torch.float32, device=x.device)
-    _stats_kernel[(cdiv(C, bc), rows)](x, s1, s1[1], x0, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
-    return s1, x0, rows
+def _partials(x: torch.Tensor, N: int, C: int, L: int) -> tuple[torch.Tensor, int, int]:
+    """The forward's workspace ``[1 + 2P, C]`` after the statistics kernel, ``P``, and ``R = N * L``."""
+    R, bc, br, rows, iters = _layout(N, C, L)
+    ws = torch.empty((1 + 2 * rows, C), dtype=torch.float32, device=x.device)
+    _stats_kernel[(cdiv(C, bc), rows)](x, ws, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
+    return ws, rows, R
+
+
+def _send_row(ws, row, C, rows, R) -> None:
+    bp, bc = _finish_layout(C, rows)
+    _finish_kernel[(cdiv(C, bc),)](ws, ws, ws, ws, ws, ws, row, C, rows, float(R), 1, R, 1.0, 0.0, 1.0, 0.0,
+                                   MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
+
+
+def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, running_mean, running_var, eps: float,
+                momentum: float, gather=None) -> tuple[int, torch.Tensor]:
+    """``(count, st)`` of a training step on the contiguous ``x`` viewed as ``ncl = (N, C, L)``, the running
+    statistics updated in place (with ``momentum > 0``). ``gather``: with ranks, a callable taking this
+    rank's fp64 row ``[count, mean (C), var (C)]`` and returning ``(rows of every rank [world, 1 + 2C],
+    total count)``; None for the local batch."""
+    N, C, L = ncl
+    ws, rows, R = _partials(x, N, C, L)
+    bp, bc = _finish_layout(C, rows)
+    count, gat, world, mode = R, ws, 1, _LOCAL
+    if gather is not None:
+        row = torch.empty(1 + 2 * C, dtype=torch.float64, device=x.device)
+        _send_row(ws, row, C, rows, R)
+        gat, count = gather(row)
+        world, mode = gat.shape[0], _MERGE
+    st = torch.empty((4, C), dtype=torch.float32, device=x.device)
+    update = running_mean is not None and momentum > 0
+    rm, rv = (running_mean, running_var) if update else (ws, ws)
+    _finish_kernel[(cdiv(C, bc),)](ws, gat, weight if weight is not None else ws, bias if bias is not None else ws,
+                                   rm, rv, st, C, rows, float(R), world, count, 1.0 - momentum, momentum,
+                                   count / (count - 1), eps, MODE=mode, HAS_W=weight is not None,
+                                   HAS_B=bias is not None, UPDATE=update, BLOCK_P=bp, BLOCK_C=bc)
+    return count, st
+
+
+def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
+    """``st`` from the running statistics."""
+    bp, bc = _finish_layout(C, 1)
+    st = torch.empty((4, C), dtype=torch.float32, device=running_mean.device)
+    _finish_kernel[(cdiv(C, bc),)](st, st, weight if weight is not None else st, bias if bias is not None else st,
+                                   running_mean, running_var, st, C, 1, 1.0, 1, 1, 1.0, 0.0, 1.0, eps, MODE=_EVAL,
+                                   HAS_W=weight is not None, HAS_B=bias is not None, UPDATE=False,
+                                   BLOCK_P=bp, BLOCK_C=bc)
+    return st
+
+
+def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z, fuse_relu: bool) -> torch.Tensor:
+    """``y = x * scale + shift (+ z)`` (relu), shaped like ``x``."""
+    N, C, L = ncl
+    R, bc, br, rows, iters = _layout(N, C, L)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, st, C, L, R, iters, HAS_Z=z is not None,
+                                         RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+    return y
+
+
+def backward_sums(dy, x, ncl: tuple[int, int, int], st, z, fuse_relu: bool, grad_weight=None,
+                  grad_bias=None) -> torch.Tensor:
+    """The backward's workspace, whose first ``2 * C`` values are ``[Σ dy', Σ dy' (x - mean)]``; writes
+    ``grad_weight = Σ dy' (x - mean) * invstd`` and ``grad_bias = Σ dy'`` into the given tensors."""
+    N, C, L = ncl
+    R, bc, br, rows, iters = _layout(N, C, L)
+    ws = torch.empty((2 + 2 * rows, C), dtype=torch.float32, device=x.device)
+    _backward_reduce_kernel[(cdiv(C, bc), rows)](dy, x, z if z is not None else x, st, ws, C, L, R, iters,
+                                                 HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+    bp, bc = _finish_layout(C, rows)
+    _backward_finish_kernel[(cdiv(C, bc),)](ws, st, grad_weight if grad_weight is not None else ws,
+                                            grad_bias if grad_bias is not None else ws, C, rows,
+                                            HAS_GW=grad_weight is not None, HAS_GB=grad_bias is not None,
+                                            BLOCK_P=bp, BLOCK_C=bc)
+    return ws
+
+
+def backward_elemt_sums(dy, x, ncl: tuple[int, int, int], st, sums, count, z, fuse_relu: bool, need_dz: bool):
+    """``(dx, dz)`` shaped like ``x`` with ``mean_dy, mean_dy_xmu = sums[:C] / count, sums[C:2C] / count``
+    (``count`` None: both zero, as when normalising with running statistics)."""
+    N, C, L = ncl
+    R, bc, br, rows, iters = _layout(N, C, L)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dz = torch.empty_like(dx) if need_dz else dx
+    _backward_elemt_kernel[(cdiv(C, bc), rows)](
+        dy, x, z if z is not None else x, dx, dz, st, sums if sums is not None else st, float(count or 1), C, L, R,
+        iters, HAS_Z=z is not None, RELU=bool(fuse_relu), NEED_DZ=bool(need_dz), USE_SUMS=count is not None,
+        BLOCK_R=br, BLOCK_C=bc)
+    return dx, (dz if need_dz else None)
+
+
+# ------------------------------------------- the building blocks of apex.ops.sync_batch_norm on [N, C, L] views
+def _st(mean, invstd, scale, shift) -> torch.Tensor:
+    """An ``st`` buffer from separate per-channel vectors (a row a kernel does not read may repeat another)."""
+    return torch.stack([mean, invstd, scale, shift]).float()
 
 
 def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` in fp32."""
-    s, x0, rows = _partials(x)
-    C, R = x.shape[1], x.shape[0] * x.shape[2]
+    N, C, L = x.shape
+    ws, rows, R = _partials(x, N, C, L)
     row = torch.empty(1 + 2 * C, dtype=torch.float64, device=x.device)  # [count, mean, var], exact fp32 values
-    bp, bc = _finish_layout(C, rows)
-    _finish_kernel[(cdiv(C, bc),)](s, s[1], x0, x0, x0, x0, x0, x0, row, C, rows, float(R), 1, R, 1.0, 0.0,
-                                   1.0, 0.0, MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False,
-                                   BLOCK_P=bp, BLOCK_C=bc)
+    _send_row(ws, row, C, rows, R)
     return row[1:1 + C].float(), row[1 + C:].float()
 
 
-def train_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float, momentum: float,
-                gather=None) -> tuple[int, torch.Tensor]:
-    """``(count, [mean, invstd, scale, shift] as a [4, C] fp32 tensor)`` of a training step, the running
-    statistics updated in place (with ``momentum > 0``). ``gather``: with ranks, a callable taking this
-    rank's fp64 row ``[count, mean (C), var (C)]`` and returning ``(rows of every rank [world, 1 + 2C],
-    total count)``; None for the local batch."""
-    s, x0, rows = _partials(x)
-    C, R = x.shape[1], x.shape[0] * x.shape[2]
-    bp, bc = _finish_layout(C, rows)
-    grid = (cdiv(C, bc),)
-    count, gat, world, mode = R, x0, 1, _LOCAL
-    if gather is not None:
-        send = torch.empty(1 + 2 * C, dtype=torch.float64, device=x.device)
-        _finish_kernel[grid](s, s[1], x0, x0, x0, x0, x0, x0, send, C, rows, float(R), 1, R, 1.0, 0.0, 1.0, 0.0,
-                             MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
-        gat, count = gather(send)
-        world, mode = gat.shape[0], _MERGE
-    out = torch.empty((4, C), dtype=torch.float32, device=x.device)
-    update = running_mean is not None and momentum > 0
-    rm, rv = (running_mean, running_var) if update else (x0, x0)
-    _finish_kernel[grid](s, s[1], x0, gat, weight if weight is not None else x0, bias if bias is not None else x0,
-                         rm, rv, out, C, rows, float(R), world, count, 1.0 - momentum, momentum,
-                         count / (count - 1), eps, MODE=mode, HAS_W=weight is not None,
-                         HAS_B=bias is not None, UPDATE=update, BLOCK_P=bp, BLOCK_C=bc)
-    return count, out
-
-
-def eval_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
-    """``[mean, invstd, scale, shift]`` ``[4, C]`` fp32 from the running statistics."""
-    C = x.shape[1]
-    bp, bc = _finish_layout(C, 1)
-    out = torch.empty((4, C), dtype=torch.float32, device=x.device)
-    rm = running_mean
-    _finish_kernel[(cdiv(C, bc),)](out, out, out, out, weight if weight is not None else out,
-                                   bias if bias is not None else out, rm, running_var, out, C, 1, 1.0, 1, 1, 1.0,
-                                   0.0, 1.0, eps, MODE=_EVAL, HAS_W=weight is not None, HAS_B=bias is not None,
-                                   UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
-    return out
-
-
 def forward(x, scale, shift, z, fuse_relu: bool) -> torch.Tensor:
-    C, L, R, bc, br, rows, iters = _layout(x)
-    y = torch.empty_like(x)
-    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, scale, shift, C, L, R, iters,
-                                         HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
-    return y
-
-
-def _reduce_partials(dy, x, mean, scale, shift, z, fuse_relu: bool):
-    C, L, R, bc, br, rows, iters = _layout(x)
-    s = torch.empty((2, rows, C), dtype=torch.float32, device=x.device)
-    _backward_reduce_kernel[(cdiv(C, bc), rows)](
-        dy, x, z if z is not None else x, mean, scale, shift, s, s[1], C, L, R, iters, HAS_Z=z is not None,
-        RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
-    return s, rows
-
-
-def backward_sums(dy, x, mean, invstd, scale, shift, z, fuse_relu: bool, grad_weight=None, grad_bias=None):
-    """``[Σ dy', Σ dy' (x - mean)]`` as one fp32 ``[2 * C]`` tensor (ready for one all-reduce); writes
-    ``grad_weight = Σ dy' (x - mean) * invstd`` and ``grad_bias = Σ dy'`` into the given tensors."""
-    s, rows = _reduce_partials(dy, x, mean, scale, shift, z, fuse_relu)
-    C = x.shape[1]
-    bp, bc = _finish_layout(C, rows)
-    sums = torch.empty(2 * C, dtype=torch.float32, device=x.device)
-    _backward_finish_kernel[(cdiv(C, bc),)](
-        s, s[1], invstd if invstd is not None else sums, sums, grad_weight if grad_weight is not None else sums,
-        grad_bias if grad_bias is not None else sums, C, rows, HAS_GW=grad_weight is not None,
-        HAS_GB=grad_bias is not None, BLOCK_P=bp, BLOCK_C=bc)
-    return sums
+    return normalize(x, tuple(x.shape), _st(scale, scale, scale, shift), z, fuse_relu)
 
 
 def backward_reduce(dy, x, mean, scale, shift, z, fuse_relu: bool):
-    C = x.shape[1]
-    sums = backward_sums(dy, x, mean.contiguous(), None, scale.contiguous(), shift.contiguous(), z, fuse_relu)
-    return sums[:C], sums[C:]
-
-
-def backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z, fuse_relu: bool, need_dz: bool):
-    """``(dx, dz)`` with ``mean_dy = sums[:C] / count`` and ``mean_dy_xmu = sums[C:] / count`` (``count``
-    None: both zero, as when normalising with running statistics)."""
-    C, L, R, bc, br, rows, iters = _layout(x)
-    dx = torch.empty_like(x)
-    dz = torch.empty_like(x) if need_dz else dx
-    _backward_elemt_kernel[(cdiv(C, bc), rows)](
-        dy, x, z if z is not None else x, dx, dz, mean, invstd, scale, shift, sums if sums is not None else mean,
-        float(count or 1), C, L, R, iters, HAS_Z=z is not None, RELU=bool(fuse_relu), NEED_DZ=bool(need_dz),
-        USE_SUMS=count is not None, BLOCK_R=br, BLOCK_C=bc)
-    return dx, (dz if need_dz else None)
+    ws = backward_sums(dy, x, tuple(x.shape), _st(mean, mean, scale, shift), z, fuse_relu)
+    return ws[0], ws[1]
 
 
 def backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu: bool,
                    need_dz: bool):
-    sums = torch.cat([mean_dy, mean_dy_xmu])  # the means as sums over a count of one
-    return backward_elemt_sums(dy, x, mean.contiguous(), invstd.contiguous(), scale.contiguous(),
-                               shift.contiguous(), sums, 1, z, fuse_relu, need_dz)
+    sums = torch.stack([mean_dy, mean_dy_xmu]).float()  # the means as sums over a count of one
+    return backward_elemt_sums(dy, x, tuple(x.shape), _st(mean, invstd, scale, shift), sums, 1, z, fuse_relu,
+                               need_dz)

@@ -201,35 +201,52 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
 
 
 # ---------------------------------------------------------------------- Triton path: per-channel work in kernels
-def train_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float, momentum: float,
-                gather=None) -> tuple[int, torch.Tensor]:
-    """Triton path (``backend(x) == "triton"``, ``x`` not empty): ``(count, stats)`` with ``stats`` the fp32
-    ``[4, C]`` rows ``mean, invstd, scale, shift`` of the batch, and ``running_mean``/``running_var``
-    (contiguous, or None) updated in place with ``momentum`` (none when 0) and the unbiased variance.
-    ``gather`` (with ranks): called with this rank's fp64 row ``[count, mean (C), var (C)]``, returns
-    ``(every rank's row as [world, 1 + 2C], total count)``; the rows are merged in fp64."""
-    return _kernels().train_stats(x, weight, bias, running_mean, running_var, eps, momentum, gather)
+# These take the contiguous input as it is (any shape) with its ``(N, C, L)`` sizes from :func:`ncl_sizes`,
+# and a per-channel fp32 ``st`` buffer ``[4, C]``: rows mean, invstd, scale, shift.
+def ncl_sizes(x: torch.Tensor, channel_last: bool) -> tuple[int, int, int]:
+    """The ``(N, C, L)`` of :func:`as_ncl`'s view of ``x`` (same checks), without making the view."""
+    if x.dim() < 2:
+        raise ValueError(f"input must have at least 2 dimensions (N, C, ...), got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise RuntimeTypeError(f"input must be float32, float16, bfloat16 or float64, got {x.dtype}")
+    shape = x.shape
+    if channel_last or len(shape) == 2:
+        C = shape[-1]
+        return x.numel() // C if C else 0, C, 1
+    return shape[0], shape[1], math.prod(shape[2:])
 
 
-def eval_stats(x: torch.Tensor, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
-    """Triton path: the ``[4, C]`` rows ``mean, invstd, scale, shift`` from the running statistics."""
-    return _kernels().eval_stats(x, weight, bias, running_mean, running_var, eps)
+def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, running_mean, running_var, eps: float,
+                momentum: float, gather=None) -> tuple[int, torch.Tensor]:
+    """Triton path (``backend(x) == "triton"``, ``x`` contiguous and not empty): ``(count, st)`` of the
+    batch, and ``running_mean``/``running_var`` (contiguous, or None) updated in place with ``momentum``
+    (none when 0) and the unbiased variance. ``gather`` (with ranks): called with this rank's fp64 row
+    ``[count, mean (C), var (C)]``, returns ``(every rank's row as [world, 1 + 2C], total count)``; the rows
+    are merged in fp64."""
+    return _kernels().train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum, gather)
 
 
-def apply_scale_shift(x: torch.Tensor, scale, shift, z=None, fuse_relu: bool = False) -> torch.Tensor:
-    """Triton path: :func:`batch_norm_elemt` given the contiguous fp32 ``scale`` and ``shift``."""
-    return _kernels().forward(x, scale, shift, z, fuse_relu)
+def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
+    """Triton path: ``st`` from the running statistics."""
+    return _kernels().eval_stats(C, weight, bias, running_mean, running_var, eps)
 
 
-def backward_sums(dy, x, mean, invstd, scale, shift, z=None, fuse_relu: bool = False, grad_weight=None,
+def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z=None,
+              fuse_relu: bool = False) -> torch.Tensor:
+    """Triton path: :func:`batch_norm_elemt` with ``st``, shaped like ``x``."""
+    return _kernels().normalize(x, ncl, st, z, fuse_relu)
+
+
+def backward_sums(dy, x, ncl: tuple[int, int, int], st, z=None, fuse_relu: bool = False, grad_weight=None,
                   grad_bias=None) -> torch.Tensor:
-    """Triton path: ``[Σ dy', Σ dy' (x - mean)]`` as one fp32 ``[2 * C]`` tensor; writes ``Σ dy' (x - mean) *
-    invstd`` into ``grad_weight`` and ``Σ dy'`` into ``grad_bias`` where given (any float dtype)."""
-    return _kernels().backward_sums(dy, x, mean, invstd, scale, shift, z, fuse_relu, grad_weight, grad_bias)
+    """Triton path: an fp32 workspace whose first ``2 * C`` values are ``[Σ dy', Σ dy' (x - mean)]`` (the
+    view ``[:2]`` is what ranks all-reduce); writes ``Σ dy' (x - mean) * invstd`` into ``grad_weight`` and
+    ``Σ dy'`` into ``grad_bias`` where given (any float dtype)."""
+    return _kernels().backward_sums(dy, x, ncl, st, z, fuse_relu, grad_weight, grad_bias)
 
 
-def backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z=None, fuse_relu: bool = False,
+def backward_elemt_sums(dy, x, ncl: tuple[int, int, int], st, sums, count, z=None, fuse_relu: bool = False,
                         need_dz: bool = False):
-    """Triton path: :func:`batch_norm_backward_elemt` with ``mean_dy, mean_dy_xmu = sums / count`` computed in
-    the kernel (``count`` None: both zero)."""
-    return _kernels().backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums, count, z, fuse_relu, need_dz)
+    """Triton path: :func:`batch_norm_backward_elemt`, shaped like ``x``, with ``mean_dy, mean_dy_xmu = sums
+    / count`` computed in the kernel (``sums``: :func:`backward_sums`'s workspace; ``count`` None: both zero)."""
+    return _kernels().backward_elemt_sums(dy, x, ncl, st, sums, count, z, fuse_relu, need_dz)

@@ -65,33 +65,60 @@ def _gather_rows(row: torch.Tensor, group, shape) -> tuple[torch.Tensor, int]:
     return rows, count
 
 
+def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
+                   process_group, channel_last, fuse_relu, distributed):
+    """The Triton path: statistics, running-statistics update and scale/shift finished in kernels, on the
+    contiguous input as it is (no per-channel operators, no views)."""
+    ncl = ops.ncl_sizes(input, channel_last)
+    x = input.contiguous()
+    zz = None if z is None else z.contiguous().to(x.dtype)
+    if not use_batch_stats:
+        count = 0
+        st = ops.eval_stats(ncl[1], weight, bias, running_mean, running_var, eps)
+    elif distributed:
+        count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum,
+                                    lambda row: _gather_rows(row, process_group, input.shape))
+    else:
+        _check_count(ncl[0] * ncl[2], input.shape)
+        count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum)
+    y = ops.normalize(x, ncl, st, zz, fuse_relu)
+    ctx.save_for_backward(x, zz, weight, bias, st)
+    ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, ncl, True)
+    return y
+
+
+def _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b):
+    """The Triton path: both sums, grad_weight and grad_bias from one reduction and one finishing kernel; the
+    group's means of the sums are taken inside the elementwise kernel."""
+    x, zz, weight, bias, st = ctx.saved_tensors
+    count, use_batch_stats, group, distributed, fuse_relu, ncl, _ = ctx.meta
+    dy = grad_output.contiguous()
+    grad_weight = torch.empty_like(weight) if weight is not None and need_w else None
+    grad_bias = torch.empty_like(bias) if bias is not None and need_b else None
+    ws = ops.backward_sums(dy, x, ncl, st, zz, fuse_relu, grad_weight, grad_bias)
+    dx = dz = None
+    if need_x or need_z:
+        if use_batch_stats and distributed:
+            dist.all_reduce(ws[:2], group=group)
+        dx, dz = ops.backward_elemt_sums(dy, x, ncl, st, ws, count if use_batch_stats else None, zz, fuse_relu,
+                                         need_z)
+    return (dx if need_x else None, dz, grad_weight, grad_bias) + (None,) * 9
+
+
 class SyncBatchnormFunction(torch.autograd.Function):
     """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``)."""
 
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
                 process_group, channel_last, fuse_relu, distributed):
+        if (input.numel() and ops.backend(input) == "triton" and (weight is None or weight.is_contiguous())
+                and (bias is None or bias.is_contiguous())
+                and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous()))):
+            return _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats,
+                                  momentum, process_group, channel_last, fuse_relu, distributed)
         x = ops.as_ncl(input, channel_last)
         zz = ops.as_ncl(z, channel_last).to(x.dtype) if z is not None else None
         C = x.shape[1]
-        fused = (x.numel() > 0 and ops.backend(x) == "triton"
-                 and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous())))
-        if fused:
-            # Statistics, running-statistics update and scale/shift in kernels: no per-channel operators.
-            if not use_batch_stats:
-                count = 0
-                stats = ops.eval_stats(x, weight, bias, running_mean, running_var, eps)
-            elif distributed:
-                count, stats = ops.train_stats(x, weight, bias, running_mean, running_var, eps, momentum,
-                                               lambda row: _gather_rows(row, process_group, input.shape))
-            else:
-                _check_count(x.shape[0] * x.shape[2], input.shape)
-                count, stats = ops.train_stats(x, weight, bias, running_mean, running_var, eps, momentum)
-            mean, invstd, scale, shift = stats.unbind(0)
-            y = ops.apply_scale_shift(x, scale, shift, zz, fuse_relu)
-            ctx.save_for_backward(x, zz, weight, bias, mean, invstd, scale, shift)
-            ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, input.shape, True)
-            return y if y.shape == input.shape else y.reshape(input.shape).detach()
         if use_batch_stats:
             count = x.shape[0] * x.shape[2]
             if count > 0:
@@ -131,28 +158,14 @@ class SyncBatchnormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, zz, weight, bias, mean, invstd, scale, shift = ctx.saved_tensors
         count, use_batch_stats, group, distributed, fuse_relu, shape, fused = ctx.meta
+        need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
+        if fused:
+            return _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b)
+        x, zz, weight, bias, mean, invstd, scale, shift = ctx.saved_tensors
         dy = grad_output.contiguous()
         if dy.shape != x.shape:
             dy = dy.reshape(x.shape)
-        need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
-        if fused:
-            # Both sums, grad_weight and grad_bias from one reduction and one finishing kernel; the group's
-            # means of the sums are taken inside the elementwise kernel.
-            grad_weight = torch.empty_like(weight) if weight is not None and need_w else None
-            grad_bias = torch.empty_like(bias) if bias is not None and need_b else None
-            sums = ops.backward_sums(dy, x, mean, invstd, scale, shift, zz, fuse_relu, grad_weight, grad_bias)
-            grad_input = grad_z = None
-            if need_x or need_z:
-                if use_batch_stats and distributed:
-                    dist.all_reduce(sums, group=group)
-                dx, dz = ops.backward_elemt_sums(dy, x, mean, invstd, scale, shift, sums,
-                                                 count if use_batch_stats else None, zz, fuse_relu, need_z)
-                same = x.shape == shape
-                grad_input = (dx if same else dx.reshape(shape)) if need_x else None
-                grad_z = (dz if same else dz.reshape(shape)) if need_z else None
-            return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
         if fuse_relu and x.numel() and (x.dtype == torch.float64 or _backend.select(x) == "torch"):
             # Mask once here instead of in each of the two backward passes.
             dy = ops.relu_grad(dy, x, mean, invstd, weight, bias, zz)
