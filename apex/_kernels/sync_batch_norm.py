@@ -27,9 +27,22 @@ import triton.language as tl
 
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
+_LAYOUTS: dict = {}
+
 
 def _layout(N: int, C: int, L: int) -> tuple[int, int, int, int, int]:
-    """(R, BLOCK_C, BLOCK_R, rows of programs, tiles per program) of the input's ``[N, C, L]`` view."""
+    """(R, BLOCK_C, BLOCK_R, rows of programs, tiles per program) of the input's ``[N, C, L]`` view, cached per
+    size: a training step asks four times, and a model has few distinct sizes."""
+    key = (N, C, L)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        if len(_LAYOUTS) >= 1024:  # sizes that keep changing (variable batch or resolution): stay bounded
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = _compute_layout(N, C, L)
+    return hit
+
+
+def _compute_layout(N: int, C: int, L: int) -> tuple[int, int, int, int, int]:
     R = N * L
     bc = min(next_power_of_2(C), 32 if L == 1 else 4)
     if _INTERP:

@@ -271,10 +271,10 @@ class SyncBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
-        if (use_batch_stats and not distributed and input.numel() and input.dim() in (2, 3, 4)
-                and input.dtype in (torch.float32, torch.float64)
+        if (use_batch_stats and not distributed and _backend.select(input) == "torch" and input.numel()
+                and input.dim() in (2, 3, 4) and input.dtype in (torch.float32, torch.float64)
                 and (self.weight is None or self.weight.dtype == input.dtype)
-                and (z is None or z.dtype == input.dtype) and _backend.select(input) == "torch"):
+                and (z is None or z.dtype == input.dtype)):
             # Nothing to synchronise, on the PyTorch path: PyTorch's batch norm computes the same
             # statistics, running-stat update and gradients in fused passes (torch.nn.SyncBatchNorm falls
             # back to it in the same case).
