@@ -16,10 +16,12 @@ Either part may be ``None`` (a case without a Triton kernel, or one that is only
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -58,6 +60,19 @@ class Result:
 
     def as_json(self) -> dict:
         return asdict(self)
+
+
+def machine() -> str:
+    """The CPU's model name, its cores, torch's version and threads: the line every report starts from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def _time(fn: Callable[[], object], repeats: int, warmup: int) -> float:

@@ -26,7 +26,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks._harness import Case, Result, format_table, run_case  # noqa: E402
+from benchmarks._harness import Case, Result, format_table, machine, run_case  # noqa: E402
 
 
 def modules():
@@ -52,19 +51,6 @@ def discover() -> list[tuple[str, Case]]:
             found.append((stem, case))
     return found
 
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def write_report(results: list[Result], path: Path) -> None:

@@ -31,7 +31,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -494,19 +493,6 @@ def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
     return rows
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
 
 def _ratio(r: dict, label: str, ref: str) -> str:
     value = r.get(f"{label}_per_{ref}")
@@ -527,6 +513,12 @@ def table(rows: list[dict]) -> str:
             f"{r.get('plain_fwd_bwd_us', '-')} | {r.get('job_fwd_us', '-')} / {r.get('job_fwd_bwd_us', '-')} | "
             f"{_ratio(r, 'fwd_bwd', 'plain')} | {_ratio(r, 'fwd', 'job')} | **{_ratio(r, 'fwd_bwd', 'job')}** |")
     return "\n".join(lines)
+
+
+def machine() -> str:
+    from benchmarks._harness import machine as describe  # (torch imported only when a run starts)
+
+    return describe()
 
 
 def main(argv: list[str] | None = None) -> None:

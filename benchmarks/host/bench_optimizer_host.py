@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -172,19 +170,6 @@ def run(names, sizes) -> list[dict]:
     return rows
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
-
 
 def format_table(rows: list[dict], sizes) -> str:
     """µs per call / **µs per tensor** of each row, and of PyTorch's fused AdamW measured with it."""
@@ -222,6 +207,12 @@ def cases() -> list:
     return [Case(f"host: FusedAdam step, {n:,} tensors (launches stubbed)", timed=timed(n),
                  torch_label="AdamW(fused), _fused_adamw_ stubbed", repeats=9)
             for n in SIZES]
+
+
+def machine() -> str:
+    from benchmarks._harness import machine as describe  # (torch imported only when a run starts)
+
+    return describe()
 
 
 def main(argv: list[str] | None = None) -> int:
