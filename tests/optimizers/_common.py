@@ -52,3 +52,37 @@ def assert_state_equal(a: dict, b: dict) -> None:
                 assert torch.equal(va.cpu(), vb.cpu()), (k, key)
             else:
                 assert va == vb, (k, key)
+
+
+def check_grad_scaler_skips_then_resumes(make_opt, device: torch.device) -> None:
+    """A ``torch.amp.GradScaler`` step of bf16 parameters on ``device`` that finds an inf changes neither the
+    parameters nor the optimizer's state and lowers the scale; the next finite step equals an unscaled step
+    of a twin optimizer. Runs under the caller's backend."""
+    params = make_params([(33,), (4097,), (3, 5)], torch.bfloat16)
+    opt = make_opt(params)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8)
+    scaler.scale(torch.ones((), device=device))  # initialises the scale, as scaling a loss does
+    for s in range(2):
+        set_grads(params, grads_for_step(params, s, scale=2.0 ** 8))
+        scaler.step(opt)
+        scaler.update()
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict())
+    scale = scaler.get_scale()
+    set_grads(params, grads_for_step(params, 5, scale=scale))
+    params[2].grad[1, 1] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() < scale  # the scaler saw the inf (found_inf recorded for update())
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert_state_equal(opt.state_dict(), state)
+    twins = clone_params(params)
+    ref = make_opt(twins)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    scale = scaler.get_scale()
+    for p, t, g in zip(params, twins, grads_for_step(params, 6)):
+        p.grad = (g.float() * scale).to(p.dtype)
+        t.grad = g.clone()
+    scaler.step(opt)
+    ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twins))
