@@ -55,8 +55,17 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
-    # The lengths' extremes in one host read (each int(t.min()) is a reduction and, on a GPU, a sync).
-    f_min, f_max, y_min, y_max = torch.stack((*f_len.aminmax(), *y_len.aminmax())).tolist()
+    # The lengths' extremes and those of the used labels in one host read (each int(t.min()) is a reduction
+    # and, on a GPU, a sync). Unused label entries read as 0 (in range), so the extremes of all entries decide:
+    # no boolean indexing (a nonzero and a sync on GPUs).
+    extremes = [*f_len.aminmax(), *y_len.aminmax()]
+    if label.shape[1]:
+        unused = _positions(label.shape[1], label.device) >= y_len.to(label.device).unsqueeze(1)
+        lab = label.masked_fill(unused, 0).aminmax()
+        extremes += lab if label.device == f_len.device == y_len.device else (t.to(f_len.device) for t in lab)
+    else:  # no label entries: y_len must be 0 (checked below), nothing to read
+        extremes += extremes[:2]
+    f_min, f_max, y_min, y_max, lo, hi = torch.stack(extremes).tolist()
     if f_min < 1:
         raise ValueError(f"f_len values must be at least 1, got {f_min}")
     if y_min < 0 or y_max > label.shape[1]:
@@ -80,22 +89,26 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
     if f_max > T:
         raise ValueError(f"f_len values must be at most {'max_f_len' if packed_input else 'x.size(1)'} = {T}, "
                          f"got {f_max}")
-    if y_max > 0:
-        _check_labels(label, y_len, V)
+    if y_max > 0 and (lo < 0 or hi >= V):
+        used = label[~unused]
+        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
     return T, U
 
 
-def _check_labels(label, y_len, V: int) -> None:
-    """The labels within each row's length lie in ``[0, V)``."""
-    pos = torch.arange(label.shape[1], device=label.device)
-    used = pos.unsqueeze(0) < y_len.to(label.device).unsqueeze(1)
-    # Unused entries read as 0 (in range), so the extremes of all entries decide: one host read, no
-    # boolean indexing (a nonzero and a sync on GPUs).
-    lo, hi = label.masked_fill(~used, 0).aminmax()
-    lo, hi = torch.stack((lo, hi)).tolist()
-    if lo < 0 or hi >= V:
-        used = label[used]
-        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
+_POSITIONS: dict = {}
+
+
+def _positions(n: int, device: torch.device) -> Tensor:
+    """``arange(n)`` as a (1, n) row on ``device``, kept per (n, device): the label mask needs it every call."""
+    if torch.compiler.is_compiling():  # a traced graph gets its own constant
+        return torch.arange(n, device=device).unsqueeze(0)
+    key = (n, device)
+    pos = _POSITIONS.get(key)
+    if pos is None:
+        if len(_POSITIONS) > 64:
+            _POSITIONS.clear()
+        pos = _POSITIONS[key] = torch.arange(n, device=device).unsqueeze(0)
+    return pos
 
 
 # ---------------------------------------------------------------------------------------------- torch
@@ -201,20 +214,26 @@ def loss_forward(logp: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, batc
     T, U = check_args(logp, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
     acc = _acc(logp.dtype)
     if _backend.select(logp) == "triton":
-        from apex._kernels import transducer_loss as kernels
-
-        dev = logp.device
-        boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
         lse = lse.contiguous() if lse is not None else logp.new_zeros(logp.shape[:-1], dtype=acc)
-        alpha, beta, loss = kernels.alpha_beta(logp.contiguous(), lse, label.to(dev).contiguous(),
-                                               f_len.to(dev, torch.int32), y_len.to(dev, torch.int32), boff,
-                                               T, U, blank_idx, packed_input, acc)
-        return alpha, beta, loss.to(logp.dtype)
+        return _alpha_beta_triton(logp.contiguous(), lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
+                                  packed_input, acc)
     lpb, lpl, valid, _ = _gather(logp, lse, label, f_len, y_len, T, U, blank_idx, packed_input, acc)
     alpha, beta, _, _ = _alpha_beta_torch(lpb, lpl, f_len, y_len)
     loss = -beta[:, 1, 1]
     alpha = alpha[:, 1:-1, 1:-1].masked_fill(~valid, _NEG)
     return alpha, beta[:, 1:-1, 1:-1].contiguous(), loss.to(logp.dtype)
+
+
+def _alpha_beta_triton(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, blank_idx: int,
+                       packed_input: bool, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`loss_forward`'s kernels on the contiguous ``logp`` and ``lse``, the arguments already checked."""
+    from apex._kernels import transducer_loss as kernels
+
+    dev = logp.device
+    boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
+    alpha, beta, loss = kernels.alpha_beta(logp, lse, label.to(dev).contiguous(), f_len.to(dev, torch.int32),
+                                           y_len.to(dev, torch.int32), boff, T, U, blank_idx, packed_input, acc)
+    return alpha, beta, loss.to(logp.dtype)
 
 
 def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, f_len: Tensor, y_len: Tensor,
@@ -274,9 +293,14 @@ class TransducerLossFunc(torch.autograd.Function):
         _check_opt(opt)
         # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
         if _backend.select(x) == "triton":
-            lse = row_lse(x)
-            alpha, beta, loss = loss_forward(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
-                                             packed_input, lse=lse)
+            from apex._kernels import transducer_loss as kernels
+
+            T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
+            acc = _acc(x.dtype)
+            xc = x.contiguous()
+            lse = kernels.row_lse(xc, acc)
+            alpha, beta, loss = _alpha_beta_triton(xc, lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
+                                                   packed_input, acc)
         else:  # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
             logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
             lse = x[..., 0].to(logp.dtype) - logp[..., 0]

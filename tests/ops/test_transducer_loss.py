@@ -201,3 +201,18 @@ def test_checks_read_the_lengths_and_only_the_used_labels():
         TL.transducer_loss(x, label, torch.tensor([2, 6]), y_len, 4)
     with pytest.raises(ValueError, match=r"y_len \+ 1 must be at most x.size\(2\) = 2, got 3"):
         TL.transducer_loss(x[:, :, :2], label, f_len, y_len, 4)
+
+
+def test_checks_make_one_host_read(monkeypatch):
+    """The lengths' and the used labels' extremes come back in one transfer (a GPU synchronisation each),
+    and an empty label tensor (every y_len 0) needs no label read."""
+    x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("item() in the checks"))
+    assert TL.check_args(x, label, f_len, y_len, 4, None, None, False) == (4, 3)
+    assert reads == [6]
+    reads.clear()
+    assert TL.check_args(x, label[:, :0], f_len, torch.zeros(2, dtype=torch.int32), 4, None, None, False) == (4, 3)
+    assert len(reads) == 1

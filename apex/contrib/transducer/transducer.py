@@ -8,6 +8,15 @@ from apex._errors import RuntimeValueError
 from apex.ops.transducer_joint import TransducerJointFunc
 from apex.ops.transducer_loss import TransducerLossFunc
 
+# autograd.Function.apply's Python wrapper unwraps torch.func's dead wrappers (~4 µs a call): outside
+# torch.func transforms and tracing the modules take the C++ apply it ends in.
+_joint_apply = super(torch.autograd.Function, TransducerJointFunc).apply
+_loss_apply = super(torch.autograd.Function, TransducerLossFunc).apply
+
+
+def _plain_call() -> bool:
+    return not (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
+
 
 class TransducerJoint(torch.nn.Module):
     """RNN-T joint ``h = f[:, :, None] + g[:, None]`` with optional packing, ReLU and dropout.
@@ -43,7 +52,8 @@ class TransducerJoint(torch.nn.Module):
             raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
         dropout = self.dropout and self.training
         tile = self.fwd_tile_size if self.opt == 1 else 1
-        return TransducerJointFunc.apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
+        apply = _joint_apply if _plain_call() else TransducerJointFunc.apply
+        return apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
                                          batch_offset if self.pack_output else None, packed_batch, tile,
                                          self.dropout_prob, self.mask_probe)
 
@@ -70,5 +80,6 @@ class TransducerLoss(torch.nn.Module):
             offset, t_max = batch_offset, int(max_f_len)
         else:
             offset, t_max = None, x.size(1)
-        return TransducerLossFunc.apply(x, label, f_len, y_len, offset, t_max, blank_idx,
-                                        self.fuse_softmax_backward, debug_list, self.opt, self.packed_input)
+        apply = _loss_apply if _plain_call() else TransducerLossFunc.apply
+        return apply(x, label, f_len, y_len, offset, t_max, blank_idx, self.fuse_softmax_backward, debug_list,
+                     self.opt, self.packed_input)
