@@ -11,8 +11,8 @@ holds, with one C-level pass per fact over the group (``map`` over the tensors, 
   every plan outright);
 * each parameter still lives at the same address (``param.data = ...`` moves it);
 * the same parameters have a gradient (a gradient set to None, or one that appears);
-* every gradient has its parameter's dtype, shape and device index (``get_device``, an int: CPU and meta
-  are both -1) and is contiguous (or has its parameter's strides).
+* every gradient has its parameter's dtype, number of elements and device index (``get_device``, an int:
+  CPU and meta are both -1) and is contiguous (or has its parameter's strides).
 
 Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
 tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
@@ -25,7 +25,7 @@ usual); reload such a state with ``load_state_dict``.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import attrgetter, eq, is_, is_not
+from operator import attrgetter, is_, is_not
 
 import torch
 
@@ -76,11 +76,12 @@ class Plan:
         self.watched.append([tensor, tensor._version])
 
     def fits(self, gs: list) -> bool:
-        """Whether the gradients ``gs`` (one per ``with_grad``) have their parameters' dtypes, shapes, device
-        and layout, as the full checks require. Each fact is one C-level pass; the shapes are compared one at
-        a time as they are read (a tuple of the new ``torch.Size`` objects, kept whole, would wake the
-        garbage collector, which then walks the whole heap: several times the cost of the reads)."""
-        if tuple(map(_dtype, gs)) != self.dtypes or not all(map(eq, map(_shape, gs), self.shapes)):
+        """Whether the gradients ``gs`` (one per ``with_grad``) have their parameters' dtypes, sizes, device
+        and layout, as the kernels require. Each fact is one C-level pass. Sizes, not shapes, as Apex's
+        multi-tensor engine checks: PyTorch's gradient setter and autograd already refuse a gradient of another
+        shape, and the number of elements is what decides which memory a kernel touches (a ``torch.Size`` read
+        costs twice an int's)."""
+        if tuple(map(_dtype, gs)) != self.dtypes or tuple(map(_numel, gs)) != self.numels:
             return False
         # (an int per tensor: a device index is read without making a torch.device)
         if tuple(map(_device_index, gs)) != self.devices:
