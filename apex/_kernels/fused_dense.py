@@ -180,12 +180,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     interp = _INTERP
     precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
     upcast = interp and a.dtype == torch.bfloat16
-    xa = aux_a if aux_a is not None else a
-    yc = aux_c if aux_c is not None else c
+    # Each stride read once (a tuple each; c is contiguous [m, n]).
+    sa, sb = a.stride(), b.stride()
+    xa, sxa = (aux_a, aux_a.stride()) if aux_a is not None else (a, sa)
+    yc, syc = (aux_c, aux_c.stride()) if aux_c is not None else (c, (n, 1))
     _gemm_kernel[grid](
         a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        xa.stride(0), xa.stride(1), yc.stride(0), yc.stride(1),
+        sa[0], sa[1], sb[0], sb[1], n, 1, sxa[0], sxa[1], syc[0], syc[1],
         PRO_A=pro_a, DACT_A=dact_a, PRO_B=pro_b, HAS_BIAS=bias is not None, EPI_ACT=epi_act, DACT_C=dact_c,
         ROWSUM=rowsum is not None, UPCAST=upcast, PRECISION=precision, **cfg)
     return c

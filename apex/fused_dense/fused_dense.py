@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from apex._errors import AssertValueError
-from apex.ops.fused_dense import GELU, NONE, autocast_args, chain_grads, check_chain, save_chain
+from apex.ops.fused_dense import GELU, NONE, apply_chain, chain_grads, save_chain
 
 
 class FusedDenseFunc(torch.autograd.Function):
@@ -59,12 +59,8 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
 
 
 def _apply(fn, acts, weights, biases, input, *params):
-    cast, dev = autocast_args(input, *params)
-    check_chain(cast[0], [cast[1 + p] for p in weights], [cast[1 + p] for p in biases], acts)
-    if not torch.is_autocast_enabled(dev):  # entering torch.autocast (~6 µs) changes nothing where it is off
-        return fn.apply(*cast)
-    with torch.autocast(dev, enabled=False):
-        return fn.apply(*cast)
+    # weights/biases: positions among params (the input is args[0])
+    return apply_chain(fn, (), (input, *params), [1 + p for p in weights], [1 + p for p in biases], acts)
 
 
 def fused_dense_function(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from copy import copy
 import torch
 from torch import nn
 
-from apex.ops.fused_dense import autocast_args, chain_grads, check_chain, save_chain
+from apex.ops.fused_dense import apply_chain, chain_grads, save_chain
 
 _CODES = {"none": 0, "relu": 1, "sigmoid": 2}
 
@@ -40,17 +40,13 @@ def mlp_function(bias, activation, *args) -> torch.Tensor:
         raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
     if not args:
         raise ValueError("mlp_function needs an input and at least one weight")
-    cast, dev = autocast_args(*args)
-    n = len(cast) - 1
+    n = len(args) - 1
     if bias:
         if n % 2:
-            raise ValueError(f"with bias, args must be (input, *weights, *biases); got {len(cast)} tensors")
+            raise ValueError(f"with bias, args must be (input, *weights, *biases); got {len(args)} tensors")
         n //= 2
-    check_chain(cast[0], list(cast[1:1 + n]), list(cast[1 + n:]) if bias else [], (int(activation),) * n)
-    if not torch.is_autocast_enabled(dev):  # entering torch.autocast (~6 µs) changes nothing where it is off
-        return MlpFunction.apply(bias, activation, *cast)
-    with torch.autocast(dev, enabled=False):
-        return MlpFunction.apply(bias, activation, *cast)
+    return apply_chain(MlpFunction, (bias, activation), args, range(1, 1 + n),
+                       range(1 + n, 1 + 2 * n) if bias else (), (int(activation),) * n)
 
 
 class MLP(nn.Module):

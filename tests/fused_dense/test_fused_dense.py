@@ -68,6 +68,20 @@ def test_leading_dims(backend_name):
     assert_rel_close(y, _gelu_dense(x.double(), *[p.double() for p in m.parameters()]), tol=1e-5)
 
 
+def test_two_d_input_takes_no_view(backend_name):
+    """Rows in, rows out: a 2-D input's output and gradient are the kernels' own tensors (no reshape or view
+    around them, each an operator call), the same values as through a leading dimension."""
+    m = FusedDense(5, 3)
+    x = torch.randn(4, 5, requires_grad=True)
+    y = m(x)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert y._base is None and dx._base is None
+    x3 = x.detach().view(1, 4, 5).requires_grad_()
+    y3 = m(x3)
+    (dx3,) = torch.autograd.grad(y3, x3, torch.ones_like(y3))
+    assert torch.equal(y3.view(4, 3), y) and torch.equal(dx3.view(4, 5), dx)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_autocast(backend_name, device, dtype):
     m = FusedDenseGeluDense(7, 33, 5)
