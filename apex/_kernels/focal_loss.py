@@ -19,8 +19,8 @@ from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
-def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, M, K, K_REAL, alpha, gamma, smoothing,
-               ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, npos_ptr, M, K, K_REAL, alpha, gamma, smoothing,
+               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FINISH: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_K)
@@ -45,7 +45,10 @@ def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, M, K, K_REAL, alpha, gamma, smo
     loss = tl.where(valid, coeff_f * bce, 0.0)
     grad = tl.where(valid, coeff_f * (coeff_b * bce - off_b), 0.0)
     tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
-    tl.store(part_ptr + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
+    part = tl.sum(tl.sum(loss, axis=1), axis=0)
+    if FINISH:  # the only program: the loss itself, divided as PyTorch divides (IEEE)
+        part = tl.math.div_rn(part, tl.load(npos_ptr).to(tl.float32))
+    tl.store(part_ptr + pid, part)
 
 
 # The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
@@ -70,10 +73,16 @@ def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tens
     budget = 65536 if _INTERP else 4096
     rows = max(1, min(next_power_of_2(max(m, 1)), budget // block_k))
     progs = cdiv(m, rows) if m else 0
-    parts = torch.zeros(max(progs, 1), device=x.device, dtype=torch.float32)
-    if progs:
-        _focal_fwd[(progs,)](x, labels, grad, parts, m, k, int(num_real_classes), float(alpha), float(gamma),
-                             float(smoothing), ROWS=rows, BLOCK_K=block_k)
+    if progs == 1:  # one program sums and normalises: no reduction or division around the launch
+        loss = torch.empty((), device=x.device, dtype=torch.float32)
+        _focal_fwd[(1,)](x, labels, grad, loss, num_positives_sum, m, k, int(num_real_classes), float(alpha),
+                         float(gamma), float(smoothing), ROWS=rows, BLOCK_K=block_k, FINISH=True)
+        return loss, grad
+    parts = torch.empty(progs, device=x.device, dtype=torch.float32) if progs else \
+        torch.zeros(1, device=x.device, dtype=torch.float32)
+    if progs:  # every program writes its partial sum
+        _focal_fwd[(progs,)](x, labels, grad, parts, num_positives_sum, m, k, int(num_real_classes), float(alpha),
+                             float(gamma), float(smoothing), ROWS=rows, BLOCK_K=block_k, FINISH=False)
     loss = parts.sum() / num_positives_sum.reshape(()).float()
     return loss, grad
 
@@ -83,6 +92,6 @@ def backward(grad_loss: torch.Tensor, partial_grad: torch.Tensor, num_positives_
     n = partial_grad.numel()
     if n:
         block = 65536 if _INTERP else 1024
-        _focal_bwd[(cdiv(n, block),)](partial_grad, grad_loss.reshape(1).float(),
-                                            num_positives_sum.reshape(1).float(), n, BLOCK=block)
+        # (the kernel reads both one-element tensors in their own dtypes and rounds them to fp32)
+        _focal_bwd[(cdiv(n, block),)](partial_grad, grad_loss, num_positives_sum, n, BLOCK=block)
     return partial_grad

@@ -47,7 +47,8 @@ def _run(x, y, npos, k_real, alpha, gamma, smoothing, dy=1.0):
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,k,k_real", [(1, 1, 1), (37, 13, 11), (20, 96, 91)], ids=str)
+# (700, 96): several programs' partial sums (the others: one program, which normalises the loss itself)
+@pytest.mark.parametrize("m,k,k_real", [(1, 1, 1), (37, 13, 11), (20, 96, 91), (700, 96, 91)], ids=str)
 def test_focal_loss_matches_float64(backend_name, m, k, k_real, dtype, smoothing):
     x, y, npos = _inputs(m, k, k_real, dtype)
     with trace(backend_name, x, y, npos) as tr:
@@ -131,3 +132,19 @@ def test_focal_loss_random_shapes(backend_name, m, k):
     ref_l, ref_g = _ref(x, y, npos, k_real, 0.25, 2.0, 0.1)
     assert_rel_close(loss, ref_l, tol=1e-5)
     assert_rel_close(g, ref_g, tol=1e-5)
+
+
+def test_triton_path_runs_only_the_target_check(backend_name):
+    """A step of the Triton path issues no PyTorch operator besides the targets' range check (one reduction,
+    one host read): the single program normalises the loss, the backward reads the scale's tensors itself."""
+    from apex._backend import interpreting
+    from apex.testing import count_eager
+
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path is PyTorch operators by design")
+    x, y, npos = _inputs(16, 96, 80, torch.float32)
+    x.requires_grad_()
+    counts = count_eager(lambda: FL.focal_loss(x, y, npos, 80, 0.25, 2.0).backward())["ops"]
+    if interpreting():
+        counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+    assert counts == {"aminmax": 1, "stack": 1}
