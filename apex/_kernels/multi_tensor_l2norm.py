@@ -138,6 +138,40 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
     return total, per
 
 
+def total_of_tables(noop_flag: torch.Tensor, tables: list, *, skip_if_flagged: bool = False,
+                    scratch: dict | None = None) -> torch.Tensor:
+    """The L2 norm (one-element fp32 tensor) of list 0 of every table in ``tables``: an optimizer's own
+    tables of ``[grads, ...]``, so that a step with new gradients builds one table, not one more for the
+    norm. Partials lie table after table, as :func:`norms` lays out its groups. ``scratch``: a dict the
+    caller keeps from call to call, which holds the partials and the result (stream-ordered reuse: the next
+    call's launches come after this call's)."""
+    device = tables[0].ptrs.device
+    n_partials = sum(tab.n_chunks for tab in tables)
+    partials = _scratch(scratch, ("norm partials", device), max(n_partials, 1), device)
+    total = _scratch(scratch, ("norm total", device), 1, device)
+    offset = 0
+    for tab in tables:
+        in_dt = tab.dtypes[0]
+        mt.launch_with_dtypes(_partials_kernel, tab, (in_dt, in_dt), partials, offset, noop_flag, partials, 1.0,
+                              HAS_INV_SCALE=False, WRITE_OUT=False, MAX_NORM=False,
+                              SKIP_IF_FLAGGED=skip_if_flagged)
+        offset += tab.n_chunks
+    _finalize_kernel[(1,)](partials, n_partials, partials, 0, 0, total, total, total, 1.0, 1.0,
+                           PER_TENSOR=False, MAX_NORM=False, BLEND=False,
+                           BLOCK=min(1024, next_power_of_2(max(n_partials, 1))))
+    return total
+
+
+def _scratch(scratch: dict | None, key, n: int, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer of at least ``n`` elements: kept in ``scratch`` under ``key`` (None: a new one)."""
+    if scratch is None:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    buf = scratch.get(key)
+    if buf is None or buf.numel() < n:
+        buf = scratch[key] = torch.empty(n, dtype=torch.float32, device=device)
+    return buf
+
+
 _bounds_cache = mt._LRU()
 
 

@@ -134,7 +134,8 @@ def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
 def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                   norms, noop_flag, grad_norm, max_norm, max_norm_ptr,
                   lr, lr_ptr, bc1, bc2, step_ptr, betas64, eps, decay,
-                  M_DT: tl.constexpr, V_DT: tl.constexpr, P_DT: tl.constexpr, O_DT: tl.constexpr,
+                  G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                  O_DT: tl.constexpr,
                   ADAM_W: tl.constexpr, HAS_OUT: tl.constexpr, SKIP: tl.constexpr,
                   MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
                   BIAS_CORR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -146,10 +147,11 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     p_norm = tl.load(norms + n_tensors + t)
     safe = tl.where(u_norm != 0.0, u_norm, 1.0)  # both branches are evaluated: avoid 0/0
     ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * tl.div_rn(p_norm, safe), lr)
-    m_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, V_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, P_DT)
-    o_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, O_DT)
+    # (the moments launch's table [g, p, m, v, out]: the gradients' list is not read)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
+    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -176,13 +178,28 @@ def _betas64(beta1: float, beta2: float, device) -> torch.Tensor:
     return t
 
 
-def lamb(noop_flag: torch.Tensor, g: list, p: list, m: list, v: list, out: list | None, *,
-         lr, beta1: float, beta2: float, eps: float, step, bias_correction: bool, weight_decay: float,
-         beta3: float, adam_w: bool, grad_norm: torch.Tensor, max_grad_norm, use_nvlamb: bool,
-         inv_scale: torch.Tensor | None = None, skip_on_noop: bool = False) -> None:
+def tables(g: list, p: list, m: list, v: list, out: list | None) -> list:
+    """The device tables of one LAMB call, one per (device, dtypes) group of ``[g, p, m, v, out or p]``:
+    every launch of the step reads its tensors through them (the global norm's partials list 0, the
+    moments and apply launches all five), so new gradients cost one table."""
+    return [mt.table(sub) for _, sub in mt.group([g, p, m, v, out if out is not None else p])]
+
+
+def lamb(noop_flag: torch.Tensor, g: list, p: list, m: list, v: list, out: list | None, **kw) -> None:
     """One LAMB step. ``lr``, ``step`` and ``max_grad_norm`` are Python numbers or one-element device
     tensors; ``out`` (optional) receives a reduced-precision copy of the updated ``p``."""
-    device = p[0].device
+    lamb_on(noop_flag, tables(g, p, m, v, out), has_out=out is not None, **kw)
+
+
+def lamb_on(noop_flag: torch.Tensor, tabs: list, *, has_out: bool, lr, beta1: float, beta2: float, eps: float,
+            step, bias_correction: bool, weight_decay: float, beta3: float, adam_w: bool,
+            grad_norm: torch.Tensor, max_grad_norm, use_nvlamb: bool, inv_scale: torch.Tensor | None = None,
+            skip_on_noop: bool = False, scratch: dict | None = None) -> None:
+    """:func:`lamb` on the :func:`tables` of its lists. ``scratch``: a dict the caller keeps from step to step
+    for the partial sums and norms (stream-ordered reuse), instead of two allocations per table."""
+    if not tabs:
+        return
+    device = tabs[0].ptrs.device
     lr_ptr = lr if isinstance(lr, torch.Tensor) else None
     step_ptr = step if isinstance(step, torch.Tensor) else None
     maxn_ptr = max_grad_norm if isinstance(max_grad_norm, torch.Tensor) else None
@@ -193,32 +210,36 @@ def lamb(noop_flag: torch.Tensor, g: list, p: list, m: list, v: list, out: list 
         bc1, bc2 = 1.0 - beta1 ** int(step), 1.0 - beta2 ** int(step)
     betas = _betas64(beta1, beta2, device) if step_ptr is not None else grad_norm
     trust = bool(use_nvlamb) or weight_decay != 0.0
-    has_out = out is not None
-    lists = [g, p, m, v, out if has_out else p]
     common = dict(SKIP=bool(skip_on_noop), MAXN_PTR=maxn_ptr is not None, LR_PTR=lr_ptr is not None,
-                  STEP_PTR=step_ptr is not None, BIAS_CORR=bool(bias_correction))
-    for _, (gs, ps, ms, vs, os_) in mt.group(lists):
-        tab = mt.table([gs, ps, ms, vs, os_])
-        partials = torch.empty(2 * tab.n_chunks if trust else 1, dtype=torch.float32, device=device)
-        mt.launch(_moments_kernel, tab, partials, tab.n_chunks, noop_flag, grad_norm, maxn_f,
-                  maxn_ptr if maxn_ptr is not None else grad_norm,
-                  inv_scale if inv_scale is not None else grad_norm,
-                  lr_f, lr_ptr if lr_ptr is not None else grad_norm, bc1, bc2,
-                  step_ptr if step_ptr is not None else noop_flag, betas,
-                  float(beta1), float(beta2), float(beta3), 1.0 - float(beta2), float(eps),
-                  float(weight_decay),
-                  ADAM_W=bool(adam_w), NEED_P=trust or weight_decay != 0.0, TRUST=trust, HAS_OUT=has_out,
-                  HAS_SCALE=inv_scale is not None, **common)
+                  STEP_PTR=step_ptr is not None, BIAS_CORR=bool(bias_correction), ADAM_W=bool(adam_w),
+                  HAS_OUT=bool(has_out))
+    maxn_arg = maxn_ptr if maxn_ptr is not None else grad_norm
+    lr_arg = lr_ptr if lr_ptr is not None else grad_norm
+    step_arg = step_ptr if step_ptr is not None else noop_flag
+    eps, decay = float(eps), float(weight_decay)
+    for tab in tabs:
+        partials = _buffer(scratch, "partials", 2 * tab.n_chunks if trust else 1, device)
+        mt.launch(_moments_kernel, tab, partials, tab.n_chunks, noop_flag, grad_norm, maxn_f, maxn_arg,
+                  inv_scale if inv_scale is not None else grad_norm, lr_f, lr_arg, bc1, bc2, step_arg, betas,
+                  float(beta1), float(beta2), float(beta3), 1.0 - float(beta2), eps, decay,
+                  NEED_P=trust or decay != 0.0, TRUST=trust, HAS_SCALE=inv_scale is not None, **common)
         if not trust:
             continue
-        norms = torch.empty(2 * tab.n_tensors, dtype=torch.float32, device=device)
+        norms = _buffer(scratch, "norms", 2 * tab.n_tensors, device)
         reduce_rows(partials, tab, norms, 2)
-        tab2 = mt.table([ms, vs, ps, os_])
-        mt.launch(_apply_kernel, tab2, norms, noop_flag, grad_norm, maxn_f,
-                  maxn_ptr if maxn_ptr is not None else grad_norm,
-                  lr_f, lr_ptr if lr_ptr is not None else grad_norm, bc1, bc2,
-                  step_ptr if step_ptr is not None else noop_flag, betas, float(eps), float(weight_decay),
-                  ADAM_W=bool(adam_w), HAS_OUT=has_out, **common)
+        mt.launch(_apply_kernel, tab, norms, noop_flag, grad_norm, maxn_f, maxn_arg, lr_f, lr_arg, bc1, bc2,
+                  step_arg, betas, eps, decay, **common)
+
+
+def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer of at least ``n`` elements, kept in ``scratch`` (None: a new one)."""
+    if scratch is None:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    key = (name, device)
+    buf = scratch.get(key)
+    if buf is None or buf.numel() < n:
+        buf = scratch[key] = torch.empty(n, dtype=torch.float32, device=device)
+    return buf
 
 
 @triton.jit

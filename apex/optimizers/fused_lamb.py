@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from apex import _backend
 from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb
@@ -89,6 +90,9 @@ class FusedLAMB(CopyableOptimizer):
         """Performs a single optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = run_closure(closure)
         planned = step_plans(self, (), lambda gi, group: group_grads("FusedLAMB", gi, group), self._build_plan)
+        if self._on_triton(planned):
+            self._triton_step(planned)
+            return loss
         grads = all_grads(planned)
         if grads is not None:
             device = grads.device if grads.device is not None else grads[0].device
@@ -114,6 +118,47 @@ class FusedLAMB(CopyableOptimizer):
             else:  # a subclass's own op, called the Apex way
                 self.multi_tensor_lamb(*args[:2], [list(x) for x in args[2]], *args[3:])
         return loss
+
+    def _on_triton(self, planned: list) -> bool:
+        """Whether this step takes the Triton kernels directly: apex's own ops, the Triton backend for the
+        parameters, and every group on one device (the global norm's)."""
+        if self.multi_tensor_lamb is not multi_tensor_lamb or self.multi_tensor_l2norm is not multi_tensor_l2norm:
+            return False
+        devices = {b.device for plan, _, _ in planned for b in plan.buckets}
+        if len(devices) != 1:
+            return False
+        first = next(b for plan, _, _ in planned for b in plan.buckets)
+        return _backend.select_tensor(first.lists[0][0]) == "triton"
+
+    def _triton_step(self, planned: list) -> None:
+        """The step on the Triton path, without the ops' wrappers: one device table per (group, dtype) with
+        this step's gradients, which the global norm's partials, the moments and the apply launches all read;
+        partial sums and norms in buffers kept from step to step."""
+        from apex._kernels import multi_tensor_l2norm as norm_kernels
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        work = [(group, kernels.tables(b.grads(gs, gptrs), *b.lists, None))
+                for group, (plan, gs, gptrs) in zip(self.param_groups, planned) for b in plan.buckets]
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        every = [t for _, tabs in work for t in tabs]
+        if not every:  # only empty tensors
+            return
+        device = every[0].ptrs.device
+        flag = self._dummy_overflow_buf
+        if flag.device != device:
+            flag = self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        scratch = self.__dict__.setdefault("_scratch", {})
+        grad_norm = norm_kernels.total_of_tables(flag, every, scratch=scratch)
+        max_grad_norm = float(self.defaults["max_grad_norm"])
+        for group, tabs in work:
+            beta1, beta2 = group["betas"]
+            kernels.lamb_on(flag, tabs, has_out=False, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                            eps=group["eps"], step=group["step"], bias_correction=bool(group["bias_correction"]),
+                            weight_decay=float(group["weight_decay"]),
+                            beta3=1.0 - float(beta1) if group["grad_averaging"] else 1.0,
+                            adam_w=bool(self.adam_w_mode), grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                            use_nvlamb=bool(self.use_nvlamb), scratch=scratch)
 
     def _build_plan(self, group: dict, checked) -> Plan:
         """State (``exp_avg``, ``exp_avg_sq``) and one launch for the group's parameters with a gradient."""

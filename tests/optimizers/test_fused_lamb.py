@@ -207,6 +207,42 @@ def test_no_trust_ratio_is_a_single_pass(triton_device):
     assert tr.kernels["_moments_kernel"] == 1 and "_apply_kernel" not in tr.kernels
 
 
+def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+    """With new gradient tensors at every step (``zero_grad(set_to_none=True)``), the global norm's partials,
+    the moments and the apply launches all read one table with the new gradients' addresses: a table per
+    launch costs its own upload."""
+    from apex._kernels import multi_tensor as mt
+
+    params = [torch.nn.Parameter(torch.randn(5 + i)) for i in range(6)]
+    opt = FusedLAMB(params, lr=1e-2)  # weight decay: the trust ratio's moments, reduction and apply launches
+    built: list = []
+    real = mt.TensorTable
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    twin = copy.deepcopy(opt)
+    with apex.backend("triton"):
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                for p, q in zip(params, twin.param_groups[0]["params"]):
+                    q.grad = p.grad.clone()
+                monkeypatch.setattr(mt, "TensorTable", counting)
+                opt.step()
+                monkeypatch.setattr(mt, "TensorTable", real)
+                twin.step()  # (its first step: plans and tables of its own)
+            else:
+                opt.step()
+                if step == 1:
+                    twin = copy.deepcopy(opt)
+    assert len(built) == 1, built
+    for p, q in zip(params, twin.param_groups[0]["params"]):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def test_closure_and_zero_grad(backend_name):
     w = torch.nn.Parameter(torch.randn(4))
     opt = FusedLAMB([w], lr=1e-2)
