@@ -1,9 +1,10 @@
 """``out[i] = a[idx[i]] * b[i]`` (a gather-multiply over rows) and its transpose, the segment sum
 ``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]``.
 
-The segment sum is deterministic by construction: the caller sorts ``idx`` (stable) and passes the
-permutation and each target row's segment bounds; one program owns one block of target rows and one block
-of features and adds its contributions in sorted order. No atomics, so repeated indices give the same bits
+The segment sum is deterministic by construction: the caller sorts ``idx`` (stable) and passes the sorted
+values and the permutation; each program finds its target rows' segment bounds by binary search in the
+sorted values (no counting, scan or bounds buffer around the launch), owns one block of target rows and one
+block of features and adds its contributions in sorted order. No atomics, so repeated indices give the same bits
 on every run.
 """
 
@@ -34,14 +35,29 @@ _INTERP = interpreted(_gather_mul)
 
 
 @triton.jit
-def _segment_mul_sum(g_ptr, b_ptr, perm_ptr, start_ptr, out_ptr, a_ptr, out2_ptr, R, F, sg, sb, so, sa, so2,
-                     ROWS: tl.constexpr, BLOCK_F: tl.constexpr, PAIR: tl.constexpr):
+def _lower_bound(sorted_ptr, M, target, mask, steps):
+    """First position in the ascending ``sorted_ptr[0:M]`` holding a value ≥ ``target`` (per lane)."""
+    lo = tl.zeros_like(target)
+    hi = tl.zeros_like(target) + M
+    for _ in range(steps):  # steps = bit_length(M): the interval [lo, hi) is empty after it
+        active = mask & (lo < hi)
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=active, other=0)
+        right = v < target
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (v >= target), mid, hi)
+    return lo
+
+
+@triton.jit
+def _segment_mul_sum(g_ptr, b_ptr, perm_ptr, sorted_ptr, out_ptr, a_ptr, out2_ptr, R, M, F, steps, sg, sb, so,
+                     sa, so2, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, PAIR: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     rmask = rows < R
     fmask = (cols < F)[None, :]
-    lo = tl.load(start_ptr + rows, mask=rmask, other=0)
-    hi = tl.load(start_ptr + rows + 1, mask=rmask, other=0)
+    lo = _lower_bound(sorted_ptr, M, rows.to(tl.int64), rmask, steps)
+    hi = _lower_bound(sorted_ptr, M, rows.to(tl.int64) + 1, rmask, steps)
     acc = tl.zeros((ROWS, BLOCK_F), tl.float32)
     if PAIR:  # the rows i of this segment gather exactly this target row: out2[i] = g[i] * a[r] comes free
         a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], mask=rmask[:, None] & fmask,
@@ -87,15 +103,13 @@ def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_ou
     out2 = torch.empty((m, f), device=b.device, dtype=out_dtype) if a is not None else None
     if rows_out == 0 or f == 0:
         return (out, out2) if a is not None else out
-    perm = torch.sort(idx, stable=True).indices
-    counts = torch.bincount(idx, minlength=rows_out)
-    start = torch.zeros(rows_out + 1, device=b.device, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=start[1:])
+    ordered, perm = torch.sort(idx, stable=True)
     rows, bf = _tiles(rows_out, f)
     if _INTERP:
         rows = min(rows, 16)
     pair = a is not None
     _segment_mul_sum[(cdiv(rows_out, rows), cdiv(f, bf))](
-        g, b, perm, start, out, a if pair else out, out2 if pair else out, rows_out, f, g.stride(0), b.stride(0),
-        out.stride(0), a.stride(0) if pair else 0, out2.stride(0) if pair else 0, ROWS=rows, BLOCK_F=bf, PAIR=pair)
+        g, b, perm, ordered, out, a if pair else out, out2 if pair else out, rows_out, m, f, m.bit_length(),
+        g.stride(0), b.stride(0), out.stride(0), a.stride(0) if pair else 0, out2.stride(0) if pair else 0,
+        ROWS=rows, BLOCK_F=bf, PAIR=pair)
     return (out, out2) if pair else out

@@ -131,3 +131,21 @@ def test_index_mul_2d_random_shapes(backend_name, r, m, f):
     with trace(backend_name, in1, in2, idx):
         got = _energy_and_force(IM.index_mul_2d, in1, in2, idx)
     assert_rel_close(list(got), list(_ref(in1, in2, idx)), tol=1e-5)
+
+
+def test_triton_backward_runs_only_the_sort(backend_name):
+    """The segment sum's kernel finds each target row's segment by binary search in the sorted indices: a
+    step issues no PyTorch operator but the index check's reduction and the sort (no counting, scan or
+    bounds buffer)."""
+    from apex._backend import interpreting
+    from apex.testing import count_eager
+
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path is PyTorch operators by design")
+    in1, in2 = torch.randn(32, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    idx = torch.tensor([3, 0, 3, 31, 7, 3, 0] + [5] * 13)
+    gy = torch.randn(20, 8)
+    counts = count_eager(lambda: torch.autograd.grad(IM.index_mul_2d(in1, in2, idx), (in1, in2), gy))["ops"]
+    if interpreting():
+        counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+    assert counts == {"aminmax": 1, "stack": 1, "sort": 1}
