@@ -28,12 +28,23 @@ Tensor = torch.Tensor
 
 def _autocast_call(fn, input, *args):
     """Run ``fn(input, *args)`` the way Apex's functional forms do under autocast."""
-    device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        cast = autocast_args(device_type, input, *args)
-        with torch.autocast(device_type=device_type, enabled=False):
-            return fn(*cast)
+    # One query for every device type first: with autocast off (the usual call) no device object is built.
+    if torch._C._is_any_autocast_enabled():
+        device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            cast = autocast_args(device_type, input, *args)
+            with torch.autocast(device_type=device_type, enabled=False):
+                return fn(*cast)
     return fn(input, *args)
+
+
+# The functional forms' argument orders with the tensors first, for _autocast_call (no lambda per call).
+def _layer_norm_affine(x, w, b, normalized_shape, eps, memory_efficient):
+    return layer_norm(x, normalized_shape, w, b, eps, memory_efficient)
+
+
+def _rms_norm_affine(x, w, normalized_shape, eps, memory_efficient):
+    return rms_norm(x, normalized_shape, w, eps, memory_efficient)
 
 
 # Reference implementation from Hugging Face, kept with Apex's name and behaviour.
@@ -59,14 +70,13 @@ def fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normali
     Statistics in fp32; the output has the input's dtype (under autocast: the autocast dtype).
     ``memory_efficient=True`` saves the output instead of the input for backward.
     """
-    return _autocast_call(lambda x, w, b: layer_norm(x, normalized_shape, w, b, eps, memory_efficient),
-                          input, weight, bias)
+    return _autocast_call(_layer_norm_affine, input, weight, bias, normalized_shape, eps, memory_efficient)
 
 
 def fused_layer_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
                      ) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the trailing ``normalized_shape`` dims, without weight or bias."""
-    return _autocast_call(lambda x: layer_norm(x, normalized_shape, None, None, eps, memory_efficient), input)
+    return _autocast_call(layer_norm, input, normalized_shape, None, None, eps, memory_efficient)
 
 
 def mixed_dtype_fused_layer_norm_affine(input: Tensor, weight: Tensor, bias: Tensor, normalized_shape,
@@ -84,13 +94,13 @@ def fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: 
     """``x / sqrt(mean(x²) + eps) * weight`` over the trailing ``normalized_shape`` dims; fp32 statistics,
     output in the input dtype.
     """
-    return _autocast_call(lambda x, w: rms_norm(x, normalized_shape, w, eps, memory_efficient), input, weight)
+    return _autocast_call(_rms_norm_affine, input, weight, normalized_shape, eps, memory_efficient)
 
 
 def fused_rms_norm(input: Tensor, normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
                    ) -> Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the trailing ``normalized_shape`` dims, without weight."""
-    return _autocast_call(lambda x: rms_norm(x, normalized_shape, None, eps, memory_efficient), input)
+    return _autocast_call(rms_norm, input, normalized_shape, None, eps, memory_efficient)
 
 
 def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_shape, eps: float = 1e-6,

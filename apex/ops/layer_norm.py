@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apex.ops._dispatch import custom_op
-from apex.ops._norm import check_args, promote, rows_view, select, stats_dtype, use_kernel
+from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._norm import _f32, check_args, promote, rows_view, select, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.layer_norm")
 
 
 def _native_ok(x_dtype, weight, bias) -> bool:
@@ -88,8 +89,7 @@ def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = 
 def _forward(input, shape, n, weight, bias, eps, out_dtype):
     """:func:`layer_norm_forward` on checked arguments (the custom op's: its callers check them)."""
     if use_kernel(input, out_dtype, n, weight, bias):
-        from apex._kernels import layer_norm as kernels
-
+        kernels = _kernels()
         y, mean, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None
                                            else None, bias.contiguous() if bias is not None else None,
                                            eps, out_dtype, out_like=input)
@@ -117,12 +117,11 @@ def _backward_checked(grad_output, mean, rstd, input_or_output, shape, n, weight
                       dx_dtype, eps):
     """:func:`layer_norm_backward` on checked arguments (the backward op's: the forward's tensors)."""
     if use_kernel(input_or_output, dx_dtype, n, weight, bias, grad_output):
-        from apex._kernels import layer_norm as kernels
-
+        kernels = _kernels()
         dx, dw, db = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
                                       weight.contiguous() if weight is not None else None,
                                       bias.contiguous() if bias is not None else None,
-                                      _flat(mean) if mean is not None else None, _flat(rstd).float(),
+                                      _flat(mean) if mean is not None else None, _f32(_flat(rstd)),
                                       memory_efficient, dx_dtype, eps=eps, out_like=input_or_output)
         return dx, dw, db
     return _backward_torch(grad_output, mean, rstd, input_or_output, shape, weight, bias,

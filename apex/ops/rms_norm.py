@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from apex.ops._cpu_norms import row_norms
-from apex.ops._dispatch import custom_op
-from apex.ops._norm import check_args, promote, rows_view, stats_dtype, use_kernel
+from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._norm import _f32, check_args, promote, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.rms_norm")
 
 
 # ---------------------------------------------------------------------------------------------- torch
@@ -87,8 +88,7 @@ def rms_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = No
 def _forward(input, n, weight, eps, out_dtype):
     """:func:`rms_norm_forward` on checked arguments (the custom op's: its callers check them)."""
     if use_kernel(input, out_dtype, n, weight):
-        from apex._kernels import rms_norm as kernels
-
+        kernels = _kernels()
         y, rstd, _ = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
                                      eps, out_dtype, out_like=input)
         return y, rstd
@@ -113,11 +113,10 @@ def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor
 def _backward_checked(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype, eps):
     """:func:`rms_norm_backward` on checked arguments (the backward op's: the forward's tensors)."""
     if use_kernel(input_or_output, dx_dtype, n, weight, grad_output):
-        from apex._kernels import rms_norm as kernels
-
+        kernels = _kernels()
         dx, dw = kernels.backward(rows_view(grad_output, n), rows_view(input_or_output, n),
                                   weight.contiguous() if weight is not None else None,
-                                  (rstd if rstd.dim() == 1 else rstd.reshape(-1)).float(), memory_efficient,
+                                  _f32(rstd if rstd.dim() == 1 else rstd.reshape(-1)), memory_efficient,
                                   dx_dtype, eps=eps, out_like=input_or_output)
         return dx, dw
     return _backward_torch(grad_output, rstd, input_or_output, n, weight, memory_efficient, dx_dtype, eps)

@@ -192,6 +192,44 @@ def test_double_backward_fails_as_before(name, triton_device):
             g.sum().backward()
 
 
+@NEEDS_PLAIN_TENSORS
+def test_tensor_subclass_argument_takes_the_registered_op(triton_device):
+    """A tensor subclass in any tensor argument (here the optional weight, not the first argument) takes the
+    registered op, as eager() answers for it."""
+    import apex
+    from apex.ops.layer_norm import _fwd_op
+
+    x, w = torch.randn(4, 16, device=triton_device), torch.randn(16, device=triton_device)
+    with apex.backend("triton"):
+        assert _apex_ops(lambda: _fwd_op(x, w, None, [16], 1e-5, False, torch.float32)) == []
+        assert _apex_ops(lambda: _fwd_op(x, _Sub(w), None, [16], 1e-5, False, torch.float32)) == \
+            ["apex::layer_norm_fwd"]
+
+
+@NEEDS_PLAIN_TENSORS
+def test_needs_input_grad_is_the_ops_own_in_every_backward(triton_device):
+    """The eager Function's own two leading arguments are hidden from the op's backward, which reads
+    needs_input_grad (bias-SwiGLU takes dbias from its backward's launch only when the bias needs it),
+    in a second backward of a retained graph too."""
+    import apex
+    from apex.transformer.functional import bias_swiglu
+
+    x = torch.randn(4, 16, device=triton_device, requires_grad=True)
+    b = torch.randn(16, device=triton_device)
+    with apex.backend("triton"):
+        for needs_bias in (True, False):
+            b.requires_grad_(needs_bias)
+            inputs = (x, b) if needs_bias else (x,)
+            y = bias_swiglu(x, b)
+            first = torch.autograd.grad(y.sum(), inputs, retain_graph=True)
+            second = torch.autograd.grad(y.sum(), inputs)
+            assert len(first) == len(inputs)
+            torch.testing.assert_close(first, second, rtol=0, atol=0)
+    h = (x + b).detach()
+    sig = torch.sigmoid(h[:, :8])
+    torch.testing.assert_close(first[0][:, :8], sig * (1 + h[:, :8] * (1 - sig)) * h[:, 8:], rtol=1e-5, atol=1e-6)
+
+
 def test_eager_predicate():
     from apex.ops._dispatch import eager
 
