@@ -84,7 +84,7 @@ def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, N]`` view; returns contiguous ``[M, N]``."""
     M, N = x.shape
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M * N:
         bm, bn, grid = _tiles(M, N)
         _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
@@ -94,7 +94,7 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     M, N = x.shape
-    dx = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    dx = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M * N:
         bm, bn, grid = _tiles(M, N)
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
@@ -106,8 +106,8 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
                             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sum, bias dtype), in one launch."""
     M, N = x.shape
-    dx = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    db = torch.empty((N,), dtype=bias.dtype, device=x.device)
+    dx = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    db = torch.empty(N, dtype=bias.dtype, device=x.device)
     if N:
         bm, bn, grid = column_tiles(M, N)
         _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),

@@ -103,13 +103,27 @@ def _config(op: str, x: torch.Tensor, M: int, N: int) -> dict:
     return _tuning.pick(op, x.device, x.element_size(), (M, N), {"rows": bm, "cols": bn, "warps": 4})
 
 
+# (direction, M, N, itemsize, device index) -> (configuration, grid): what a launch derives from its shape.
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(op: str, x: torch.Tensor, M: int, N: int) -> tuple[dict, tuple[int, int]]:
+    key = (op, M, N, x.element_size(), x.get_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = _config(op, x, M, N)
+        plan = _PLANS[key] = (cfg, (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"])))
+    else:
+        _tuning.last[op] = plan[0]  # as pick records it: the configuration this launch takes
+    return plan
+
+
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, 2N]`` view; returns ``[M, N]``."""
     M, N = x.shape[0], x.shape[1] // 2
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)  # integers: a tuple costs ~1 µs more to parse
     if M * N:
-        cfg = _config("bias_swiglu.fwd", x, M, N)
-        grid = (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"]))
+        cfg, grid = _plan("bias_swiglu.fwd", x, M, N)
         _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
                           HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
     return y
@@ -118,10 +132,9 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) 
 def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``dy`` ``[M, N]`` and ``x`` ``[M, 2N]`` 2-D views; returns ``dx`` ``[M, 2N]``."""
     M, N = x.shape[0], x.shape[1] // 2
-    dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
+    dx = torch.empty(M, 2 * N, dtype=out_dtype, device=x.device)
     if M * N:
-        cfg = _config("bias_swiglu.bwd", x, M, N)
-        grid = (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"]))
+        cfg, grid = _plan("bias_swiglu.bwd", x, M, N)
         _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
                           x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"],
                           BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
@@ -155,13 +168,20 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sums, one rounding to the bias dtype),
     in one launch (two where the rows are split: a fixed-order sum of the chunks' fp32 partials)."""
     M, N = x.shape[0], x.shape[1] // 2
-    dx = torch.empty((M, 2 * N), dtype=out_dtype, device=x.device)
-    db = torch.empty((2 * N,), dtype=bias.dtype, device=x.device)
+    dev = x.device
+    dx = torch.empty(M, 2 * N, dtype=out_dtype, device=dev)
+    db = torch.empty(2 * N, dtype=bias.dtype, device=dev)
     if N:
-        cfg = _tuning.pick("bias_swiglu.bwd_db", x.device, x.element_size(), (M, N), _db_formula(M, N, x.device))
-        per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
-        splits = cdiv(max(M, 1), per)
-        part = torch.empty((splits, 2 * N), dtype=torch.float32, device=x.device) if splits > 1 else db
+        key = ("bias_swiglu.bwd_db", M, N, x.element_size(), x.get_device())
+        plan = _PLANS.get(key)
+        if plan is None:
+            cfg = _tuning.pick(key[0], dev, key[3], (M, N), _db_formula(M, N, dev))
+            per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
+            plan = _PLANS[key] = (cfg, per, cdiv(max(M, 1), per))
+        else:
+            _tuning.last[key[0]] = plan[0]
+        cfg, per, splits = plan
+        part = torch.empty(splits, 2 * N, dtype=torch.float32, device=dev) if splits > 1 else db
         _bwd_db_kernel[(cdiv(N, cfg["cols"]), splits)](
             dy, x, bias, dx, db, part, M, N, per, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
             BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], STAGES=cfg["stages"], SPLIT=splits > 1,

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import torch
 
-from apex._backend import select
-from apex.ops.bias_swiglu import _check_grad, _contig, _h, bias_grad, check_args, register_bias_act_ops
+from apex.ops._dispatch import lazy_module
+from apex.ops.bias_swiglu import _check_grad, _contig, _h, _triton, bias_grad, check_args, register_bias_act_ops, rows
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.bias_gelu")
 
 
 # ----------------------------------------------------------------------------- dispatch (no autograd)
 def bias_gelu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
-    n = check_args(input, bias, glu=False)
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_gelu as kernels
+    check_args(input, bias, glu=False)
+    return _forward(input, bias)
 
-        return kernels.forward(input.reshape(-1, n), _contig(bias), input.dtype).view(input.shape)
+
+def _forward(input: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`bias_gelu_forward` on checked arguments (the custom op's: its caller checked them)."""
+    if _triton(input):
+        y = _kernels().forward(rows(input, input.shape[-1]), _contig(bias), input.dtype)
+        return y if input.dim() == 2 else y.view(input.shape)
     h, fresh = _h(input, bias)
     y = torch.ops.aten.gelu_(h, approximate="tanh") if fresh else torch.nn.functional.gelu(h, approximate="tanh")
     return y.to(input.dtype)
@@ -33,13 +38,18 @@ def bias_gelu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
 
 def bias_gelu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     """The gradient of ``input`` (that of ``bias`` is its sum over the leading dims)."""
-    n = check_args(input, bias, glu=False)
+    check_args(input, bias, glu=False)
     _check_grad(grad_output, input.shape)
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_gelu as kernels
+    return _backward(grad_output, input, bias)
 
-        dx = kernels.backward(grad_output.reshape(-1, n), input.reshape(-1, n), _contig(bias), input.dtype)
-        return dx.view(input.shape)
+
+def _backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`bias_gelu_backward` on checked arguments (the backward op's: the forward's tensors, and a
+    gradient autograd has given the output's shape)."""
+    if _triton(input):
+        n = input.shape[-1]
+        dx = _kernels().backward(rows(grad_output, n), rows(input, n), _contig(bias), input.dtype)
+        return dx if input.dim() == 2 else dx.view(input.shape)
     return _bwd_torch(grad_output, input, bias)
 
 
@@ -51,23 +61,27 @@ def _bwd_torch(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tenso
 def bias_gelu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of ``input`` and ``bias`` together: one Triton launch (``dbias`` summed in fp32 from the
     unrounded ``dx``), or PyTorch's ``gelu_backward`` and a fp32 sum on the CPU."""
-    n = check_args(input, bias, glu=False)
+    check_args(input, bias, glu=False)
     if bias is None:
         raise ValueError("bias must be a tensor to take its gradient, got None")
     _check_grad(grad_output, input.shape)
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_gelu as kernels
+    return _backward_with_bias_grad(grad_output, input, bias)
 
-        dx, db = kernels.backward_with_bias_grad(grad_output.reshape(-1, n), input.reshape(-1, n),
-                                                 bias.contiguous(), input.dtype)
-        return dx.view(input.shape), db
+
+def _backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`bias_gelu_backward_with_bias_grad` on checked arguments (as :func:`_backward`)."""
+    if _triton(input):
+        n = input.shape[-1]
+        dx, db = _kernels().backward_with_bias_grad(rows(grad_output, n), rows(input, n), bias.contiguous(),
+                                                    input.dtype)
+        return (dx if input.dim() == 2 else dx.view(input.shape)), db
     dx = _bwd_torch(grad_output, input, bias)
     return dx, bias_grad(dx, bias)
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-_fwd_op = register_bias_act_ops("bias_gelu", bias_gelu_forward, bias_gelu_backward, bias_gelu_backward_with_bias_grad,
-                                lambda shape: shape)
+# The ops run the unchecked forms (see bias_swiglu's).
+_fwd_op = register_bias_act_ops("bias_gelu", _forward, _backward, _backward_with_bias_grad, lambda shape: shape)
 
 
 def bias_gelu(input: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -19,10 +19,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from apex._backend import select
-from apex.ops._dispatch import custom_op
+from apex._backend import select_tensor
+from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.bias_swiglu")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -39,10 +41,10 @@ def check_args(input: Tensor, bias: Tensor | None, glu: bool = True) -> int:
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if tuple(bias.shape) != (n,) or bias.dtype not in _FLOATS:
+        if bias.shape != (n,) or bias.dtype not in _FLOATS:
             raise ValueError(f"bias must be a float tensor of shape [{n}] (input's last dim), got {bias.dtype} "
                              f"{list(bias.shape)}")
-        if bias.device != input.device:
+        if not _same_device(bias, input):
             raise ValueError(f"bias is on {bias.device} but input is on {input.device}")
     return n
 
@@ -88,14 +90,27 @@ def _bwd_torch(dy: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- dispatch (no autograd)
+def rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as the kernels' 2-D ``[rows, n]`` (any strides): a 2-D tensor as it is, no view per call."""
+    return t if t.dim() == 2 else t.reshape(-1, n)
+
+
+def _triton(input: Tensor) -> bool:
+    return input.dtype != torch.float64 and select_tensor(input) == "triton"
+
+
 def bias_swiglu_forward(input: Tensor, bias: Tensor | None) -> Tensor:
     """``fused_bias_swiglu.forward``: ``silu(x₁ + b₁)·(x₂ + b₂)``, ``[..., n]`` in the input dtype."""
-    n = check_args(input, bias)
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_swiglu as kernels
+    check_args(input, bias)
+    return _forward(input, bias)
 
-        y = kernels.forward(input.reshape(-1, n), _contig(bias), input.dtype)
-        return y.view(*input.shape[:-1], n // 2)
+
+def _forward(input: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`bias_swiglu_forward` on checked arguments (the custom op's: its caller checked them)."""
+    if _triton(input):
+        n = input.shape[-1]
+        y = _kernels().forward(rows(input, n), _contig(bias), input.dtype)
+        return y if input.dim() == 2 else y.view(*input.shape[:-1], n // 2)
     return _fwd_torch(input, bias)
 
 
@@ -108,12 +123,16 @@ def bias_swiglu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None
     """``fused_bias_swiglu.backward``: the gradient of ``input`` (that of ``bias`` is its sum over rows)."""
     n = check_args(input, bias)
     _check_grad(grad_output, (*input.shape[:-1], n // 2))
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_swiglu as kernels
+    return _backward(grad_output, input, bias)
 
-        dx = kernels.backward(grad_output.reshape(-1, n // 2), input.reshape(-1, n), _contig(bias),
-                              input.dtype)
-        return dx.view(input.shape)
+
+def _backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`bias_swiglu_backward` on checked arguments (the backward op's: the forward's tensors, and a
+    gradient autograd has given the output's shape)."""
+    if _triton(input):
+        n = input.shape[-1]
+        dx = _kernels().backward(rows(grad_output, n // 2), rows(input, n), _contig(bias), input.dtype)
+        return dx if input.dim() == 2 else dx.view(input.shape)
     return _bwd_torch(grad_output, input, bias)
 
 
@@ -124,12 +143,16 @@ def bias_swiglu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias
     if bias is None:
         raise ValueError("bias must be a tensor to take its gradient, got None")
     _check_grad(grad_output, (*input.shape[:-1], n // 2))
-    if input.dtype != torch.float64 and select(input) == "triton":
-        from apex._kernels import bias_swiglu as kernels
+    return _backward_with_bias_grad(grad_output, input, bias)
 
-        dx, db = kernels.backward_with_bias_grad(grad_output.reshape(-1, n // 2), input.reshape(-1, n),
-                                                 bias.contiguous(), input.dtype)
-        return dx.view(input.shape), db
+
+def _backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`bias_swiglu_backward_with_bias_grad` on checked arguments (as :func:`_backward`)."""
+    if _triton(input):
+        n = input.shape[-1]
+        dx, db = _kernels().backward_with_bias_grad(rows(grad_output, n // 2), rows(input, n), bias.contiguous(),
+                                                    input.dtype)
+        return (dx if input.dim() == 2 else dx.view(input.shape)), db
     dx = _bwd_torch(grad_output, input, bias)
     return dx, bias_grad(dx, bias)
 
@@ -183,8 +206,10 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
     return fwd
 
 
-_fwd_op = register_bias_act_ops("bias_swiglu", bias_swiglu_forward, bias_swiglu_backward,
-                                bias_swiglu_backward_with_bias_grad, lambda shape: (*shape[:-1], shape[-1] // 2))
+# The ops run the unchecked forms: their one caller, bias_swiglu, checked the arguments (and torch.compile
+# records them after that check); the backward's tensors are the forward's.
+_fwd_op = register_bias_act_ops("bias_swiglu", _forward, _backward, _backward_with_bias_grad,
+                                lambda shape: (*shape[:-1], shape[-1] // 2))
 
 
 # ------------------------------------------------------------------------------------- autograd entry
