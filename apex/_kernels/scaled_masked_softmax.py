@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted
 
 # Widest row held in registers in one block on a GPU (fp32: 32 values per thread at 16 warps).
@@ -159,15 +160,28 @@ def _config(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool
     return rows, block, one, num_warps
 
 
+# (rows, keys, max_block) -> _config's answer, asked at every launch (emptied with the other plan caches).
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, int]:
+    key = (n_rows, sk, max_block)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _config(n_rows, sk, max_block)
+    return plan
+
+
 def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
             max_block: int | None = None) -> torch.Tensor:
     """Probabilities of the 4-D scores ``x`` (any strides); ``mask`` already expanded to ``x``'s shape."""
     b, h, sq, sk = x.shape
-    y = torch.empty((b, h, sq, sk), dtype=x.dtype, device=x.device)
+    # Integer sizes: a tuple costs ~1 µs more to parse.
+    y = torch.empty(b, h, sq, sk, dtype=x.dtype, device=x.device)
     n_rows = b * h * sq
-    if y.numel() == 0:
+    if n_rows * sk == 0:
         return y
-    rows, block, one, warps = _config(n_rows, sk, max_block)
+    rows, block, one, warps = _plan(n_rows, sk, max_block)
     if mask is not None:
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         ms = m.stride()
@@ -184,11 +198,11 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
              max_block: int | None = None) -> torch.Tensor:
     """``scale · y · (dy − Σ dy·y)`` of 4-D ``dy`` and ``y`` (any strides), contiguous in ``out_dtype``."""
     b, h, sq, sk = y.shape
-    dx = torch.empty((b, h, sq, sk), dtype=out_dtype, device=y.device)
+    dx = torch.empty(b, h, sq, sk, dtype=out_dtype, device=y.device)
     n_rows = b * h * sq
-    if dx.numel() == 0:
+    if n_rows * sk == 0:
         return dx
-    rows, block, one, warps = _config(n_rows, sk, max_block)
+    rows, block, one, warps = _plan(n_rows, sk, max_block)
     _bwd_kernel[(cdiv(n_rows, rows),)](
         dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(),
         CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one, num_warps=warps)

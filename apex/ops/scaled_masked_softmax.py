@@ -23,9 +23,11 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import custom_op
+from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.scaled_masked_softmax")
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.uint8)
@@ -37,6 +39,8 @@ def _shape(t: Tensor) -> list[int]:
 
 
 def check_scale(scale: object) -> float:
+    if type(scale) is float:  # the usual call: no numbers ABC check
+        return scale
     if isinstance(scale, torch.Tensor) and scale.numel() == 1:
         return float(scale.item())
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
@@ -65,13 +69,24 @@ def check_args(input: object, mask: object, causal: bool, name: str = "input") -
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype not in MASK_DTYPES:
         raise TypeError(f"mask must be a bool (or uint8) tensor, True = masked, got {mask.dtype}")
-    if mask.device != input.device:
+    if not _same_device(mask, input):
         raise ValueError(f"mask is on {mask.device} but {name} is on {input.device}")
-    fits = mask.dim() <= input.dim() and all(
-        m in (1, n) for m, n in zip(reversed(mask.shape), reversed(input.shape)))
-    if not fits:
+    if not _broadcasts(mask.shape, input.shape):
         raise RuntimeValueError(f"mask of shape {_shape(mask)} does not broadcast to {name} of shape "
                                 f"{_shape(input)} (expected [b or 1, 1 or np, sq or 1, sk or 1])")
+
+
+def _broadcasts(mshape: torch.Size, shape: torch.Size) -> bool:
+    """Whether a mask of ``mshape`` broadcasts to ``shape`` (a loop, not all(<generator>): asked every call)."""
+    k = len(mshape)
+    if k > len(shape):
+        return False
+    off = len(shape) - k
+    for i in range(k):
+        m = mshape[i]
+        if m != 1 and m != shape[off + i]:
+            return False
+    return True
 
 
 def _check_same_shape(grad_output: Tensor, softmax_results: Tensor) -> None:
@@ -93,7 +108,12 @@ def _mask4d(mask: Tensor | None, shape) -> Tensor | None:
 
 
 def _use_kernel(*tensors: Tensor) -> bool:
-    return _backend.select(tensors[0]) == "triton" and all(t.dtype in KERNEL_DTYPES for t in tensors)
+    if _backend.select_tensor(tensors[0]) != "triton":
+        return False
+    for t in tensors:  # a loop, not all(<generator>): asked on every call
+        if t.dtype not in KERNEL_DTYPES:
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------- torch
@@ -160,8 +180,7 @@ def _forward_checked(input: Tensor, mask: Tensor | None, scale: float, causal: b
     x = _as4d(input)
     m = _mask4d(mask, x.shape)
     if _use_kernel(x):
-        from apex._kernels import scaled_masked_softmax as kernels
-
+        kernels = _kernels()
         y = kernels.forward(x, m, scale, causal, max_block)
     else:
         y = _forward_torch(x, m, scale, causal)
@@ -188,8 +207,7 @@ def _backward_checked(grad_output: Tensor, softmax_results: Tensor, scale: float
     """:func:`scaled_masked_softmax_backward` on checked arguments (the backward op's)."""
     dy, y = _as4d(grad_output), _as4d(softmax_results)
     if _use_kernel(dy, y) and out_dtype in KERNEL_DTYPES:
-        from apex._kernels import scaled_masked_softmax as kernels
-
+        kernels = _kernels()
         dx = kernels.backward(dy, y, scale, causal, out_dtype, max_block)
     else:
         dx = _backward_torch(dy, y, scale, out_dtype)
@@ -241,6 +259,12 @@ def scaled_masked_softmax(input: Tensor, mask: Tensor | None = None, scale: floa
     """Differentiable ``softmax(scale · input)`` over the last dim with ``mask`` (True = masked) and/or the
     causal mask; fully masked rows give zeros. Output contiguous, in ``input.dtype``."""
     check_args(input, mask, causal)
+    return _fwd_op(input, mask, check_scale(scale), bool(causal))
+
+
+def scaled_masked_softmax_checked(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
+    """:func:`scaled_masked_softmax` on ``input`` and ``mask`` that :func:`check_args` passed (with the same
+    ``causal``): for callers that check them first (``apex.transformer.functional``), not twice."""
     return _fwd_op(input, mask, check_scale(scale), bool(causal))
 
 

@@ -106,6 +106,14 @@ class ScaledSoftmax(torch.autograd.Function):
 # They go through apex's differentiable custom op (the same kernels as the Functions above), which
 # torch.compile traces without a graph break. Under autocast the scores are first cast to the autocast
 # dtype, as upstream's ``_cast_if_autocast_enabled`` does.
+def _autocast(inputs: object) -> object:
+    """``inputs`` cast as upstream's ``_cast_if_autocast_enabled`` does; with autocast off everywhere (one
+    query) no device object is built."""
+    if torch._C._is_any_autocast_enabled() and isinstance(inputs, torch.Tensor):
+        return autocast_args(inputs.device.type, inputs)[0]
+    return inputs
+
+
 def _check_4d(inputs: object, name: str = "inputs") -> None:
     # Apex's extensions refused other ranks with a RuntimeError ("expected 4D tensor"); its causal function
     # unpacked four sizes first (a ValueError).
@@ -118,26 +126,26 @@ def scaled_upper_triang_masked_softmax(inputs: Tensor, _: object, scale: float) 
     """Causal softmax of ``[b, np, sq, sk]`` scores (``sq == sk``, else ``ValueError``, also the
     ``AssertionError`` Apex raised); the second argument is ignored."""
     _check_4d(inputs)
-    if isinstance(inputs, torch.Tensor) and inputs.size(-2) != inputs.size(-1):
-        raise AssertValueError(f"causal mask is only for self attention: inputs must have sq == sk, got shape "
-                               f"{list(inputs.shape)}")
+    if isinstance(inputs, torch.Tensor):
+        shape = inputs.shape  # one read (.size(i) costs as much as .shape, twice)
+        if shape[-2] != shape[-1]:
+            raise AssertValueError(f"causal mask is only for self attention: inputs must have sq == sk, got shape "
+                                   f"{list(shape)}")
     _ops.check_args(inputs, None, True, "inputs")
-    (x,) = autocast_args(inputs.device.type, inputs)
-    return _ops.scaled_masked_softmax(x, None, scale, causal=True)
+    # Checked once: autocast's cast keeps what check_args looked at (a floating 4-D tensor, its device).
+    return _ops.scaled_masked_softmax_checked(_autocast(inputs), None, scale, True)
 
 
 def scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Padding-masked softmax of ``[b, np, sq, sk]`` scores; ``mask=None`` is :func:`scaled_softmax`."""
     _check_4d(inputs)
-    (x,) = autocast_args(inputs.device.type, inputs)
-    return _ops.scaled_masked_softmax(x, mask, scale)
+    return _ops.scaled_masked_softmax(_autocast(inputs), mask, scale)
 
 
 def scaled_softmax(inputs: Tensor, scale: float) -> Tensor:
     """Softmax of ``scale ·`` ``[b, np, sq, sk]`` scores, no mask."""
     _check_4d(inputs)
-    (x,) = autocast_args(inputs.device.type, inputs)
-    return _ops.scaled_masked_softmax(x, None, scale)
+    return _ops.scaled_masked_softmax(_autocast(inputs), None, scale)
 
 
 def generic_scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
