@@ -160,19 +160,3 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
                        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
                        BLOCK_CU=next_power_of_2(max(n_cu, 2)), num_warps=warps)
     return y
-    BLOCK_D = next_power_of_2(D)
-    # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
-    cap = 16384 if _INTERP else 4096
-    cfg = _tuning.pick("fused_rope.bwd" if backward else "fused_rope.fwd", x.device, x.element_size(),
-                       (S * B, H, D), {"heads": max(1, min(next_power_of_2(H), cap // BLOCK_D)), "warps": 4})
-    BLOCK_H = cfg["heads"]
-    n_cu = cu.numel() if cu is not None else 1
-    grid = (S * B, cdiv(H, BLOCK_H))
-    strides = [*_strides2(ta), *_strides2(tb), *_strides2(tc), *_strides2(td)]
-    _rope_kernel[grid](x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
-                       td if td is not None else ta, cu if cu is not None else ta,
-                       B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
-                       MODE=mode, BACKWARD=backward, ROUND=y.dtype in (torch.float16, torch.bfloat16),
-                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                       BLOCK_CU=next_power_of_2(max(n_cu, 2)), num_warps=cfg["warps"])
-    return y

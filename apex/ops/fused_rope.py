@@ -34,9 +34,11 @@ import torch
 
 from apex._backend import select_tensor
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import custom_op
+from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.fused_rope")
 
 SBHD, CACHED, THD, IMG2D = 0, 1, 2, 3
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -62,20 +64,20 @@ def _check_table(tab: object, name: str, t: Tensor, tname: str, rows: int, d: in
     ``exact``: the table has exactly ``rows`` positions (``t``'s sequence length), else at least ``rows``.
     """
     _check_tensor(tab, name, 4)
-    other = 1 - row_dim
-    if tab.size(other) != 1 or tab.size(2) != 1:
+    shape = tab.shape  # read once: each .size(i) costs about as much as .shape
+    if shape[1 - row_dim] != 1 or shape[2] != 1:
         want = "[s, 1, 1, R]" if row_dim == 0 else "[1, H, 1, R]"
-        raise RuntimeValueError(f"{name} must have shape {want}, got {list(tab.shape)}")
-    n = tab.size(row_dim)
+        raise RuntimeValueError(f"{name} must have shape {want}, got {list(shape)}")
+    n = shape[row_dim]
     if exact and n != rows:
         raise RuntimeValueError(f"{name} has {n} positions but {tname} has sequence length {rows}: "
                                 "they must be the same")
     if n < rows:
         raise RuntimeValueError(f"{name} has {n} positions, fewer than the {rows} needed")
-    r = tab.size(3)
+    r = shape[3]
     if r > d or r % 2:
         raise RuntimeValueError(f"{name}'s last dim ({r}) must be even and at most {tname}'s head dim {d}")
-    if tab.device != t.device:
+    if not _same_device(tab, t):
         raise RuntimeValueError(f"{name} is on {tab.device} but {tname} is on {t.device}")
     return r
 
@@ -102,15 +104,17 @@ def _check_pair(cos: Tensor, sin: Tensor, names: str, error: type[Exception] | N
 
 def check_sbhd(t: Tensor, freqs: Tensor, tname: str = "t") -> None:
     _check_tensor(t, tname, 4)
-    _check_table(freqs, "freqs", t, tname, t.size(0), t.size(3))
+    shape = t.shape
+    _check_table(freqs, "freqs", t, tname, shape[0], shape[3])
     _check_freqs_dtype(freqs, t)
 
 
 def check_cached(t: Tensor, cos_: Tensor, sin_: Tensor, tname: str = "t", names: tuple[str, str] = ("cos_", "sin_")
                  ) -> None:
     _check_tensor(t, tname, 4)
+    shape = t.shape
     for name, tab in zip(names, (cos_, sin_)):
-        _check_table(tab, name, t, tname, t.size(0), t.size(3))
+        _check_table(tab, name, t, tname, shape[0], shape[3])
         _check_table_dtype(tab, name, t, tname)
     _check_pair(cos_, sin_, " and ".join(names))
 
@@ -251,15 +255,14 @@ def rope_apply(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: 
     # fp64 stays on the PyTorch path: the kernel computes in fp32.
     # The op's function runs on real tensors (torch.compile records the op, not this code): the eager select.
     if t.dtype != torch.float64 and select_tensor(t) == "triton":
-        from apex._kernels import fused_rope as kernels
-
+        kernels = _kernels()
         if mode == IMG2D:  # [b, s, h, d] seen as [s, b, h, d]; tables [1, rows, 1, R] as [rows, R]
             x4, y4, r = t.transpose(0, 1), y.transpose(0, 1), t.size(3) // 2
             dims = (1, 3)
         else:
             x4 = t.unsqueeze(1) if mode == THD else t
             y4 = y.unsqueeze(1) if mode == THD else y
-            r = ta.size(3)
+            r = ta.shape[3]
             dims = (0, 3)  # [rows, 1, 1, R]
         kernels.rope(x4, y4, mode, backward, r, ta, tb, tc, td, cu=cu_seqlens, img_w=img_w, dims=dims)
         return y
