@@ -33,12 +33,15 @@ from __future__ import annotations
 import torch
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import lazy_module
 from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.xentropy")
 
 
 # ----------------------------------------------------------------------------------------------- checks
+_INDEX_DTYPES = (torch.int64, torch.int32)  # the usual labels: no three dtype queries
 def _check(logits: object, labels: object, smoothing: object, padding_idx: object) -> int:
     # What Apex's xentropy_cuda checked (TORCH_CHECK: the dtypes, the shapes, CUDA tensors) raises errors that
     # are also its RuntimeError.
@@ -46,15 +49,19 @@ def _check(logits: object, labels: object, smoothing: object, padding_idx: objec
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
         raise RuntimeTypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise RuntimeValueError(f"logits must have shape [..., V] with V > 0, got {list(logits.shape)}")
+    shape = logits.shape  # read once (each read builds a torch.Size)
+    if not shape or shape[-1] == 0:
+        raise RuntimeValueError(f"logits must have shape [..., V] with V > 0, got {list(shape)}")
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if labels.dtype not in _INDEX_DTYPES and (labels.is_floating_point() or labels.is_complex()
+                                              or labels.dtype == torch.bool):
         raise RuntimeTypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if labels.shape != logits.shape[:-1]:
-        raise RuntimeValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without the class "
-                                f"dimension), got {list(labels.shape)}")
+    lshape = labels.shape
+    # [rows] labels of [rows, V] logits (the usual call) compare one size, without a torch.Size slice.
+    if not (len(shape) == 2 and len(lshape) == 1 and lshape[0] == shape[0] or lshape == shape[:-1]):
+        raise RuntimeValueError(f"labels must have shape {list(shape[:-1])} (logits without the class "
+                                f"dimension), got {list(lshape)}")
     if not _same_device(labels, logits):
         raise RuntimeValueError(f"labels is on {labels.device} but logits is on {logits.device}")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing <= 1.0:
@@ -105,8 +112,7 @@ def softmax_cross_entropy_forward(logits: Tensor, labels: Tensor, smoothing: flo
     x = logits if flat else logits.reshape(-1, v)
     lab = labels if flat else labels.reshape(-1)
     if select(logits) == "triton" and logits.dtype != torch.float64:
-        from apex._kernels import xentropy as kernels
-
+        kernels = _kernels()
         if x.stride(-1) != 1:
             x = x.contiguous()
         losses, lse = kernels.forward(x, lab.contiguous(), float(smoothing), _pad(padding_idx))
@@ -161,8 +167,7 @@ def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
     g = grad_loss if flat else grad_loss.reshape(-1)
     s = lse if flat else lse.reshape(-1)
     if select(logits) == "triton" and logits.dtype != torch.float64:
-        from apex._kernels import xentropy as kernels
-
+        kernels = _kernels()
         if inplace:
             out = x
         else:
