@@ -144,6 +144,10 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         loss = run_closure(closure)
         planned = step_plans(self, (self.reduced_precision_dtype,), self._check_group, self._build_plan)
         device = self.param_groups[0]["params"][0].device
+        if (grad_scaler is None and getattr(self, "grad_scale", None) is None
+                and getattr(self, "found_inf", None) is None and self._on_triton(planned, device)):
+            self._triton_step(planned, device)
+            return loss
         if grad_scaler is not None:
             found_inf, scale = scaler_state(self, grad_scaler, device,
                                             [b.grads(gs, gptrs) for plan, gs, gptrs in planned for b in plan.buckets])
@@ -198,6 +202,60 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
                 else:  # a subclass's own op, called the Apex way
                     self.multi_tensor_lamb(*args[:2], [list(x) for x in args[2]], *args[3:])
         return loss
+
+    def _on_triton(self, planned: list, device: torch.device) -> bool:
+        """Whether this step takes the Triton kernels directly: apex's own ops, the Triton backend for the
+        parameters, every list on ``device``."""
+        if self.multi_tensor_lamb is not multi_tensor_lamb_mp or self.multi_tensor_l2norm is not multi_tensor_l2norm_mp:
+            return False
+        buckets = [b for plan, _, _ in planned for b in plan.buckets]
+        if not buckets or any(b.device != device for b in buckets):
+            return False
+        return _backend.select_tensor(buckets[0].lists[0][0]) == "triton"
+
+    def _triton_step(self, planned: list, device: torch.device) -> None:
+        """The step without a gradient scaler on the Triton path, without the ops' wrappers: one device table
+        per (group, kind) with this step's gradients, read by the global norm's partials and by the update's
+        launches; no scale and no inf flag to combine (the flag is cleared, the threshold a number); partial
+        sums and norms in buffers kept between steps."""
+        from apex._kernels import multi_tensor_l2norm as norm_kernels
+        from apex._kernels import multi_tensor_lamb as kernels
+
+        work = []
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            for b in plan.buckets:
+                g = b.grads(gs, gptrs)
+                # kind 0: [grads, masters, m, v] and the model parameters as the output; kind 1: [grads, params, m, v]
+                tabs = kernels.tables(g, *b.lists[:3], b.lists[3] if b.kind == 0 else None)
+                work.append((group, b.kind == 0, tabs))
+        flag = self._dummy_overflow_buf
+        flag.zero_()
+        scratch = self.__dict__.setdefault("_scratch", {})
+        every = [t for _, _, tabs in work for t in tabs]
+        grad_norm = norm_kernels.total_of_tables(flag, every, skip_if_flagged=True, scratch=scratch) if every \
+            else None
+        ok = (flag != 1).to(torch.int)
+        max_grad_norm = float(self.defaults["max_grad_norm"])
+        for group in self.param_groups:
+            if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
+                self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
+            group["step"] += ok
+        if grad_norm is None:  # only empty tensors
+            return
+        for group, has_out, tabs in work:
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            if lr.dtype != torch.float32 or lr.device != device:
+                lr = lr.to(device=device, dtype=torch.float32)
+            step = group["step"]
+            if step.device != device:
+                step = step.to(device)
+            kernels.lamb_on(flag, tabs, has_out=has_out, lr=lr, beta1=float(beta1), beta2=float(beta2),
+                            eps=float(group["eps"]), step=step, bias_correction=bool(group["bias_correction"]),
+                            weight_decay=float(group["weight_decay"]),
+                            beta3=1.0 - float(beta1) if group["grad_averaging"] else 1.0,
+                            adam_w=bool(self.adam_w_mode), grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                            use_nvlamb=bool(self.use_nvlamb), skip_on_noop=True, scratch=scratch)
 
     def _check_group(self, gi: int, group: dict):
         gg = group_grads("FusedMixedPrecisionLamb", gi, group)

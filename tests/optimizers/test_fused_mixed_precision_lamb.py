@@ -186,6 +186,42 @@ def test_triton_launches_are_constant_and_in_bounds(triton_device):
     assert few == many and kernels["_moments_kernel"] == kernels["_apply_kernel"] == 1, kernels
 
 
+def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+    """With new gradient tensors at every step, the global norm's partials and the update's launches read one
+    table per list kind (masters + model copies, and parameters without masters) with the new addresses."""
+    from apex._kernels import multi_tensor as mt
+
+    reduced = [torch.nn.Parameter(torch.randn(5 + i).bfloat16()) for i in range(4)]
+    full = [torch.nn.Parameter(torch.randn(3 + i)) for i in range(2)]  # fp32: no master
+    params = reduced + full
+    opt = FusedMixedPrecisionLamb([{"params": reduced}, {"params": full}], lr=1e-2,
+                                  reduced_precision_dtype=torch.bfloat16)
+    built: list = []
+    real = mt.TensorTable
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    with apex.backend("triton"):
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                twin = copy.deepcopy(opt)
+                twin_params = [q for g in twin.param_groups for q in g["params"]]
+                for p, q in zip(params, twin_params):
+                    q.grad = p.grad.clone()
+                twin._plans = {}
+                monkeypatch.setattr(mt, "TensorTable", counting)
+            opt.step()
+        monkeypatch.setattr(mt, "TensorTable", real)
+        twin.step()
+    assert len(built) == 2, built
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
+
+
 @pytest.mark.parametrize("kwargs, exc, word", [
     ({"amsgrad": True}, RuntimeError, "AMSGrad"),
     ({"lr": -1.0}, ValueError, "lr"),
