@@ -53,7 +53,7 @@ def check_args(input: object, num_groups: object, weight: object, bias: object, 
             continue
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor or None")
-        if tuple(p.shape) != (c,):
+        if p.shape != (c,):
             raise RuntimeValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
         if p.device != input.device:
             raise RuntimeValueError(f"{name} is on {p.device} but input is on {input.device}")
@@ -199,7 +199,10 @@ def _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, 
 
         dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
         dx, dw, db = kernels.backward(dy, x, num_groups, weight, bias, _stat(mean), _stat(rstd), silu)
-        return dx, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None
+        if dw is not None:  # fp32 sums: cast where the parameter is not (a same-dtype .to is still a call)
+            dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+            db = db if db.dtype == bias.dtype else db.to(bias.dtype)
+        return dx, dw, db
     return _backward_torch(grad_output, x, mean, rstd, num_groups, weight, bias, silu)
 
 
@@ -247,8 +250,9 @@ def _bwd_op(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor, num_
             weight: Tensor | None, bias: Tensor | None, act: str) -> tuple[Tensor, Tensor, Tensor]:
     # Called by the autograd backward with the forward's checked tensors; autograd checked grad_output's shape.
     dx, dw, db = _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, act == "silu")
-    empty = input.new_empty((0,))
-    return dx, dw if dw is not None else empty, db if db is not None else empty.clone()
+    if dw is None:  # (two distinct empty tensors: a custom op's outputs may not alias)
+        dw, db = input.new_empty((0,)), input.new_empty((0,))
+    return dx, dw, db
 
 
 @_bwd_op.register_fake

@@ -215,3 +215,27 @@ def test_group_norm_nchw_fp32_takes_pytorchs_kernel_and_stays_accurate():
     ref = F.silu(F.group_norm(x.double(), 8, w.double(), b.double(), 1e-5))
     assert_rel_close(y, ref, tol=1e-6)
     assert mean.dtype == torch.float32 and mean.shape == (3 * 8,) and rstd.shape == (3 * 8,)
+
+
+def test_triton_launchers_run_no_fill(triton_device, monkeypatch):
+    """The forward's launcher issues no PyTorch operator of its own; the backward's only the two reductions
+    of the per-slice channel sums (every program writes its row of them: no zero-filled buffer)."""
+    from apex._backend import interpreting
+    from apex._kernels import group_norm as kernels
+    from apex.testing import count_eager
+
+    x = torch.randn(2, 64, 4, 4).to(memory_format=torch.channels_last)
+    dy = torch.randn(2, 64, 4, 4).to(memory_format=torch.channels_last)
+    w, b = torch.randn(64), torch.randn(64)
+    _, mean, rstd = kernels.forward(x, 8, w, b, 1e-5, False)
+
+    def own(fn):
+        ops = count_eager(fn)["ops"]
+        if interpreting():
+            ops.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+        return ops
+
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("a zero-filled buffer") or zeros(*a, **k))
+    assert own(lambda: kernels.forward(x, 8, w, b, 1e-5, False)) == {}
+    assert own(lambda: kernels.backward(dy, x, 8, w, b, mean, rstd, False)) == {"sum": 2}
