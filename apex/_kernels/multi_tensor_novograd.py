@@ -66,19 +66,19 @@ def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
         tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
 
 
-def blend_norms(noop_flag: torch.Tensor, grads: list, norms: torch.Tensor, alpha: float, beta: float,
+def blend_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, norms: torch.Tensor, alpha: float, beta: float,
                 max_norm: bool) -> None:
     """``norms[i] = sqrt(alpha * norms[i]^2 + beta * ‖g_i‖^2)`` (or ``alpha * norms[i] + beta * max|g_i|``)
-    for grads of one (device, dtype) group, every tensor non-empty."""
-    tab = mt.table([grads])
-    partials = torch.empty(tab.n_chunks, dtype=torch.float32, device=grads[0].device)
-    mt.launch(_norm_partials_kernel, tab, partials, noop_flag, MAX=bool(max_norm))
+    for the gradients in list 0 of ``tab`` (the update's table of one (device, dtype) group, every tensor
+    non-empty: new gradients cost one table for both launches)."""
+    partials = torch.empty(tab.n_chunks, dtype=torch.float32, device=tab.ptrs.device)
+    mt.launch_with_dtypes(_norm_partials_kernel, tab, tab.dtypes[:1], partials, noop_flag, MAX=bool(max_norm))
     reduce_rows(partials, tab, norms, 1, use_max=bool(max_norm), blend=(alpha, beta))
 
 
-def update(g: list, p: list, m: list, norms: torch.Tensor, *, lr: float, beta1: float, beta3: float,
-           bc1: float, bc2: float, eps: float, weight_decay: float, reg_inside_moment: bool) -> None:
-    """The NovoGrad update of one (device, dtype) group with its running norms ``norms``."""
-    tab = mt.table([g, p, m])
+def update(tab: mt.TensorTable, norms: torch.Tensor, *, lr: float, beta1: float, beta3: float, bc1: float,
+           bc2: float, eps: float, weight_decay: float, reg_inside_moment: bool) -> None:
+    """The NovoGrad update of one (device, dtype) group (``tab``: its table of ``[g, p, m]``) with its
+    running norms ``norms``."""
     mt.launch(_update_kernel, tab, norms, float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
               float(eps), float(weight_decay), REG_INSIDE=bool(reg_inside_moment))

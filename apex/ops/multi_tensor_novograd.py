@@ -83,8 +83,9 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         for idx, (gs, ps, ms) in mt.group([g, p, m]):
             whole = len(idx) == len(g)
             norms = grad_norms if whole else grad_norms[idx].contiguous()
-            kernels.blend_norms(noop_flag, gs, norms, alpha, beta, norm_type == 0)
-            kernels.update(gs, ps, ms, norms, **kw)
+            tab = mt.table([gs, ps, ms])  # (read by both launches)
+            kernels.blend_norms(noop_flag, tab, norms, alpha, beta, norm_type == 0)
+            kernels.update(tab, norms, **kw)
             if not whole:
                 grad_norms[idx] = norms
         empty = [i for i, n in enumerate(g.numels) if n == 0] if 0 in g.numels else None

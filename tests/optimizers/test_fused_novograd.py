@@ -273,3 +273,36 @@ def test_bad_gradients_change_nothing(backend_name, bad):
         opt.step()
     assert all(torch.equal(p.detach(), q) for p, q in zip(params, before[0]))
     assert torch.equal(opt.param_groups[0]["exp_avg_sq"][1], before[1]) and opt.param_groups[0]["step"] == 1
+
+
+def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+    """With new gradient tensors at every step, the norm blend and the update read one table with the new
+    addresses: a table per launch costs its own upload."""
+    from apex._kernels import multi_tensor as mt
+
+    params = [torch.nn.Parameter(torch.randn(5 + i)) for i in range(6)]
+    opt = FusedNovoGrad(params, lr=1e-2, weight_decay=0.01)
+    built: list = []
+    real = mt.TensorTable
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    with apex.backend("triton"):
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                twin = copy.deepcopy(opt)
+                twin_params = twin.param_groups[0]["params"]
+                for p, q in zip(params, twin_params):
+                    q.grad = p.grad.clone()
+                twin._plans = {}
+                monkeypatch.setattr(mt, "TensorTable", counting)
+            opt.step()
+        monkeypatch.setattr(mt, "TensorTable", real)
+        twin.step()
+    assert len(built) == 1, built
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
