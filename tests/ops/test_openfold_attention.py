@@ -74,6 +74,18 @@ def test_attn_no_bias_4d_noncontiguous(backend_name):
                 torch.float32)
 
 
+def test_attn_4d_takes_no_reshape(backend_name):
+    """[Z, H, N, D] is the kernels' own layout: the output and the gradients are the kernels' tensors, with
+    no reshape or view around them (an operator call each)."""
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path's result comes from its own operators")
+    q, k, v, mask, b = _attn_inputs((2,), 2, 9, 14, 16, torch.float32)
+    q, k, v, b = (t.reshape(t.shape[-4:]) if t.dim() > 4 else t for t in (q, k, v, b))
+    o = AttnTri(q, k, v, None, None)
+    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    assert o._base is None and all(g._base is None for g in grads)
+
+
 def test_attn_bias_jit_bool_mask_and_full_bias(backend_name):
     q, k, v, mask, _ = _attn_inputs((2,), 2, 9, 14, 16, torch.float32, bias=False)
     b = torch.randn(2, 2, 9, 14).requires_grad_()  # a bias as large as the scores
