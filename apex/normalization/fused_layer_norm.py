@@ -235,6 +235,13 @@ class _FusedNorm(torch.nn.Module):
                 self.register_parameter(name, None)
         self.reset_parameters()
 
+    def _param(self, name: str) -> Tensor | None:
+        """``getattr(self, name)`` without ``nn.Module.__getattr__`` (~1 µs a parameter, every call) when the
+        parameter is registered; anything else (a parametrization's property, a plain attribute put in its
+        place by a wrapper) by the ordinary lookup."""
+        params = self._parameters
+        return params[name] if name in params else getattr(self, name)
+
     def reset_parameters(self) -> None:
         if self.elementwise_affine:
             for name, init_ in self._AFFINE.items():
@@ -261,8 +268,8 @@ class FusedLayerNorm(_FusedNorm):
             # A traced or scripted graph (TorchScript, ONNX export) records PyTorch's own op, as in Apex.
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         if self.elementwise_affine:
-            return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape, self.eps,
-                                           self.memory_efficient)
+            return fused_layer_norm_affine(input, self._param("weight"), self._param("bias"), self.normalized_shape,
+                                           self.eps, self.memory_efficient)
         return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
 
@@ -281,7 +288,7 @@ class FusedRMSNorm(_FusedNorm):
         if torch.jit.is_tracing() or torch.jit.is_scripting():
             return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         if self.elementwise_affine:
-            return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
+            return fused_rms_norm_affine(input, self._param("weight"), self.normalized_shape, self.eps,
                                          self.memory_efficient)
         return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
@@ -304,8 +311,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     def forward(self, input: Tensor) -> Tensor:
         if torch.jit.is_tracing() or torch.jit.is_scripting():
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
-                                                   self.eps, self.memory_efficient)
+        return mixed_dtype_fused_layer_norm_affine(input, self._param("weight"), self._param("bias"),
+                                                   self.normalized_shape, self.eps, self.memory_efficient)
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
@@ -319,5 +326,5 @@ class MixedFusedRMSNorm(FusedRMSNorm):
     def forward(self, input: Tensor) -> Tensor:
         if torch.jit.is_tracing() or torch.jit.is_scripting():
             return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
-        return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
+        return mixed_dtype_fused_rms_norm_affine(input, self._param("weight"), self.normalized_shape, self.eps,
                                                  self.memory_efficient)

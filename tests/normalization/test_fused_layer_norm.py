@@ -137,6 +137,31 @@ def test_plain_module_keeps_input_dtype(backend_name, cls, dtype):
     assert_rel_close(y, ref, dtype, tol=1e-5 if dtype == torch.float32 else None)
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_module_uses_a_parametrized_weight(backend_name, device, cls):
+    """The modules read their registered parameters without nn.Module.__getattr__; a weight replaced by a
+    parametrization (no longer a registered parameter) is still the one used, with its gradient."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    m = cls(16).to(device)
+    parametrize.register_parametrization(m, "weight", Double())
+    original = m.parametrizations.weight.original
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with _trace(backend_name):
+        y = m(x)
+        (gw,) = _grads(y, [original], torch.ones_like(y))
+    x64, w64 = x.detach().double(), (2 * original).detach().double().requires_grad_()
+    b64 = m.bias.detach().double() if getattr(m, "bias", None) is not None else None
+    ref = _ln64(x64, (16,), w64, b64, 1e-5) if cls in (FusedLayerNorm, MixedFusedLayerNorm) else \
+        _rms64(x64, (16,), w64, 1e-5)
+    assert_rel_close(y, ref, tol=1e-5)
+    assert_rel_close(gw, 2 * _grads(ref, [w64], torch.ones_like(ref))[0], tol=1e-5)
+
+
 def test_module_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\[\*, 8\]"):
         FusedLayerNorm(8)(torch.randn(3, 7))
