@@ -138,6 +138,47 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
     return total, per
 
 
+@triton.jit
+def _pair_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials, n_chunks, noop_flag,
+                          A_DT: tl.constexpr, B_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Each chunk's sums of squares of lists 0 and 1 (at ``partials[pid]``, ``partials[n_chunks + pid]``),
+    summed as :func:`_partials_kernel` sums; flags a non-finite one."""
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    a_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, A_DT)
+    b_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, B_DT)
+    acc_a = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        a = tl.load(a_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        acc_a += a * a
+        acc_b += b * b
+    part_a = tl.sum(acc_a, axis=0)
+    part_b = tl.sum(acc_b, axis=0)
+    pid = tl.program_id(0)
+    tl.store(partials + pid, part_a)
+    tl.store(partials + n_chunks + pid, part_b)
+    bad = (part_a != part_a) | (part_a == float("inf")) | (part_b != part_b) | (part_b == float("inf"))
+    tl.store(noop_flag, 1, mask=bad)
+
+
+def pair_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, scratch: dict | None = None) -> torch.Tensor:
+    """Per-tensor L2 norms of lists 0 and 1 of ``tab`` (an optimizer's table, e.g. LARS's gradients and
+    parameters) in two launches: ``out[:T]`` of list 0, ``out[T:2T]`` of list 1 (fp32). A non-finite norm
+    sets ``noop_flag``. ``scratch``: a dict kept from call to call for the partial sums and the result (which
+    the next call overwrites: stream-ordered, after this step's launches)."""
+    from apex._kernels._chunk_reduce import reduce_rows
+
+    device = tab.ptrs.device
+    partials = _scratch(scratch, ("pair partials", device), 2 * tab.n_chunks, device)
+    mt.launch_with_dtypes(_pair_partials_kernel, tab, tab.dtypes[:2], partials, tab.n_chunks, noop_flag)
+    out = _scratch(scratch, ("pair norms", device), 2 * tab.n_tensors, device)
+    reduce_rows(partials, tab, out, 2)
+    return out
+
+
 def total_of_tables(noop_flag: torch.Tensor, tables: list, *, skip_if_flagged: bool = False,
                     scratch: dict | None = None) -> torch.Tensor:
     """The L2 norm (one-element fp32 tensor) of list 0 of every table in ``tables``: an optimizer's own

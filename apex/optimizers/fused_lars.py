@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
+from apex import _backend
 from apex.optimizers._base import (
     FusedOptimizerBase,
     check_non_negative,
@@ -80,6 +81,9 @@ class FusedLARS(FusedOptimizerBase):
                 flag = self._overflow_buf(b.device)
                 flag.zero_()  # a non-finite norm sets it and skips this update only
                 ps, g = b.lists[0], b.grads(gs, gptrs)
+                if self._on_triton(ps):
+                    self._triton_update(group, b, g, flag, scale)
+                    continue
                 w_norms = self.multi_tensor_l2norm(2048 * 32, flag, [ps], True,
                                                    **trusted(self.multi_tensor_l2norm))[1]
                 g_norms = self.multi_tensor_l2norm(2048 * 32, flag, [g], True,
@@ -94,6 +98,38 @@ class FusedLARS(FusedOptimizerBase):
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
+
+    def _on_triton(self, ps) -> bool:
+        """Whether a bucket's update takes the Triton kernels directly (apex's own ops on that backend)."""
+        from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
+        from apex.ops.multi_tensor_lars import multi_tensor_lars
+
+        return (self.multi_tensor_l2norm is multi_tensor_l2norm and self.multi_tensor_lars is multi_tensor_lars
+                and _backend.select_tensor(ps[0]) == "triton")
+
+    def _triton_update(self, group: dict, b, g, flag: torch.Tensor, scale: float) -> None:
+        """One bucket's update on the Triton path: the gradients' and parameters' norms from the update's own
+        table ``[g, w, buf, w]`` (two launches for both; new gradients cost one table), then the update."""
+        from apex._kernels import multi_tensor as mt
+        from apex._kernels import multi_tensor_l2norm as norm_kernels
+        from apex._kernels import multi_tensor_sgd as kernels
+
+        ps = b.lists[0]
+        lists = [g] + b.lists
+        tab = mt.table(lists + [ps])  # (the update's table: the kernel's call below finds it cached)
+        norms = norm_kernels.pair_norms(flag, tab, self.__dict__.setdefault("_scratch", {}))
+        n = len(ps)
+        g_norms, w_norms = norms[:n], norms[n:2 * n]
+        if abs(scale) != 1.0:
+            g_norms = g_norms * abs(scale)
+        if group.get("is_skipped", False):
+            g_norms = torch.zeros_like(g_norms)  # exactly lr for every tensor (see multi_tensor_lars)
+        kernels.sgd(flag, lists, lr=float(group["lr"]), wd=float(group["weight_decay"]),
+                    momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                    nesterov=bool(group["nesterov"]), first_run=bool(b.first_run),
+                    wd_after_momentum=bool(self.wd_after_momentum), scale=float(scale), grad_norms=g_norms,
+                    param_norms=w_norms, trust_coefficient=float(group["trust_coefficient"]),
+                    eps=float(group["eps"]), lars=True)
 
     def _build_plan(self, group: dict, checked) -> Plan:
         """Momentum buffers (made here, zero: the first step's kernel sets them) and one bucket per

@@ -108,7 +108,31 @@ def test_launches_are_constant_per_dtype_group(triton_device):
             tr.watch(p, p.grad, opt.state[p]["momentum_buffer"])
         opt.step()
     assert tr.kernels.get("_sgd_kernel") == 1
-    assert tr.launches <= 5, tr.kernels  # two norm passes (and their reductions) and the update
+    # one pass for the norms of the gradients and of the parameters, its per-tensor reduction, the update
+    assert tr.launches == 3, tr.kernels
+
+
+def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+    """With new gradient tensors at every step, both norms and the update read one table with the new
+    addresses: a table per launch costs its own upload. (Values after new gradients: the reference tests.)"""
+    from apex._kernels import multi_tensor as mt
+
+    params = make_params(SHAPES_TRITON)
+    opt = FusedLARS(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    built: list = []
+    real = mt.TensorTable
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    with apex.backend("triton"):
+        for step in range(3):
+            set_grads(params, grads_for_step(params, step))
+            if step == 2:
+                monkeypatch.setattr(mt, "TensorTable", counting)
+            opt.step()
+    assert len(built) == 1, built
 
 
 def test_rocm_name_and_defaults():
