@@ -76,9 +76,10 @@ def _ln_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, D1, D2, S0, S1
 
 @triton.autotune(configs=_configs(), key=["M", "N"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _ln_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N, rows_per_prog,
+def _ln_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, M, N, rows_per_prog,
             D1, D2, S0, S1, S2, SN, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
             BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    # part_ptr: one row per program holding its dweight partial sums (NEED_DW), then its dbias ones (NEED_DB)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N).to(tl.int64)  # 64-bit offsets: no overflow, no overflow checks
     cmask = cols < N
@@ -111,22 +112,30 @@ def _ln_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_pa
             dw_acc += tl.sum(dy * xhat, axis=0)
         if NEED_DB:
             db_acc += tl.sum(dy, axis=0)
+    row = part_ptr + pid * (N * (NEED_DW + NEED_DB))
     if NEED_DW:
-        tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=cmask)
+        tl.store(row + cols, dw_acc, mask=cmask)
     if NEED_DB:
-        tl.store(db_part_ptr + pid * N + cols, db_acc, mask=cmask)
+        tl.store(row + N * NEED_DW + cols, db_acc, mask=cmask)
 
 
 @triton.jit
-def _column_sum(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _column_sum(part_ptr, out0_ptr, out1_ptr, P, N, PS, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Column sums of the P rows (row stride PS) of partial sums: program_id(1) 0 sums the first N columns
+    into out0, 1 the next N into out1 (dweight and dbias in one launch)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    which = tl.program_id(1)
     cmask = cols < N
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    base = part_ptr + which * N
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         m = (ps < P)[:, None] & cmask[None, :]
-        acc += tl.sum(tl.load(part_ptr + ps[:, None] * N + cols[None, :], mask=m, other=0.0), axis=0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        acc += tl.sum(tl.load(base + ps[:, None] * PS + cols[None, :], mask=m, other=0.0), axis=0)
+    if which == 0:
+        tl.store(out0_ptr + cols, acc.to(out0_ptr.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(out1_ptr + cols, acc.to(out1_ptr.dtype.element_ty), mask=cmask)
 
 
 def tuneable_kernels() -> dict:
@@ -173,24 +182,24 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
     m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     progs = _programs(m, x.device)
-    dw_part = torch.empty((progs, n), dtype=torch.float32, device=x.device) if need_dw else None
-    db_part = torch.empty((progs, n), dtype=torch.float32, device=x.device) if need_db else None
+    k = need_dw + need_db
+    # One buffer of partial sums and one column-sum launch for both parameter gradients.
+    part = torch.empty((progs, k * n), dtype=torch.float32, device=x.device) if k else dx
     if m > 0:
         _ln_bwd[(progs,)](
-            dy, x, weight if weight is not None else x, mean, rstd, dx,
-            dw_part if need_dw else dx, db_part if need_db else dx, m, n, cdiv(m, progs),
+            dy, x, weight if weight is not None else x, mean, rstd, dx, part, m, n, cdiv(m, progs),
             d1, d2, s0, s1, s2, sn, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
             BLOCK_N=next_power_of_2(n))
-    sums = []
-    for part, dt, need in ((dw_part, w_dtype, need_dw), (db_part, b_dtype, need_db)):
-        if not need:
-            sums.append(None)
-            continue
-        out = torch.empty(n, dtype=dt, device=x.device)
+    dw = torch.empty(n, dtype=w_dtype, device=x.device) if need_dw else None
+    db = torch.empty(n, dtype=b_dtype, device=x.device) if need_db else None
+    if k:
+        outs = [t for t in (dw, db) if t is not None]
         if m == 0:
-            out.zero_()
+            for t in outs:
+                t.zero_()
         else:
             block_c = min(next_power_of_2(n), 256)
-            _column_sum[(cdiv(n, block_c),)](part, out, progs, n, BLOCK_P=16, BLOCK_C=block_c)
-        sums.append(out)
+            _column_sum[(cdiv(n, block_c), k)](part, outs[0], outs[-1], progs, n, k * n, BLOCK_P=16,
+                                               BLOCK_C=block_c)
+    sums = (dw, db)
     return dx, sums[0], sums[1]

@@ -148,3 +148,27 @@ def test_layer_norm_bad_arguments_raise():
         LayerNormSmallShapeOptImpl.apply(x, (8,), torch.ones(7), None, 1e-5)
     with pytest.raises(TypeError, match="floating"):
         LayerNormSmallShapeOptImpl.apply(x.long(), (8,), None, None, 1e-5)
+
+
+@pytest.mark.parametrize("grads", ["both", "weight", "bias"])
+def test_layer_norm_parameter_gradients_in_one_column_sum(backend_name, grads):
+    """dweight and dbias come from one buffer of partial sums and one column-sum launch (three launches
+    forward and backward), each in its parameter's dtype, also when only one of them is asked for."""
+    from tests.ops._norms import trace
+
+    x = torch.randn(6, 5, 48, requires_grad=True)
+    w = (torch.randn(48) + 1).requires_grad_(grads != "bias")
+    b = torch.randn(48).half().requires_grad_(grads != "weight")  # a dtype of its own: its gradient's
+    dy = torch.randn(6, 5, 48)
+    leaves = [t for t in (x, w, b) if t.requires_grad]
+    with trace(backend_name, x, w, b) as tr:
+        y = LayerNormSmallShapeOptImpl.apply(x, (48,), w, b, 1e-5)
+        got = torch.autograd.grad(y, leaves, dy)
+    if tr is not None:
+        assert tr.launches == 3
+    x64, w64, b64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, w, b))
+    ref = torch.autograd.grad(F.layer_norm(x64, (48,), w64, b64, 1e-5), [t for t in (x64, w64, b64)
+                                                                         if t.requires_grad], dy.double())
+    for g, r, leaf in zip(got, ref, leaves):
+        assert g.dtype == leaf.dtype
+        assert_rel_close(g, r, leaf.dtype, tol=1e-5 if leaf.dtype == torch.float32 else 2e-3)
