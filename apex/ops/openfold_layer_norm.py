@@ -35,11 +35,18 @@ def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Ten
         raise TypeError(f"inputs must be a floating-point tensor, got {input.dtype}")
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    try:
-        shape = tuple(int(s) for s in normalized_shape)
-    except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
-    if not shape or tuple(input.shape[input.dim() - len(shape):]) != shape or len(shape) > input.dim():
+    if _INT_TUPLES.get(id(normalized_shape)) is normalized_shape:  # this very tuple, seen to hold ints
+        shape = normalized_shape
+    else:
+        try:
+            shape = tuple(int(s) for s in normalized_shape)
+        except TypeError:
+            raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+                            ) from None
+        if type(normalized_shape) is tuple and all(type(s) is int for s in normalized_shape) and \
+                len(_INT_TUPLES) < 256:
+            _INT_TUPLES[id(normalized_shape)] = normalized_shape
+    if not shape or len(shape) > input.dim() or input.shape[input.dim() - len(shape):] != shape:
         raise ValueError(f"normalized_shape {list(shape)} must be a non-empty suffix of the input shape "
                          f"{list(input.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
@@ -47,12 +54,17 @@ def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Ten
             continue
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(p).__name__}")
-        if tuple(p.shape) != shape:
+        if p.shape != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(p.shape)}")
         if p.device != input.device:
             raise ValueError(f"{name} is on {p.device}, inputs on {input.device}")
     n = prod(shape)
     return shape, input.numel() // max(n, 1) if n else 0, n
+
+
+# normalized_shape tuples of exact ints seen before, by identity (a tuple is immutable and, held here, its id
+# is not reused): a model passes the same tuple every call, used as given without converting it again.
+_INT_TUPLES: dict = {}
 
 
 def _use_kernel(x: Tensor, shape, n: int, *tensors) -> bool:

@@ -172,3 +172,18 @@ def test_layer_norm_parameter_gradients_in_one_column_sum(backend_name, grads):
     for g, r, leaf in zip(got, ref, leaves):
         assert g.dtype == leaf.dtype
         assert_rel_close(g, r, leaf.dtype, tol=1e-5 if leaf.dtype == torch.float32 else 2e-3)
+
+
+def test_normalized_shape_forms_on_repeated_calls():
+    """A normalized_shape tuple of ints is used as given from its second call on (held by identity); other
+    forms are converted every call, with the same results and errors."""
+    from apex.ops.openfold_layer_norm import check_args
+
+    x = torch.randn(4, 3, 8)
+    for ns in ((3, 8), (3.0, 8), [3, 8], torch.Size([3, 8]), 8, (8,)):
+        for _ in range(2):
+            shape, m, n = check_args(x, ns, None, None)
+            assert all(type(s) is int for s in shape) and (m, n) == ((4, 24) if shape == (3, 8) else (12, 8))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="non-empty suffix"):
+            check_args(x, (True, 8), None, None)
