@@ -36,11 +36,16 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
     if g.shape[0] != B or g.shape[2] != H or g.dtype != f.dtype:
         raise RuntimeValueError(f"g has shape {tuple(g.shape)} and dtype {g.dtype}; expected ({B}, U, {H}) and "
                                 f"{f.dtype}")
-    for name, t, cap in (("f_len", f_len, T), ("g_len", g_len, g.shape[1])):
+    for name, t in (("f_len", f_len), ("g_len", g_len)):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
-        if B:
-            lo, hi = torch.stack(t.aminmax()).tolist()  # one reduction, one host read (a sync on GPUs)
+    if B:
+        # Both lengths' extremes in one host read (each is a sync on GPUs) where they share a device.
+        if f_len.device == g_len.device:
+            extremes = torch.stack((*f_len.aminmax(), *g_len.aminmax())).tolist()
+        else:
+            extremes = torch.stack(f_len.aminmax()).tolist() + torch.stack(g_len.aminmax()).tolist()
+        for name, lo, hi, cap in (("f_len", *extremes[:2], T), ("g_len", *extremes[2:], g.shape[1])):
             if lo < 0 or hi > cap:
                 raise ValueError(f"{name} values must lie in [0, {cap}], got [{lo}, {hi}]")
     if not 0.0 <= dropout_prob < 1.0:
@@ -104,6 +109,11 @@ def _backward_torch(dh, mask, f_len, g_len, T, U, pack_output, scale):
     return df, dg
 
 
+def _int32(t: Tensor) -> Tensor:
+    # The kernels read contiguous int32 lengths; the usual ones are already (a no-op .to is still a call).
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
+
+
 def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None = None,
                   packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
                   dropout_prob: float = 0.0, tile_size: int = 4) -> tuple[Tensor, Tensor | None]:
@@ -116,9 +126,8 @@ def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offs
 
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
-        return kernels.forward(f.contiguous(), g.contiguous(), f_len.to(torch.int32).contiguous(),
-                               g_len.to(torch.int32).contiguous(), boff, int(packed_batch), pack_output, relu,
-                               dropout, dropout_prob, tile_size, seed)
+        return kernels.forward(f.contiguous(), g.contiguous(), _int32(f_len), _int32(g_len), boff,
+                               int(packed_batch), pack_output, relu, dropout, dropout_prob, tile_size, seed)
     return _forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob)
 
 
@@ -130,7 +139,7 @@ def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor
 
         boff = batch_offset.to(dh.device, torch.int64).contiguous() if pack_output else None
         return kernels.backward(dh.contiguous(), mask.contiguous() if mask is not None else None,
-                                f_len.to(torch.int32).contiguous(), g_len.to(torch.int32).contiguous(), boff,
+                                _int32(f_len), _int32(g_len), boff,
                                 int(max_f_len), int(max_g_len), pack_output, float(scale))
     return _backward_torch(dh, mask, f_len, g_len, int(max_f_len), int(max_g_len), pack_output, float(scale))
 

@@ -151,3 +151,19 @@ def test_bad_input(case, exc, match):
         f_len = torch.tensor([-1, 2])
     with pytest.raises(exc, match=match):
         TJ.transducer_joint(f, g, f_len, g_len, **kw)
+
+
+def test_checks_make_one_host_read(monkeypatch):
+    """Both lengths' extremes come back in one transfer (a GPU synchronisation each), with the messages that
+    name the offending lengths."""
+    f, g = torch.randn(2, 5, 4), torch.randn(2, 3, 4)
+    f_len, g_len = torch.tensor([5, 4], dtype=torch.int32), torch.tensor([3, 2])
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    TJ._check(f, g, f_len, g_len, None, 0, False, 0.0)
+    assert reads == [4]
+    with pytest.raises(ValueError, match=r"f_len values must lie in \[0, 5\], got \[4, 6\]"):
+        TJ._check(f, g, torch.tensor([6, 4]), g_len, None, 0, False, 0.0)
+    with pytest.raises(ValueError, match=r"g_len values must lie in \[0, 3\], got \[-1, 3\]"):
+        TJ._check(f, g, f_len, torch.tensor([3, -1]), None, 0, False, 0.0)
