@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._C import _any_requires_grad
 
-from apex.ops._dispatch import custom_op, lazy_module
-from apex.ops._norm import _f32, check_args, promote, rows_view, select, stats_dtype, use_kernel
+from apex.ops._dispatch import custom_op, eager, lazy_module
+from apex.ops._norm import KERNEL_DTYPES, _f32, check_args, promote, rows_view, select, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.layer_norm")
@@ -204,17 +205,61 @@ _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 # ------------------------------------------------------------------------------------- autograd entry
+class _Direct(torch.autograd.Function):
+    """The eager Triton path with a gradient, launching the kernels itself (what ``_fwd_op``'s eager call does
+    through its function, setup and backward op: the same launches, several µs of Python fewer each way).
+    The backward takes ``_bwd_op`` wherever the registered op is needed: a graph for a second derivative
+    (its error), a dispatch mode or tensor subclass, a gradient of a dtype the kernels do not take."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, n, eps, memory_efficient, out_dtype):
+        y, mean, rstd, _ = _kernels().forward(rows_view(input, n),
+                                              weight.contiguous() if weight is not None else None,
+                                              bias.contiguous() if bias is not None else None,
+                                              eps, out_dtype, out_like=input)
+        if memory_efficient:
+            ctx.save_for_backward(y, weight, bias, None, rstd)
+        else:
+            ctx.save_for_backward(input, weight, bias, mean, rstd)
+        ctx.args = (normalized_shape, n, memory_efficient, input.dtype, eps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        v, weight, bias, mean, rstd = ctx.saved_tensors
+        normalized_shape, n, memory_efficient, dx_dtype, eps = ctx.args
+        if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
+            dx, dw, db = _bwd_op(dy, mean, rstd, v, weight, bias, normalized_shape, memory_efficient, dx_dtype,
+                                 eps)
+        else:
+            dx, dw, db = _kernels().backward(rows_view(dy, n), rows_view(v, n),
+                                             weight.contiguous() if weight is not None else None,
+                                             bias.contiguous() if bias is not None else None, mean, rstd,
+                                             memory_efficient, dx_dtype, eps=eps, out_like=v)
+        return (dx, dw if weight is not None else None, db if bias is not None else None,
+                None, None, None, None, None)
+
+
+_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, memory_efficient: bool = False, out_dtype: torch.dtype | None = None
                ) -> Tensor:
     """Differentiable LayerNorm; ``out_dtype`` defaults to the input dtype (Apex's mixed variant passes
     the weight dtype)."""
-    shape, _, _ = check_args(input, normalized_shape, weight, bias)
+    shape, _, n = check_args(input, normalized_shape, weight, bias)
     out_dtype = out_dtype or input.dtype
     # While torch.export traces (torch.onnx.export), PyTorch's own layer_norm: exporters know it (ONNX
     # LayerNormalization) and have no translation for the apex::layer_norm_fwd custom op of the GPU path.
     if torch.compiler.is_exporting() or (not memory_efficient and select(input) == "torch"):
         return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
+    # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
+    # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
+    if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and _any_requires_grad(input, weight, bias)
+            and eager((input, weight, bias))
+            and use_kernel(input, out_dtype, n, weight, bias)):
+        return _direct(input, weight, bias, list(shape), n, float(eps), bool(memory_efficient), out_dtype)
     return _fwd_op(input, weight, bias, list(shape), float(eps), bool(memory_efficient), out_dtype)[0]
 
 
