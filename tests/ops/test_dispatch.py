@@ -207,6 +207,23 @@ def test_tensor_subclass_argument_takes_the_registered_op(triton_device):
 
 
 @NEEDS_PLAIN_TENSORS
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_backward_under_a_dispatch_mode_takes_the_registered_op(name, triton_device):
+    """A forward run eagerly (the norms launch their kernels from a plain autograd.Function) whose backward
+    runs under a dispatch mode: the mode sees the registered backward op, with the same gradients."""
+    import apex
+
+    call, inputs, op = OPS[name](triton_device)
+    with apex.backend("triton"):
+        expected = torch.autograd.grad(call().square().sum(), inputs)
+        loss = call().square().sum()
+        with _Recorder() as rec:
+            got = torch.autograd.grad(loss, inputs)
+    assert op.replace("_fwd", "_bwd") in rec.ops, rec.ops
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@NEEDS_PLAIN_TENSORS
 def test_needs_input_grad_is_the_ops_own_in_every_backward(triton_device):
     """The eager Function's own two leading arguments are hidden from the op's backward, which reads
     needs_input_grad (bias-SwiGLU takes dbias from its backward's launch only when the bias needs it),
