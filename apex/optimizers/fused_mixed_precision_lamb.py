@@ -162,6 +162,9 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
             found_inf = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device)
             scale = torch.ones(1, device=device)
             inv_scale = torch.ones(1, device=device)
+        if self._on_triton(planned, device):
+            self._triton_step(planned, device, (found_inf, scale, inv_scale))
+            return loss
         self._dummy_overflow_buf.copy_(found_inf.reshape(1))
         # The per-group lists: [grads, masters, m, v, model params] for parameters with fp32 masters,
         # [grads, params, m, v] for the others (a new outer list each step: the CPU path may swap the grads).
@@ -213,11 +216,12 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
             return False
         return _backend.select_tensor(buckets[0].lists[0][0]) == "triton"
 
-    def _triton_step(self, planned: list, device: torch.device) -> None:
-        """The step without a gradient scaler on the Triton path, without the ops' wrappers: one device table
-        per (group, kind) with this step's gradients, read by the global norm's partials and by the update's
-        launches; no scale and no inf flag to combine (the flag is cleared, the threshold a number); partial
-        sums and norms in buffers kept between steps."""
+    def _triton_step(self, planned: list, device: torch.device, scaling: tuple | None = None) -> None:
+        """The step on the Triton path, without the ops' wrappers: one device table per (group, kind) with this
+        step's gradients, read by the global norm's partials and by the update's launches; partial sums and
+        norms in buffers kept between steps. ``scaling``: ``(found_inf, scale, inv_scale)``, one-element
+        device tensors of a gradient scaler; None without one (the flag is then cleared, the threshold a
+        number, and the gradients are not multiplied)."""
         from apex._kernels import multi_tensor_l2norm as norm_kernels
         from apex._kernels import multi_tensor_lamb as kernels
 
@@ -229,13 +233,19 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
                 tabs = kernels.tables(g, *b.lists[:3], b.lists[3] if b.kind == 0 else None)
                 work.append((group, b.kind == 0, tabs))
         flag = self._dummy_overflow_buf
-        flag.zero_()
+        max_grad_norm = float(self.defaults["max_grad_norm"])
+        inv_scale = None
+        if scaling is None:
+            flag.zero_()
+        else:
+            found_inf, scale, inv_scale = scaling
+            flag.copy_(found_inf.reshape(1))
+            max_grad_norm = max_grad_norm * scale  # the norm is of the scaled gradients
         scratch = self.__dict__.setdefault("_scratch", {})
         every = [t for _, _, tabs in work for t in tabs]
         grad_norm = norm_kernels.total_of_tables(flag, every, skip_if_flagged=True, scratch=scratch) if every \
             else None
         ok = (flag != 1).to(torch.int)
-        max_grad_norm = float(self.defaults["max_grad_norm"])
         for group in self.param_groups:
             if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
                 self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
@@ -255,7 +265,8 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
                             weight_decay=float(group["weight_decay"]),
                             beta3=1.0 - float(beta1) if group["grad_averaging"] else 1.0,
                             adam_w=bool(self.adam_w_mode), grad_norm=grad_norm, max_grad_norm=max_grad_norm,
-                            use_nvlamb=bool(self.use_nvlamb), skip_on_noop=True, scratch=scratch)
+                            use_nvlamb=bool(self.use_nvlamb), inv_scale=inv_scale, skip_on_noop=True,
+                            scratch=scratch)
 
     def _check_group(self, gi: int, group: dict):
         gg = group_grads("FusedMixedPrecisionLamb", gi, group)

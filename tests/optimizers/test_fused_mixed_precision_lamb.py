@@ -186,9 +186,11 @@ def test_triton_launches_are_constant_and_in_bounds(triton_device):
     assert few == many and kernels["_moments_kernel"] == kernels["_apply_kernel"] == 1, kernels
 
 
-def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scale"])
+def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch, scaled):
     """With new gradient tensors at every step, the global norm's partials and the update's launches read one
-    table per list kind (masters + model copies, and parameters without masters) with the new addresses."""
+    table per list kind (masters + model copies, and parameters without masters) with the new addresses; also
+    with gradients that carry a loss scale (``grad_scale``, a power of two: the same values as unscaled)."""
     from apex._kernels import multi_tensor as mt
 
     reduced = [torch.nn.Parameter(torch.randn(5 + i).bfloat16()) for i in range(4)]
@@ -212,7 +214,11 @@ def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch
                 twin_params = [q for g in twin.param_groups for q in g["params"]]
                 for p, q in zip(params, twin_params):
                     q.grad = p.grad.clone()
+                    if scaled:
+                        p.grad = p.grad * 4
                 twin._plans = {}
+                if scaled:
+                    opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.zeros(1)
                 monkeypatch.setattr(mt, "TensorTable", counting)
             opt.step()
         monkeypatch.setattr(mt, "TensorTable", real)
