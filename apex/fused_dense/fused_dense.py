@@ -59,20 +59,20 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
 
 
 def _apply(fn, acts, weights, biases, input, *params):
-    # weights/biases: positions among params (the input is args[0])
-    return apply_chain(fn, (), (input, *params), [1 + p for p in weights], [1 + p for p in biases], acts)
+    # weights/biases: positions in (input, *params)
+    return apply_chain(fn, (), (input, *params), weights, biases, acts)
 
 
 def fused_dense_function(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``input @ weightᵀ + bias`` (Apex's ``_fused_dense``); autocast-aware, checked."""
     if bias is None:
         return dense_no_bias_function(input, weight)
-    return _apply(FusedDenseFunc, (NONE,), [0], [1], input, weight, bias)
+    return _apply(FusedDenseFunc, (NONE,), (1,), (2,), input, weight, bias)
 
 
 def dense_no_bias_function(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``input @ weightᵀ`` (Apex's ``_dense_no_bias``)."""
-    return _apply(DenseNoBiasFunc, (NONE,), [0], [], input, weight)
+    return _apply(DenseNoBiasFunc, (NONE,), (1,), (), input, weight)
 
 
 def fused_dense_gelu_dense_function(input: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor,
@@ -80,7 +80,7 @@ def fused_dense_gelu_dense_function(input: torch.Tensor, weight1: torch.Tensor, 
     """``gelu_tanh(input @ weight1ᵀ + bias1) @ weight2ᵀ + bias2`` (Apex's ``_fused_dense_gelu_dense``)."""
     if bias1 is None or bias2 is None:
         raise ValueError("bias1 and bias2 are required: FusedDenseGeluDense has no bias-free form")
-    return _apply(FusedDenseGeluDenseFunc, (GELU, NONE), [0, 2], [1, 3], input, weight1, bias1, weight2, bias2)
+    return _apply(FusedDenseGeluDenseFunc, (GELU, NONE), (1, 3), (2, 4), input, weight1, bias1, weight2, bias2)
 
 
 # Apex's private names for the functional wrappers.

@@ -299,9 +299,15 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
         check_chain(args[0], [args[i] for i in weights], [args[i] for i in biases], acts)
         with torch.autocast(dev, enabled=False):
             return fn.apply(*lead, *args)
-    check_chain(x, [args[i] for i in weights], [args[i] for i in biases], acts)
+    ws, bs = [args[i] for i in weights], [args[i] for i in biases]
+    check_chain(x, ws, bs, acts)
     if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return fn.apply(*lead, *args)
+    if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        # Nothing to record: the chain itself, without the Function's context and saved tensors.
+        two_d = x.dim() == 2
+        out = chain_forward(x if two_d else x.reshape(-1, x.shape[-1]), ws, bs, acts)[0]
+        return out if two_d else out.view(*x.shape[:-1], out.shape[-1])
     return super(torch.autograd.Function, fn).apply(*lead, *args)
 
 

@@ -82,6 +82,30 @@ def test_two_d_input_takes_no_view(backend_name):
     assert torch.equal(y3.view(4, 3), y) and torch.equal(dx3.view(4, 5), dx)
 
 
+def test_no_grad_call_records_nothing(backend_name, monkeypatch):
+    """With nothing to differentiate (no_grad, or no input that requires grad) the chain runs without the
+    autograd Function's context and saved tensors: the same values as with a graph."""
+    import apex.fused_dense.fused_dense as public
+    import apex.ops.fused_dense as chain
+
+    m, g = FusedDense(5, 3), FusedDenseGeluDense(5, 7, 3)
+    x = torch.randn(2, 4, 5)
+    with_graph = m(x), g(x)
+    assert all(y.grad_fn is not None for y in with_graph)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(chain, "save_chain", refuse)
+    monkeypatch.setattr(public, "save_chain", refuse)
+    with torch.no_grad():
+        plain = m(x), g(x)
+    for y, ref in zip(plain, with_graph):
+        assert y.grad_fn is None and torch.equal(y, ref.detach())
+    m.requires_grad_(False)
+    assert torch.equal(m(x), with_graph[0].detach())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_autocast(backend_name, device, dtype):
     m = FusedDenseGeluDense(7, 33, 5)
