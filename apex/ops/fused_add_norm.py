@@ -14,10 +14,11 @@ PyTorch path: ``input + residual`` followed by the normalisation's PyTorch path.
 from __future__ import annotations
 
 import torch
+from torch._C import _any_requires_grad
 
 from apex.ops import layer_norm as _ln
 from apex.ops import rms_norm as _rms
-from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._dispatch import custom_op, eager, lazy_module
 from apex.ops._norm import _same_device, check_args, rows_view, stats_dtype, use_kernel
 
 Tensor = torch.Tensor
@@ -116,11 +117,58 @@ def _backward(ctx, grad_y, grad_h, grad_mean, grad_rstd):
 _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
+class _Direct(torch.autograd.Function):
+    """The eager path with a gradient, launching the kernels itself (as layer_norm's ``_Direct``): the same
+    launches as ``_fwd_op``'s eager call without its function, setup_context and backward-op layers. The
+    backward takes ``_bwd_op`` when it builds a graph (a second derivative fails as before) or runs under a
+    dispatch mode or on tensor subclasses."""
+
+    @staticmethod
+    def forward(ctx, input, residual, weight, bias, normalized_shape, n, eps, is_rms, memory_efficient, h_dtype):
+        ctx.set_materialize_grads(False)  # an output outside the loss: None, one zero tensor made below
+        y, mean, rstd, h = _kernels().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
+                                              bias.contiguous() if bias is not None else None, eps, input.dtype,
+                                              is_rms, rows_view(residual, n), h_dtype, out_like=input)
+        ctx.save_for_backward(y if memory_efficient else h, weight, bias, mean, rstd)
+        ctx.args = (normalized_shape, n, is_rms, memory_efficient, input.dtype, residual.dtype, h_dtype)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_h):
+        v, weight, bias, mean, rstd = ctx.saved_tensors
+        normalized_shape, n, is_rms, memory_efficient, in_dtype, res_dtype, h_dtype = ctx.args
+        if grad_y is None:
+            grad_y = torch.zeros_like(v, dtype=in_dtype)
+        if grad_h is None:
+            grad_h = torch.zeros_like(v, dtype=h_dtype)
+        if torch.is_grad_enabled() or not eager((grad_y, grad_h)):
+            dh, dw, db = _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, normalized_shape, is_rms,
+                                 memory_efficient, h_dtype)
+        else:
+            dh, dw, db = _kernels().backward(rows_view(grad_y, n), rows_view(v, n),
+                                             weight.contiguous() if weight is not None else None,
+                                             bias.contiguous() if bias is not None else None,
+                                             None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
+                                             rows_view(grad_h, n), out_like=v)
+        return (dh if dh.dtype == in_dtype else dh.to(in_dtype), dh if dh.dtype == res_dtype else dh.to(res_dtype),
+                dw if weight is not None else None, db if bias is not None else None, None, None, None, None, None,
+                None)
+
+
+_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+
 def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, memory_efficient):
     shape, _, n = check_args(input, normalized_shape, weight, bias)
     _check_residual(input, residual)
     h_dtype = torch.promote_types(input.dtype, residual.dtype)
     if use_kernel(input, h_dtype, n, weight, bias, residual):
+        # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
+        # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
+        if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and _any_requires_grad(input, residual, weight, bias) and eager((input, residual, weight, bias))):
+            return _direct(input, residual, weight, bias, list(shape), n, float(eps), is_rms, bool(memory_efficient),
+                           h_dtype)
         y, h, _, _ = _fwd_op(input, residual, weight, bias, list(shape), float(eps), is_rms, bool(memory_efficient))
         return y, h
     h = input + residual

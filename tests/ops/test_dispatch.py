@@ -207,7 +207,7 @@ def test_tensor_subclass_argument_takes_the_registered_op(triton_device):
 
 
 @NEEDS_PLAIN_TENSORS
-@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "fused_add_rms_norm"])
 def test_backward_under_a_dispatch_mode_takes_the_registered_op(name, triton_device):
     """A forward run eagerly (the norms launch their kernels from a plain autograd.Function) whose backward
     runs under a dispatch mode: the mode sees the registered backward op, with the same gradients."""
