@@ -245,7 +245,10 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         every = [t for _, _, tabs in work for t in tabs]
         grad_norm = norm_kernels.total_of_tables(flag, every, skip_if_flagged=True, scratch=scratch) if every \
             else None
-        ok = (flag != 1).to(torch.int)
+        ok = scratch.get(("ok", device))
+        if ok is None:
+            ok = scratch[("ok", device)] = torch.empty(1, dtype=torch.bool, device=device)
+        torch.ne(flag, 1, out=ok)  # (one op and no new tensor: the steps count up by it)
         for group in self.param_groups:
             if isinstance(group["lr"], (int, float)) or isinstance(group["step"], int):
                 self._tensorize(group, device)  # an LR scheduler or a user wrote a Python number
