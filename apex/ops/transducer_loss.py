@@ -286,30 +286,39 @@ def _check_opt(opt) -> None:
 
 
 # ------------------------------------------------------------------------------------------- autograd
+def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, debug_list, opt, packed_input
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, lse, alpha, beta)``: :class:`TransducerLossFunc`'s forward and what its backward needs (the
+    modules call it alone when there is no gradient to record)."""
+    _check_opt(opt)
+    # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
+    if _backend.select(x) == "triton":
+        from apex._kernels import transducer_loss as kernels
+
+        T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
+        acc = _acc(x.dtype)
+        xc = x.contiguous()
+        lse = kernels.row_lse(xc, acc)
+        alpha, beta, loss = _alpha_beta_triton(xc, lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
+                                               packed_input, acc)
+    else:  # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
+        logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
+        lse = x[..., 0].to(logp.dtype) - logp[..., 0]
+        alpha, beta, loss = loss_forward(logp, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
+                                         packed_input)
+        loss = loss.to(x.dtype)
+        del logp
+    if debug_list == []:
+        debug_list += [alpha, beta]
+    return loss, lse, alpha, beta
+
+
 class TransducerLossFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
                 debug_list, opt, packed_input):
-        _check_opt(opt)
-        # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
-        if _backend.select(x) == "triton":
-            from apex._kernels import transducer_loss as kernels
-
-            T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
-            acc = _acc(x.dtype)
-            xc = x.contiguous()
-            lse = kernels.row_lse(xc, acc)
-            alpha, beta, loss = _alpha_beta_triton(xc, lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
-                                                   packed_input, acc)
-        else:  # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
-            logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
-            lse = x[..., 0].to(logp.dtype) - logp[..., 0]
-            alpha, beta, loss = loss_forward(logp, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
-                                             packed_input)
-            loss = loss.to(x.dtype)
-            del logp
-        if debug_list == []:
-            debug_list += [alpha, beta]
+        loss, lse, alpha, beta = loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
+                                                debug_list, opt, packed_input)
         ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
         ctx.blank_idx = blank_idx
         ctx.fused = fuse_softmax_backward

@@ -167,3 +167,22 @@ def test_checks_make_one_host_read(monkeypatch):
         TJ._check(f, g, torch.tensor([6, 4]), g_len, None, 0, False, 0.0)
     with pytest.raises(ValueError, match=r"g_len values must lie in \[0, 3\], got \[-1, 3\]"):
         TJ._check(f, g, f_len, torch.tensor([3, -1]), None, 0, False, 0.0)
+
+
+def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
+    """With no input requiring grad the module computes the joint without the autograd Function: the same
+    output, and the ReLU mask still reaches the probe."""
+    from apex.contrib.transducer import TransducerJoint
+
+    f, g = torch.randn(2, 5, 4), torch.randn(2, 3, 4)
+    f_len, g_len = torch.tensor([5, 4], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32)
+    mod = TransducerJoint(relu=True, probe_mask=True)
+    ref = mod(f.clone().requires_grad_(), g, f_len, g_len)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(TJ.TransducerJointFunc, "forward", staticmethod(refuse))
+    h = mod(f, g, f_len, g_len)
+    assert h.grad_fn is None and torch.equal(h, ref.detach())
+    assert len(mod.mask_probe) == 2 and torch.equal(mod.mask_probe[0], mod.mask_probe[1])

@@ -216,3 +216,24 @@ def test_checks_make_one_host_read(monkeypatch):
     reads.clear()
     assert TL.check_args(x, label[:, :0], f_len, torch.zeros(2, dtype=torch.int32), 4, None, None, False) == (4, 3)
     assert len(reads) == 1
+
+
+def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
+    """Under no_grad the module computes the loss without the autograd Function (no context, nothing
+    saved): the same losses, and debug_list still receives alpha and beta."""
+    from apex.contrib.transducer import TransducerLoss
+
+    x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
+    mod = TransducerLoss()
+    ref_debug: list = []
+    ref = mod(x.clone().requires_grad_(), label, f_len, y_len, 4, debug_list=ref_debug)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(TL.TransducerLossFunc, "forward", staticmethod(refuse))
+    debug: list = []
+    with torch.no_grad():
+        loss = mod(x, label, f_len, y_len, 4, debug_list=debug)
+    assert loss.grad_fn is None and torch.equal(loss, ref.detach())
+    assert len(debug) == 2 and all(torch.equal(a, b) for a, b in zip(debug, ref_debug))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from apex._errors import RuntimeValueError
-from apex.ops.transducer_joint import TransducerJointFunc
-from apex.ops.transducer_loss import TransducerLossFunc
+from apex.ops.transducer_joint import TransducerJointFunc, joint_forward
+from apex.ops.transducer_loss import TransducerLossFunc, loss_and_saved
 
 # autograd.Function.apply's Python wrapper unwraps torch.func's dead wrappers (~4 µs a call): outside
 # torch.func transforms and tracing the modules take the C++ apply it ends in.
@@ -52,6 +52,13 @@ class TransducerJoint(torch.nn.Module):
             raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
         dropout = self.dropout and self.training
         tile = self.fwd_tile_size if self.opt == 1 else 1
+        if _plain_call() and not (torch.is_grad_enabled() and torch._C._any_requires_grad(f, g)):
+            # Nothing to record: the joint alone, without the Function's context and saved tensors.
+            h, mask = joint_forward(f, g, f_len, g_len, batch_offset if self.pack_output else None, packed_batch,
+                                    self.pack_output, self.relu, dropout, self.dropout_prob, tile)
+            if mask is not None and self.mask_probe is not None:
+                self.mask_probe.append(mask)
+            return h
         apply = _joint_apply if _plain_call() else TransducerJointFunc.apply
         return apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
                                          batch_offset if self.pack_output else None, packed_batch, tile,
@@ -80,6 +87,12 @@ class TransducerLoss(torch.nn.Module):
             offset, t_max = batch_offset, int(max_f_len)
         else:
             offset, t_max = None, x.size(1)
-        apply = _loss_apply if _plain_call() else TransducerLossFunc.apply
-        return apply(x, label, f_len, y_len, offset, t_max, blank_idx, self.fuse_softmax_backward, debug_list,
-                     self.opt, self.packed_input)
+        if not _plain_call():
+            return TransducerLossFunc.apply(x, label, f_len, y_len, offset, t_max, blank_idx,
+                                            self.fuse_softmax_backward, debug_list, self.opt, self.packed_input)
+        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+            # Nothing to record: the loss alone, without the Function's context and saved tensors.
+            return loss_and_saved(x, label, f_len, y_len, offset, t_max, blank_idx, debug_list, self.opt,
+                                  self.packed_input)[0]
+        return _loss_apply(x, label, f_len, y_len, offset, t_max, blank_idx, self.fuse_softmax_backward,
+                           debug_list, self.opt, self.packed_input)
