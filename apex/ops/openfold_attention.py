@@ -94,23 +94,29 @@ def _as4(t: Tensor | None, full: tuple, z: int, dtype: torch.dtype | None = None
         return e.reshape(z, *full[-3:])
 
 
+def _triton_forward(q, k, v, mask, bias, inf, full) -> tuple[Tensor, tuple, float]:
+    """``(output, tensors the backward needs, scale)`` of the Triton path."""
+    from apex._kernels import openfold_attention as kernels
+
+    if q.dim() == 4:  # [Z, H, N, D] already: no reshapes (an operator call each)
+        z, q4, k4, v4 = q.shape[0], q, k, v
+    else:
+        z = math.prod(q.shape[:-3])
+        q4, k4, v4 = q.reshape(z, *q.shape[-3:]), k.reshape(z, *k.shape[-3:]), v.reshape(z, *v.shape[-3:])
+    m4 = _as4(mask, full, z, q.dtype)
+    b4 = _as4(bias, full, z)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, lse = kernels.forward(q4, k4, v4, m4, b4, scale, float(inf))
+    return (o if q4 is q else o.view(q.shape)), (q4, k4, v4, o, lse, m4, b4), scale
+
+
 class _AttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, inf, full):
-        from apex._kernels import openfold_attention as kernels
-
-        if q.dim() == 4:  # [Z, H, N, D] already: no reshapes (an operator call each)
-            z, q4, k4, v4 = q.shape[0], q, k, v
-        else:
-            z = math.prod(q.shape[:-3])
-            q4, k4, v4 = q.reshape(z, *q.shape[-3:]), k.reshape(z, *k.shape[-3:]), v.reshape(z, *v.shape[-3:])
-        m4 = _as4(mask, full, z, q.dtype)
-        b4 = _as4(bias, full, z)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        o, lse = kernels.forward(q4, k4, v4, m4, b4, scale, float(inf))
-        ctx.save_for_backward(q4, k4, v4, o, lse, m4, b4)
+        out, saved, scale = _triton_forward(q, k, v, mask, bias, inf, full)
+        ctx.save_for_backward(*saved)
         ctx.meta = (q.shape, k.shape, full, bias.shape if bias is not None else None, scale, float(inf))
-        return o if q4 is q else o.view(q.shape)
+        return out
 
     @staticmethod
     def backward(ctx, do):
@@ -140,9 +146,12 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
     if _backend.select(query, key, value) == "triton" and query.dtype != torch.float64:
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper
         # (which unwraps torch.func's dead wrappers, ~4 µs).
-        apply = _AttentionTriton.apply if torch._C._are_functorch_transforms_active() or \
-            torch.compiler.is_compiling() else _triton_apply
-        return apply(query, key, value, mask, bias, float(inf), full)
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return _AttentionTriton.apply(query, key, value, mask, bias, float(inf), full)
+        if not (torch.is_grad_enabled() and torch._C._any_requires_grad(query, key, value, bias)):
+            # Nothing to record: the kernels alone, without the Function's context and saved tensors.
+            return _triton_forward(query, key, value, mask, bias, float(inf), full)[0]
+        return _triton_apply(query, key, value, mask, bias, float(inf), full)
     return _attention_torch(query, key, value, mask, bias, inf)
 
 

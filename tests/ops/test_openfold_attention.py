@@ -86,6 +86,22 @@ def test_attn_4d_takes_no_reshape(backend_name):
     assert o._base is None and all(g._base is None for g in grads)
 
 
+def test_attn_without_gradient_records_nothing(backend_name, monkeypatch):
+    """Under no_grad (AttnTri's is_training=False) the Triton path runs its kernels without the autograd
+    Function (no context, nothing saved): the same output as with a graph."""
+    import apex.ops.openfold_attention as OA
+
+    q, k, v, mask, b = _attn_inputs((1, 2), 2, 9, 14, 16, torch.float32)
+    ref = AttnTri(q, k, v, mask, b)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(OA._AttentionTriton, "forward", staticmethod(refuse))
+    o = AttnTri(q, k, v, mask, b, is_training=False)
+    assert o.grad_fn is None and torch.equal(o, ref.detach())
+
+
 def test_attn_bias_jit_bool_mask_and_full_bias(backend_name):
     q, k, v, mask, _ = _attn_inputs((2,), 2, 9, 14, 16, torch.float32, bias=False)
     b = torch.randn(2, 2, 9, 14).requires_grad_()  # a bias as large as the scores
