@@ -144,10 +144,15 @@ def focal_loss(cls_output: Tensor, cls_targets_at_level: Tensor, num_positive_su
     """Fused focal loss (Apex's functional name and argument names)."""
     # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper (which
     # unwraps torch.func's dead wrappers, ~4 µs).
-    apply = FocalLoss.apply if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling() \
-        else _apply
-    return apply(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
-                 label_smoothing)
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return FocalLoss.apply(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
+                               label_smoothing)
+    if not (torch.is_grad_enabled() and torch._C._any_requires_grad(cls_output)):
+        # Nothing to record: the loss alone (its partial gradient dropped), without the Function's context.
+        return focal_loss_forward(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha,
+                                  gamma, label_smoothing)[0]
+    return _apply(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
+                  label_smoothing)
 
 
 _apply = super(torch.autograd.Function, FocalLoss).apply

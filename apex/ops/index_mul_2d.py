@@ -132,6 +132,10 @@ def index_mul_2d(in1: Tensor, in2: Tensor, idx1: Tensor) -> Tensor:
     # unwraps torch.func's dead wrappers, ~4 µs).
     if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return IndexMul2d.apply(in1, in2, idx1)
+    if not (torch.is_grad_enabled() and torch._C._any_requires_grad(in1, in2)):
+        # Nothing to record: the product alone, without the Function's context and saved tensors.
+        _check(in1, in2, idx1)
+        return gather_mul(in1, in2, idx1)
     return _apply(in1, in2, idx1)
 
 

@@ -148,3 +148,18 @@ def test_triton_path_runs_only_the_target_check(backend_name):
     if interpreting():
         counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
     assert counts == {"aminmax": 1, "stack": 1}
+
+
+def test_without_gradient_records_nothing(backend_name, monkeypatch):
+    """Under no_grad the loss is computed without the autograd Function (no context, no saved partial
+    gradient), with the same value."""
+    x, y, npos = _inputs(20, 96, 91, torch.float32)
+    ref = FL.focal_loss(x.clone().requires_grad_(), y, npos, 91, 0.25, 2.0, 0.1)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(FL.FocalLoss, "forward", staticmethod(refuse))
+    with torch.no_grad():
+        loss = FL.focal_loss(x, y, npos, 91, 0.25, 2.0, 0.1)
+    assert loss.grad_fn is None and torch.equal(loss, ref.detach())

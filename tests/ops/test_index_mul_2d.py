@@ -149,3 +149,21 @@ def test_triton_backward_runs_only_the_sort(backend_name):
     if interpreting():
         counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
     assert counts == {"aminmax": 1, "stack": 1, "sort": 1}
+
+
+def test_without_gradient_records_nothing(backend_name, monkeypatch):
+    """Under no_grad the product runs without the autograd Function (no context, nothing saved), with the
+    same values and the same argument checks."""
+    in1, in2 = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4)
+    idx = torch.tensor([0, 5, 2, 2, 1])
+    ref = IM.index_mul_2d(in1, in2, idx)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(IM.IndexMul2d, "forward", staticmethod(refuse))
+    with torch.no_grad():
+        out = IM.index_mul_2d(in1, in2, idx)
+        with pytest.raises(ValueError, match="idx1 must index in1's rows"):
+            IM.index_mul_2d(in1, in2, torch.tensor([0, 6, 2, 2, 1]))
+    assert out.grad_fn is None and torch.equal(out, ref.detach())
