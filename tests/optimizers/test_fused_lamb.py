@@ -295,7 +295,9 @@ def test_bad_gradients_change_nothing(backend_name, bad):
         params[2].grad = torch.randn(4, dtype=torch.float16)
         err = RuntimeError
     elif bad == "shape":
-        params[2].grad.set_(torch.randn(2, 2))  # the setter checks the shape; set_ does not
+        # The setter checks the shape; set_ does not. (A reused plan compares sizes, as Apex's engine does:
+        # a gradient reshaped in place to its parameter's size is not seen.)
+        params[2].grad.set_(torch.randn(5))
         err = RuntimeError
     else:
         other = "cpu" if params[0].device.type == "meta" else "meta"  # meta: APEX_TEST_DEVICE=meta's device
