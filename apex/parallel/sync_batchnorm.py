@@ -82,9 +82,17 @@ def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, 
         _check_count(ncl[0] * ncl[2], input.shape)
         count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum)
     y = ops.normalize(x, ncl, st, zz, fuse_relu)
-    ctx.save_for_backward(x, zz, weight, bias, st)
-    ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, ncl, True)
+    if ctx is not None:  # (None: called without autograd, nothing to save)
+        ctx.save_for_backward(x, zz, weight, bias, st)
+        ctx.meta = (count, use_batch_stats, process_group, distributed, fuse_relu, ncl, True)
     return y
+
+
+def _fused_ok(input, weight, bias, running_mean, running_var) -> bool:
+    """Whether the Triton path takes this call (the kernels read contiguous parameters and statistics)."""
+    return bool(input.numel() and ops.backend(input) == "triton" and (weight is None or weight.is_contiguous())
+                and (bias is None or bias.is_contiguous())
+                and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous())))
 
 
 def _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b):
@@ -111,9 +119,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
                 process_group, channel_last, fuse_relu, distributed):
-        if (input.numel() and ops.backend(input) == "triton" and (weight is None or weight.is_contiguous())
-                and (bias is None or bias.is_contiguous())
-                and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous()))):
+        if _fused_ok(input, weight, bias, running_mean, running_var):
             return _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats,
                                   momentum, process_group, channel_last, fuse_relu, distributed)
         x = ops.as_ncl(input, channel_last)
@@ -285,8 +291,14 @@ class SyncBatchNorm(_BatchNorm):
                                           factor if self.training else 0.0)
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper (which
         # unwraps torch.func's dead wrappers over all 13 arguments, ~5 µs).
-        apply = SyncBatchnormFunction.apply if torch._C._are_functorch_transforms_active() or \
-            torch.compiler.is_compiling() else _sync_bn_apply
+        plain = not (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
+        if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, self.weight, self.bias)) \
+                and _fused_ok(input, self.weight, self.bias, running_mean, running_var):
+            # Nothing to record: the Triton path's kernels without the Function's context and saved tensors.
+            return _fused_forward(None, input, z, self.weight, self.bias, running_mean, running_var, self.eps,
+                                  use_batch_stats, factor if self.training else 0.0, self.process_group,
+                                  channel_last, self.fuse_relu, distributed)
+        apply = _sync_bn_apply if plain else SyncBatchnormFunction.apply
         return apply(input, z, self.weight, self.bias, running_mean, running_var, self.eps, use_batch_stats,
                      factor if self.training else 0.0, self.process_group, channel_last, self.fuse_relu,
                      distributed)

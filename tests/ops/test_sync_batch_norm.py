@@ -284,3 +284,25 @@ def test_results_are_deterministic_run_to_run(backend_name, channel_last):
         results.append((y, xi.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_triton_path_without_gradient_records_nothing(backend_name, monkeypatch):
+    """Under no_grad a training step of the Triton path runs its kernels without the autograd Function (no
+    context, nothing saved): the same output and running statistics as a step that records a graph."""
+    import apex.parallel.sync_batchnorm as sbn
+
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path without a process group is PyTorch's batch norm")
+    bn = SyncBatchNorm(6, fuse_relu=True)
+    twin = copy.deepcopy(bn)
+    x, z = torch.randn(3, 6, 4, 5) + 1, torch.randn(3, 6, 4, 5)
+    ref = bn(x, z)
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(sbn.SyncBatchnormFunction, "forward", staticmethod(refuse))
+    with torch.no_grad():
+        y = twin(x, z)
+    assert y.grad_fn is None and torch.equal(y, ref.detach())
+    assert torch.equal(twin.running_mean, bn.running_mean) and torch.equal(twin.running_var, bn.running_var)
