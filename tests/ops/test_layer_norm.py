@@ -219,10 +219,15 @@ for rms in (False, True):
                                           BLOCK_N=1024)))
     for mem_eff in (False, True):
         jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=mem_eff,
-                                              HAS_DR=mem_eff, ONE_DIRECTION=False, BLOCK_M=1, BLOCK_N=8192)))
+                                              HAS_DR=mem_eff, ONE_DIRECTION=False, BLOCK_M=1, BLOCK_N=8192,
+                                              W_PER_TILE=False)))
     # Rows of one element (RMSNorm) or two (LayerNorm): the exact form of dx.
     jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=False, HAS_DR=False,
-                                          ONE_DIRECTION=True, BLOCK_M=16, BLOCK_N=1 if rms else 2)))
+                                          ONE_DIRECTION=True, BLOCK_M=16, BLOCK_N=1 if rms else 2,
+                                          W_PER_TILE=False)))
+    # Wide rows: the weight loaded each pass (with the memory-efficient form, which divides by it).
+    jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=True, HAS_DR=False,
+                                          ONE_DIRECTION=False, BLOCK_M=1, BLOCK_N=16384, W_PER_TILE=True)))
 jobs.append((K._reduce_kernel, red, dict(HAS_B=True, BLOCK_P=32, BLOCK_N=128)))
 for fn, sig, consts in jobs:
     sig = dict(sig, **{k: "constexpr" for k in consts})
@@ -246,7 +251,7 @@ def test_kernels_compile_for_an_nvidia_gpu():
     out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "compiled 9" in out.stdout
+    assert "compiled 11" in out.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
