@@ -158,15 +158,28 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, epi_act: int = NONE,
          pro_a: int = NONE, dact_a: int = NONE, aux_a: torch.Tensor | None = None, pro_b: int = NONE,
          dact_c: int = NONE, aux_c: torch.Tensor | None = None, rowsum: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, allow_tf32: bool = False) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, allow_tf32: bool = False, trans_a: bool = False,
+         trans_b: bool = False) -> torch.Tensor:
     """``C = epilogue(prologue(a) @ prologue(b))`` (see the module docstring); one launch.
 
     ``a`` is ``[M, K]`` and ``b`` ``[K, N]``, any strides; ``aux_a`` has ``a``'s shape, ``aux_c`` and the
     result ``C`` (contiguous, ``out_dtype``) are ``[M, N]``; ``rowsum`` (``[M]``, written) receives the row
-    sums of the prologued ``a``.
+    sums of the prologued ``a``. ``trans_a``: ``a`` and ``aux_a`` are given as ``[K, M]``; ``trans_b``: ``b``
+    as ``[N, K]``.
     """
-    m, k = a.shape
-    k2, n = b.shape
+    # trans_a / trans_b: a (and aux_a) given as [K, M], b as [N, K] (a weight): their strides are swapped
+    # here instead of a transposed view made by the caller (an operator call each).
+    sa, sb = a.stride(), b.stride()
+    if trans_a:
+        k, m = a.shape
+        sa = (sa[1], sa[0])
+    else:
+        m, k = a.shape
+    if trans_b:
+        n, k2 = b.shape
+        sb = (sb[1], sb[0])
+    else:
+        k2, n = b.shape
     assert k == k2 and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
     if m == 0 or n == 0:
@@ -181,8 +194,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
     upcast = interp and a.dtype == torch.bfloat16
     # Each stride read once (a tuple each; c is contiguous [m, n]).
-    sa, sb = a.stride(), b.stride()
-    xa, sxa = (aux_a, aux_a.stride()) if aux_a is not None else (a, sa)
+    if aux_a is not None:
+        xa, sxa = aux_a, aux_a.stride()
+        if trans_a:
+            sxa = (sxa[1], sxa[0])
+    else:
+        xa, sxa = a, sa
     yc, syc = (aux_c, aux_c.stride()) if aux_c is not None else (c, (n, 1))
     _gemm_kernel[grid](
         a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,

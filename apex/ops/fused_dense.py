@@ -122,7 +122,7 @@ def chain_forward(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list
         for i, w in enumerate(weights):
             b = biases[i] if biases else None
             epi = NONE if acts[i] == GELU else acts[i]
-            inp = K.gemm(inp, w.t(), bias=b, epi_act=epi, pro_a=pro, allow_tf32=_tf32())
+            inp = K.gemm(inp, w, bias=b, epi_act=epi, pro_a=pro, allow_tf32=_tf32(), trans_b=True)
             outs.append(inp)
             pro = GELU if acts[i] == GELU else NONE
         return inp, outs, pres, True
@@ -217,8 +217,8 @@ def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
         pro_in = GELU if i > 0 and acts[i - 1] == GELU else NONE
         if need_w:
             db = torch.empty(w.shape[0], device=w.device, dtype=w.dtype) if has_bias else None
-            dws[i] = K.gemm(g.t(), inp, dact_a=dact, aux_a=aux.t() if aux is not None else None, pro_b=pro_in,
-                            rowsum=db, allow_tf32=tf32)
+            dws[i] = K.gemm(g, inp, dact_a=dact, aux_a=aux, pro_b=pro_in, rowsum=db, allow_tf32=tf32,
+                            trans_a=True)
             dbs[i] = db
         if i > 0:
             g = K.gemm(g, w, dact_a=dact, aux_a=aux, dact_c=acts[i - 1], aux_c=outs[i - 1], allow_tf32=tf32)

@@ -267,3 +267,15 @@ def test_compat_mlp_cuda(backend_name):
         mlp_cuda.backward(1, 2, dy, [out, reserved[:-1]], [x, *ws, *bs])
     with pytest.raises(ValueError, match="activation"):
         mlp_cuda.forward(1, 5, [x, *ws, *bs])
+
+
+def test_gemm_transposed_operands_by_strides(triton_device):
+    """trans_a / trans_b read a [K, M] operand (and its aux) or a [N, K] weight through swapped strides: the
+    same result as the caller's transposed views, which the chain no longer builds (an operator each)."""
+    from apex._kernels import fused_dense as K
+
+    a, w, aux = torch.randn(24, 9), torch.randn(13, 24), torch.randn(24, 9)
+    b = torch.randn(24, 7)
+    assert torch.equal(K.gemm(a.t(), w.t(), trans_a=False), K.gemm(a, w, trans_a=True, trans_b=True))
+    assert torch.equal(K.gemm(a, b, dact_a=1, aux_a=aux, trans_a=True),
+                       K.gemm(a.t(), b, dact_a=1, aux_a=aux.t()))
