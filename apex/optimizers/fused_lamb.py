@@ -137,8 +137,13 @@ class FusedLAMB(CopyableOptimizer):
         from apex._kernels import multi_tensor_l2norm as norm_kernels
         from apex._kernels import multi_tensor_lamb as kernels
 
-        work = [(group, kernels.tables(b.grads(gs, gptrs), *b.lists, None))
-                for group, (plan, gs, gptrs) in zip(self.param_groups, planned) for b in plan.buckets]
+        work = []
+        for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
+            for b in plan.buckets:
+                held = getattr(b, "tables", None)  # (the tables depend on nothing else the plan does not fix)
+                if held is None or held[0] != gptrs:
+                    held = b.tables = (gptrs, kernels.tables(b.grads(gs, gptrs), *b.lists, None))
+                work.append((group, held[1]))
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
         every = [t for _, tabs in work for t in tabs]
