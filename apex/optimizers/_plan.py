@@ -17,7 +17,9 @@ holds, with one C-level pass per fact over the group (``map`` over the tensors, 
 Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
 tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
 the engine reuses while the addresses repeat. When a fact differs, the optimizer checks the group as on the
-first step (with its error messages) and builds a new plan. What the plan does not see: a tensor of
+first step (with its error messages) and builds a new plan. After the first step, a gradient given its
+parameter's number of elements in another shape behind the setter's back (``grad.set_``, ``grad.data =``)
+is updated in flat order, as Apex's multi-tensor engine does (it checks sizes). What the plan does not see: a tensor of
 ``optimizer.state[p]`` *replaced* by assignment between steps (writing into it is seen by the kernels as
 usual); reload such a state with ``load_state_dict``.
 """
