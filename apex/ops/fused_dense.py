@@ -233,7 +233,9 @@ def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
     """Run a chain's forward inside an autograd ``Function.forward`` and save what its backward needs."""
     n = len(acts)
     weights, biases = list(params[:n]), list(params[n:]) if has_bias else []
-    two_d = input.dim() == 2  # (rows already: no view in or out)
+    # Rows already: no view in or out. Not while tracing: torch 2.11's torch.compile computed a wrong
+    # output for a Function returning the very tensor it saved (seen on the GPU machine; a view is fine).
+    two_d = input.dim() == 2 and not torch.compiler.is_compiling()
     x2 = input if two_d else input.reshape(-1, input.shape[-1])
     out, outs, pres, triton = chain_forward(x2, weights, biases, acts)
     ctx.acts, ctx.has_bias, ctx.triton, ctx.in_shape = acts, has_bias, triton, None if two_d else input.shape
