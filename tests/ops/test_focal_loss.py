@@ -147,6 +147,7 @@ def test_triton_path_runs_only_the_target_check(backend_name):
     counts = count_eager(lambda: FL.focal_loss(x, y, npos, 80, 0.25, 2.0).backward())["ops"]
     if interpreting():
         counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+    counts.pop("_to_copy", None)  # on a GPU: the target check's one host read, a device-to-host copy
     assert counts == {"aminmax": 1, "stack": 1}
 
 

@@ -148,6 +148,7 @@ def test_triton_backward_runs_only_the_sort(backend_name):
     counts = count_eager(lambda: torch.autograd.grad(IM.index_mul_2d(in1, in2, idx), (in1, in2), gy))["ops"]
     if interpreting():
         counts.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
+    counts.pop("_to_copy", None)  # on a GPU: the index check's one host read, a device-to-host copy
     assert counts == {"aminmax": 1, "stack": 1, "sort": 1}
 
 
