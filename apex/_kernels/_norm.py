@@ -137,7 +137,9 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
                 dx = wdy * (eps * rstd * rstd * rstd)[:, None]
             else:
                 c2 = tl.div_rn(tl.sum(wdy, axis=1), N * 1.0)
-                dx = tl.where(mask, wdy - c2[:, None], 0.0) * (eps * rstd * rstd * rstd)[:, None]
+                # One element: nothing varies, dx is 0. Not w·dy − c2 there: a GPU contracts it into
+                # fma(dy, w, −c2), whose unrounded product leaves the product's rounding error (~1e-7·|w·dy|).
+                dx = tl.where(mask & (N > 1), wdy - c2[:, None], 0.0) * (eps * rstd * rstd * rstd)[:, None]
         else:
             c1 = tl.div_rn(tl.sum(xhat * wdy, axis=1), N * 1.0)
             if IS_RMS:
