@@ -192,7 +192,7 @@ def test_autocast_follows_the_inputs_device_type(backend_name, cuda_autocast_onl
     assert y.dtype == torch.bfloat16, f"{entry} ignored autocast of its input's device type: {y.dtype}"
 
 
-def test_tf32_follows_pytorch_flag(monkeypatch):
+def test_tf32_follows_pytorch_flag(monkeypatch, triton_device):
     from apex._kernels import fused_dense as K
 
     seen = []
