@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 
@@ -86,3 +88,24 @@ def check_grad_scaler_skips_then_resumes(make_opt, device: torch.device) -> None
     scaler.step(opt)
     ref.step()
     assert all(torch.equal(a, b) for a, b in zip(params, twins))
+
+
+@contextlib.contextmanager
+def counting_tables() -> Iterator[list]:
+    """Within the block, each device table the multi-tensor engine builds (``TensorTable``) appends to the
+    yielded list: a step given new gradient tensors should upload one table per launch group, not one per
+    launch."""
+    from apex._kernels import multi_tensor as mt
+
+    built: list = []
+    real = mt.TensorTable
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    mt.TensorTable = counting
+    try:
+        yield built
+    finally:
+        mt.TensorTable = real

@@ -10,6 +10,7 @@ import torch
 import apex
 from apex.optimizers import FusedLAMB
 from apex.testing import TritonTrace, assert_rel_close
+from tests.optimizers._common import counting_tables
 
 from ._lamb_reference import bf16_round_to_nearest
 from ._lamb_reference import lamb as ref_lamb
@@ -207,21 +208,12 @@ def test_no_trust_ratio_is_a_single_pass(triton_device):
     assert tr.kernels["_moments_kernel"] == 1 and "_apply_kernel" not in tr.kernels
 
 
-def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+def test_new_gradients_cost_one_device_table_per_step(triton_device):
     """With new gradient tensors at every step (``zero_grad(set_to_none=True)``), the global norm's partials,
     the moments and the apply launches all read one table with the new gradients' addresses: a table per
     launch costs its own upload."""
-    from apex._kernels import multi_tensor as mt
-
     params = [torch.nn.Parameter(torch.randn(5 + i)) for i in range(6)]
     opt = FusedLAMB(params, lr=1e-2)  # weight decay: the trust ratio's moments, reduction and apply launches
-    built: list = []
-    real = mt.TensorTable
-
-    def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
     twin = copy.deepcopy(opt)
     with apex.backend("triton"):
         for step in range(3):
@@ -230,9 +222,8 @@ def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch
             if step == 2:
                 for p, q in zip(params, twin.param_groups[0]["params"]):
                     q.grad = p.grad.clone()
-                monkeypatch.setattr(mt, "TensorTable", counting)
-                opt.step()
-                monkeypatch.setattr(mt, "TensorTable", real)
+                with counting_tables() as built:
+                    opt.step()
                 twin.step()  # (its first step: plans and tables of its own)
             else:
                 opt.step()

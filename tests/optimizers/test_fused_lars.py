@@ -8,7 +8,7 @@ import torch
 import apex
 from apex.optimizers import Fused_LARS, FusedLARS
 from apex.testing import TritonTrace, rel_error
-from tests.optimizers._common import SHAPES_TRITON, grads_for_step, make_params, set_grads, shapes_for
+from tests.optimizers._common import SHAPES_TRITON, counting_tables, grads_for_step, make_params, set_grads, shapes_for
 
 STEPS = 10
 
@@ -112,26 +112,19 @@ def test_launches_are_constant_per_dtype_group(triton_device):
     assert tr.launches == 3, tr.kernels
 
 
-def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+def test_new_gradients_cost_one_device_table_per_step(triton_device):
     """With new gradient tensors at every step, both norms and the update read one table with the new
     addresses: a table per launch costs its own upload. (Values after new gradients: the reference tests.)"""
-    from apex._kernels import multi_tensor as mt
-
     params = make_params(SHAPES_TRITON)
     opt = FusedLARS(params, lr=0.1, momentum=0.9, weight_decay=0.01)
-    built: list = []
-    real = mt.TensorTable
-
-    def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
     with apex.backend("triton"):
         for step in range(3):
             set_grads(params, grads_for_step(params, step))
             if step == 2:
-                monkeypatch.setattr(mt, "TensorTable", counting)
-            opt.step()
+                with counting_tables() as built:
+                    opt.step()
+            else:
+                opt.step()
     assert len(built) == 1, built
 
 

@@ -10,6 +10,7 @@ import torch
 import apex
 from apex.optimizers import FusedMixedPrecisionLamb
 from apex.testing import TritonTrace, assert_rel_close
+from tests.optimizers._common import counting_tables
 
 from ._lamb_reference import bf16_round_to_nearest
 from ._lamb_reference import lamb as ref_lamb
@@ -187,24 +188,15 @@ def test_triton_launches_are_constant_and_in_bounds(triton_device):
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scale"])
-def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch, scaled):
+def test_new_gradients_cost_one_device_table_per_step(triton_device, scaled):
     """With new gradient tensors at every step, the global norm's partials and the update's launches read one
     table per list kind (masters + model copies, and parameters without masters) with the new addresses; also
     with gradients that carry a loss scale (``grad_scale``, a power of two: the same values as unscaled)."""
-    from apex._kernels import multi_tensor as mt
-
     reduced = [torch.nn.Parameter(torch.randn(5 + i).bfloat16()) for i in range(4)]
     full = [torch.nn.Parameter(torch.randn(3 + i)) for i in range(2)]  # fp32: no master
     params = reduced + full
     opt = FusedMixedPrecisionLamb([{"params": reduced}, {"params": full}], lr=1e-2,
                                   reduced_precision_dtype=torch.bfloat16)
-    built: list = []
-    real = mt.TensorTable
-
-    def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
     with apex.backend("triton"):
         for step in range(3):
             for p in params:
@@ -219,9 +211,10 @@ def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch
                 twin._plans = {}
                 if scaled:
                     opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.zeros(1)
-                monkeypatch.setattr(mt, "TensorTable", counting)
-            opt.step()
-        monkeypatch.setattr(mt, "TensorTable", real)
+                with counting_tables() as built:
+                    opt.step()
+            else:
+                opt.step()
         twin.step()
     assert len(built) == 2, built
     for p, q in zip(params, twin_params):

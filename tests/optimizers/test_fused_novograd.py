@@ -10,6 +10,7 @@ import torch
 import apex
 from apex.optimizers import FusedNovoGrad
 from apex.testing import TritonTrace, assert_rel_close
+from tests.optimizers._common import counting_tables
 
 from ._lamb_reference import bf16_round_to_nearest
 from ._lamb_reference import novograd as ref_novograd
@@ -275,20 +276,11 @@ def test_bad_gradients_change_nothing(backend_name, bad):
     assert torch.equal(opt.param_groups[0]["exp_avg_sq"][1], before[1]) and opt.param_groups[0]["step"] == 1
 
 
-def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch):
+def test_new_gradients_cost_one_device_table_per_step(triton_device):
     """With new gradient tensors at every step, the norm blend and the update read one table with the new
     addresses: a table per launch costs its own upload."""
-    from apex._kernels import multi_tensor as mt
-
     params = [torch.nn.Parameter(torch.randn(5 + i)) for i in range(6)]
     opt = FusedNovoGrad(params, lr=1e-2, weight_decay=0.01)
-    built: list = []
-    real = mt.TensorTable
-
-    def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
     with apex.backend("triton"):
         for step in range(3):
             for p in params:
@@ -299,9 +291,10 @@ def test_new_gradients_cost_one_device_table_per_step(triton_device, monkeypatch
                 for p, q in zip(params, twin_params):
                     q.grad = p.grad.clone()
                 twin._plans = {}
-                monkeypatch.setattr(mt, "TensorTable", counting)
-            opt.step()
-        monkeypatch.setattr(mt, "TensorTable", real)
+                with counting_tables() as built:
+                    opt.step()
+            else:
+                opt.step()
         twin.step()
     assert len(built) == 1, built
     for p, q in zip(params, twin_params):
