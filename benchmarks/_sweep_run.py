@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tiny shapes, for the tests
     p.add_argument("--out", type=Path, default=sk.HERE / "results", help="folder for sweep.md and sweep.json")
     p.add_argument("--write", action="store_true", help="store the winners in the launchers' table")
-    p.add_argument("--table", type=Path, default=sk.TABLE, help=argparse.SUPPRESS)
+    p.add_argument("--table", type=Path, default=sk.TABLE,
+                   help="with --write: the table file to merge the winners into (default: apex/_kernels/_tuned.py; "
+                        "on a machine whose checkout does not come back, a copy of it under the output folder)")
     args = p.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"  # before any kernel module is imported: compiled kernels only
     all_cases = sk.cases(DTYPES[args.dtype], sk.SMALL if args.small else None)
