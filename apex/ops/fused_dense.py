@@ -29,9 +29,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from apex._backend import select_tensor
 from apex._errors import RuntimeTypeError
+from apex.ops._dispatch import lazy_module
 
 Tensor = torch.Tensor
+_K = lazy_module("apex._kernels.fused_dense")
+_any_autocast = torch._C._is_any_autocast_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_any_requires_grad = torch._C._any_requires_grad
 
 ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
 NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
@@ -45,39 +51,42 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
     # weight and bias) was its RuntimeError: those errors are also one.
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in _FLOATS:
-        raise RuntimeTypeError(f"input must be a floating-point tensor (fp16, bf16, fp32 or fp64), got "
-                               f"{input.dtype}")
+    dt = input.dtype  # each fact read once, not once per layer
+    if dt not in _FLOATS:
+        raise RuntimeTypeError(f"input must be a floating-point tensor (fp16, bf16, fp32 or fp64), got {dt}")
     if input.dim() < 1:
         raise ValueError("input must have at least one dimension (its last is the feature dimension)")
-    if len(weights) == 0:
+    n = len(weights)
+    if n == 0:
         raise ValueError("at least one weight is needed")
-    if biases is not None and len(biases) not in (0, len(weights)):
-        raise ValueError(f"expected {len(weights)} biases (one per weight) or none, got {len(biases)}")
-    if len(acts) != len(weights):
-        raise ValueError(f"expected one activation per layer ({len(weights)}), got {len(acts)}")
+    if biases is not None and len(biases) not in (0, n):
+        raise ValueError(f"expected {n} biases (one per weight) or none, got {len(biases)}")
+    if len(acts) != n:
+        raise ValueError(f"expected one activation per layer ({n}), got {len(acts)}")
+    dev = input.device
     features = input.shape[-1]
-    for i, w in enumerate(weights):
+    for i in range(n):
+        w = weights[i]
         if not isinstance(w, Tensor) or w.dim() != 2:
             raise ValueError(f"weight {i} must be a 2-D tensor [out_features, in_features], got "
                              f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
-        if w.shape[1] != features:
+        out_f, in_f = w.shape
+        if in_f != features:
             what = "input's last dimension" if i == 0 else f"weight {i - 1}'s out_features"
-            raise ValueError(f"weight {i} expects {w.shape[1]} input features but the {what} is {features}")
-        if w.dtype != input.dtype:
-            raise RuntimeTypeError(f"weight {i} has dtype {w.dtype} but input has {input.dtype}: they must match "
+            raise ValueError(f"weight {i} expects {in_f} input features but the {what} is {features}")
+        if w.dtype != dt:
+            raise RuntimeTypeError(f"weight {i} has dtype {w.dtype} but input has {dt}: they must match "
                                    "(use torch.autocast or cast the module)")
-        if w.device != input.device:
-            raise ValueError(f"weight {i} is on {w.device} but input is on {input.device}")
+        if w.device != dev:
+            raise ValueError(f"weight {i} is on {w.device} but input is on {dev}")
         if biases:
             b = biases[i]
-            if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != w.shape[0]:
-                raise ValueError(f"bias {i} must have shape ({w.shape[0]},), got "
+            if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != out_f:
+                raise ValueError(f"bias {i} must have shape ({out_f},), got "
                                  f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
-            if b.dtype != input.dtype:
-                raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {input.dtype}: they must "
-                                       "match")
-        features = w.shape[0]
+            if b.dtype != dt:
+                raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {dt}: they must match")
+        features = out_f
     if acts in _CHECKED_ACTS:  # a chain's codes are the same every call: checked once
         return
     if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
@@ -89,16 +98,15 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
 _CHECKED_ACTS: set = set()
 
 
-def _use_triton(*tensors) -> bool:
-    if tensors[0].dtype == torch.float64:
+def _use_triton(x: Tensor, *_: Tensor) -> bool:
+    """Whether a chain on input ``x`` runs the Triton path (the input decides, as ``select`` would)."""
+    if x.dtype == torch.float64:
         return False
     if torch.compiler.is_compiling():
         # Under torch.compile the backend context cannot be read; CPU tensors take the PyTorch path (which
         # the compiler traces), GPU tensors Triton, as "auto" would choose.
-        return tensors[0].is_cuda
-    from apex._backend import select
-
-    return select(*tensors) == "triton"
+        return x.is_cuda
+    return select_tensor(x) == "triton"
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -109,25 +117,32 @@ def chain_forward(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list
     output (its activation output, or, on the Triton path, its pre-activation where the activation is a
     GELU deferred into the next layer); ``pres[i]`` the pre-activation of a GELU layer on the PyTorch path.
     """
-    triton = _use_triton(x2, *weights)
-    if triton and acts[-1] == GELU:
-        triton = False  # a GELU on the last layer cannot be deferred; the chains Apex builds never end so
+    # A GELU on the last layer cannot be deferred into a next one: the PyTorch path (Apex's chains never end so).
+    if _use_triton(x2) and acts[-1] != GELU:
+        out, outs = _forward_triton(x2, weights, biases, acts)
+        return out, outs, [None] * len(weights), True
+    return _forward_torch(x2, weights, biases, acts)
+
+
+def _forward_triton(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list]:
+    """The Triton chain: one GEMM launch a layer; returns the output and every layer's stored output."""
+    gemm, tf32 = _K().gemm, _tf32()
+    outs = []
+    inp, pro = x2, NONE
+    for i, w in enumerate(weights):
+        act = acts[i]
+        inp = gemm(inp, w, bias=biases[i] if biases else None, epi_act=NONE if act == GELU else act, pro_a=pro,
+                   allow_tf32=tf32, trans_b=True)
+        outs.append(inp)
+        pro = GELU if act == GELU else NONE
+    return inp, outs
+
+
+def _forward_torch(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list, bool]:
     outs: list = []
     pres: list = [None] * len(weights)
-    inp = x2
-    if triton:
-        from apex._kernels import fused_dense as K
-
-        pro = NONE
-        for i, w in enumerate(weights):
-            b = biases[i] if biases else None
-            epi = NONE if acts[i] == GELU else acts[i]
-            inp = K.gemm(inp, w, bias=b, epi_act=epi, pro_a=pro, allow_tf32=_tf32(), trans_b=True)
-            outs.append(inp)
-            pro = GELU if acts[i] == GELU else NONE
-        return inp, outs, pres, True
     dt, ct = x2.dtype, _compute_dtype(x2)
-    inp = inp.to(ct)
+    inp = x2.to(ct)
     for i, w in enumerate(weights):
         b = biases[i].to(ct) if biases else None
         z = torch.addmm(b, inp, w.t().to(ct)) if b is not None else torch.mm(inp, w.t().to(ct))
@@ -172,12 +187,12 @@ _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends
 def chain_backward(dy2: Tensor, x2: Tensor, weights, has_bias: bool, outs, pres, acts, triton: bool,
                    need_dx: bool = True, need_w: bool = True) -> tuple[Tensor | None, list, list]:
     """Gradients ``(dx, [dWᵢ], [dbᵢ])`` of a chain from ``chain_forward``'s saved tensors."""
+    if triton:
+        return _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w)
     n = len(weights)
     dws: list = [None] * n
     dbs: list = [None] * n
     dx = None
-    if triton:
-        return _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w)
     dt, ct = x2.dtype, _compute_dtype(x2)
     g = dy2.to(ct)
     for i in reversed(range(n)):
@@ -200,30 +215,30 @@ def chain_backward(dy2: Tensor, x2: Tensor, weights, has_bias: bool, outs, pres,
 
 
 def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
-    from apex._kernels import fused_dense as K
-
+    gemm, tf32 = _K().gemm, _tf32()
     n = len(weights)
     dws: list = [None] * n
     dbs: list = [None] * n
     dx = None
-    tf32 = _tf32()
     g = dy2
     # The top layer's activation derivative is applied as its gradient is loaded (both GEMMs below);
     # every lower layer's is applied in the epilogue of the input-gradient GEMM that produces its gradient.
+    # (outs[-1] is needed, and saved, only where the top layer has an activation.)
     dact, aux = (acts[-1], outs[-1]) if acts[-1] != NONE else (NONE, None)
-    for i in reversed(range(n)):
+    for i in range(n - 1, -1, -1):
         w = weights[i]
-        inp = outs[i - 1] if i > 0 else x2
-        pro_in = GELU if i > 0 and acts[i - 1] == GELU else NONE
         if need_w:
-            db = torch.empty(w.shape[0], device=w.device, dtype=w.dtype) if has_bias else None
-            dws[i] = K.gemm(g, inp, dact_a=dact, aux_a=aux, pro_b=pro_in, rowsum=db, allow_tf32=tf32,
-                            trans_a=True)
+            db = w.new_empty(w.shape[0]) if has_bias else None
+            if i > 0:
+                dws[i] = gemm(g, outs[i - 1], dact_a=dact, aux_a=aux, pro_b=GELU if acts[i - 1] == GELU else NONE,
+                              rowsum=db, allow_tf32=tf32, trans_a=True)
+            else:
+                dws[i] = gemm(g, x2, dact_a=dact, aux_a=aux, rowsum=db, allow_tf32=tf32, trans_a=True)
             dbs[i] = db
         if i > 0:
-            g = K.gemm(g, w, dact_a=dact, aux_a=aux, dact_c=acts[i - 1], aux_c=outs[i - 1], allow_tf32=tf32)
+            g = gemm(g, w, dact_a=dact, aux_a=aux, dact_c=acts[i - 1], aux_c=outs[i - 1], allow_tf32=tf32)
         elif need_dx:
-            dx = K.gemm(g, w, dact_a=dact, aux_a=aux, allow_tf32=tf32)
+            dx = gemm(g, w, dact_a=dact, aux_a=aux, allow_tf32=tf32)
         dact, aux = NONE, None
     return dx, dws, dbs
 
@@ -232,39 +247,49 @@ def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
 def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
     """Run a chain's forward inside an autograd ``Function.forward`` and save what its backward needs."""
     n = len(acts)
-    weights, biases = list(params[:n]), list(params[n:]) if has_bias else []
     # Rows already: no view in or out. Not while tracing: torch 2.11's torch.compile computed a wrong
     # output for a Function returning the very tensor it saved (seen on the GPU machine; a view is fine).
     two_d = input.dim() == 2 and not torch.compiler.is_compiling()
     x2 = input if two_d else input.reshape(-1, input.shape[-1])
-    out, outs, pres, triton = chain_forward(x2, weights, biases, acts)
-    ctx.acts, ctx.has_bias, ctx.triton, ctx.in_shape = acts, has_bias, triton, None if two_d else input.shape
-    ctx.has_pre = [p is not None for p in pres]
-    ctx.save_for_backward(x2, *weights, *outs, *[p for p in pres if p is not None])
+    weights = params[:n]
+    if _use_triton(x2) and acts[-1] != GELU:  # (chain_forward's choice, made here once)
+        out, outs = _forward_triton(x2, weights, params[n:] if has_bias else None, acts)
+        # The top layer's output only where its activation's derivative needs it; no GELU pre-activations.
+        ctx.save_for_backward(x2, *weights, *outs[:-1], out if acts[-1] != NONE else None)
+        ctx.chain = (acts, has_bias, True, None if two_d else input.shape, None)
+    else:
+        out, outs, pres, _ = _forward_torch(x2, list(weights), list(params[n:]) if has_bias else [], acts)
+        ctx.chain = (acts, has_bias, False, None if two_d else input.shape, [p is not None for p in pres])
+        ctx.save_for_backward(x2, *weights, *outs, *[p for p in pres if p is not None])
     return out if two_d else out.view(*input.shape[:-1], out.shape[-1])
 
 
 def chain_grads(ctx, grad_out: Tensor, input_index: int) -> tuple[Tensor | None, list, list]:
     """The gradients ``(dx, dweights, dbiases)`` for a ``Function`` whose forward called :func:`save_chain`;
     ``input_index`` is the position of the input among ``forward``'s arguments (the parameters follow it)."""
-    n = len(ctx.acts)
+    acts, has_bias, triton, in_shape, has_pre = ctx.chain
+    n = len(acts)
     saved = ctx.saved_tensors
-    x2, weights, outs = saved[0], list(saved[1:1 + n]), list(saved[1 + n:1 + 2 * n])
-    extra = iter(saved[1 + 2 * n:])
-    pres = [next(extra) if has else None for has in ctx.has_pre]
-    need_dx = ctx.needs_input_grad[input_index]
-    need_w = any(ctx.needs_input_grad[input_index + 1:])
-    dy2 = grad_out.reshape(-1, grad_out.shape[-1])
+    x2, weights, outs = saved[0], saved[1:1 + n], saved[1 + n:1 + 2 * n]
+    needs = ctx.needs_input_grad
+    need_dx = needs[input_index]
+    need_w = True in needs[input_index + 1:]
+    dy2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
     if dy2.dtype != x2.dtype:
         dy2 = dy2.to(x2.dtype)
-    dev = x2.device.type
-    # Entering torch.autocast costs more than a launch: only where it is on (off it changes nothing).
-    with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
-        dx, dws, dbs = chain_backward(dy2, x2, weights, ctx.has_bias, outs, pres, ctx.acts, ctx.triton,
-                                      need_dx, need_w)
-    if dx is not None and ctx.in_shape is not None:
-        dx = dx.view(ctx.in_shape)
-    return dx, dws, (dbs if ctx.has_bias else [])
+    if triton:  # kernels only: torch.autocast changes nothing there
+        dx, dws, dbs = _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w)
+    else:
+        extra = iter(saved[1 + 2 * n:])
+        pres = [next(extra) if has else None for has in has_pre]
+        dev = x2.device.type
+        # Entering torch.autocast costs more than a launch: only where it is on (off it changes nothing).
+        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
+            dx, dws, dbs = chain_backward(dy2, x2, list(weights), has_bias, list(outs), pres, acts, False,
+                                          need_dx, need_w)
+    if dx is not None and in_shape is not None:
+        dx = dx.view(in_shape)
+    return dx, dws, (dbs if has_bias else [])
 
 
 class DenseChainFunction(torch.autograd.Function):
@@ -295,17 +320,21 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
     once, and entered (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++
     ``Function.apply`` is called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers)."""
     x = args[0]
-    dev = x.device.type if isinstance(x, Tensor) else "cpu"
-    if torch.is_autocast_enabled(dev):
-        args, dev = autocast_args(*args)
-        check_chain(args[0], [args[i] for i in weights], [args[i] for i in biases], acts)
-        with torch.autocast(dev, enabled=False):
-            return fn.apply(*lead, *args)
+    compiling = torch.compiler.is_compiling()
+    # Whether any device's autocast is on, in one call; only then the input's device type (autocast is per
+    # device: a CUDA input under CUDA autocast) and the cast.
+    if compiling or _any_autocast():
+        dev = x.device.type if isinstance(x, Tensor) else "cpu"
+        if torch.is_autocast_enabled(dev):
+            args, dev = autocast_args(*args)
+            check_chain(args[0], [args[i] for i in weights], [args[i] for i in biases], acts)
+            with torch.autocast(dev, enabled=False):
+                return fn.apply(*lead, *args)
     ws, bs = [args[i] for i in weights], [args[i] for i in biases]
     check_chain(x, ws, bs, acts)
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+    if compiling or _functorch_active():
         return fn.apply(*lead, *args)
-    if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+    if not (torch.is_grad_enabled() and _any_requires_grad(*args)):
         # Nothing to record: the chain itself, without the Function's context and saved tensors.
         two_d = x.dim() == 2
         out = chain_forward(x if two_d else x.reshape(-1, x.shape[-1]), ws, bs, acts)[0]
