@@ -136,7 +136,7 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
-_PLANS = _tuning.plan_cache()  # (m, n, k, dtype) -> (config, grid)
+_PLANS = _tuning.plan_cache()  # (m, n, k, dtype) -> (config, grid, tf32 allowed, bf16 upcast)
 
 
 def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
@@ -168,43 +168,50 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     as ``[N, K]``.
     """
     # trans_a / trans_b: a (and aux_a) given as [K, M], b as [N, K] (a weight): their strides are swapped
-    # here instead of a transposed view made by the caller (an operator call each).
-    sa, sb = a.stride(), b.stride()
+    # here instead of a transposed view made by the caller (an operator call each). Each fact read once.
     if trans_a:
         k, m = a.shape
-        sa = (sa[1], sa[0])
+        sa1, sa0 = a.stride()
     else:
         m, k = a.shape
+        sa0, sa1 = a.stride()
     if trans_b:
         n, k2 = b.shape
-        sb = (sb[1], sb[0])
+        sb1, sb0 = b.stride()
     else:
         k2, n = b.shape
-    assert k == k2 and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        sb0, sb1 = b.stride()
+    dt = a.dtype
+    assert k == k2 and dt == b.dtype, (a.shape, b.shape, dt, b.dtype)
     # new_empty with integer sizes: ~1.5 µs less than torch.empty((m, n), device=..., dtype=...).
     c = a.new_empty(m, n) if out_dtype is None else a.new_empty(m, n, dtype=out_dtype)
     if m == 0 or n == 0:
         return c
-    key = (m, n, k, a.dtype)
+    key = (m, n, k, dt)
     planned = _PLANS.get(key)
     if planned is None:  # (the target query behind _config costs a few µs: once per shape and dtype)
-        cfg = _config(m, n, k, a.dtype)
-        planned = _PLANS[key] = (cfg, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),))
-    cfg, grid = planned
-    interp = _INTERP
-    precision = "tf32" if (a.dtype == torch.float32 and allow_tf32 and not interp) else "ieee"
-    upcast = interp and a.dtype == torch.bfloat16
-    # Each stride read once (a tuple each; c is contiguous [m, n]).
-    if aux_a is not None:
-        xa, sxa = aux_a, aux_a.stride()
-        if trans_a:
-            sxa = (sxa[1], sxa[0])
+        cfg = _config(m, n, k, dt)
+        # tf32 only for fp32 operands on a GPU (the interpreter computes in ieee); the interpreter's bf16 dot
+        # needs fp32 operands.
+        planned = _PLANS[key] = (cfg, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),),
+                                 dt == torch.float32 and not _INTERP, _INTERP and dt == torch.bfloat16)
+    cfg, grid, tf32_ok, upcast = planned
+    if aux_a is None:
+        xa, sxa0, sxa1 = a, sa0, sa1
+    elif trans_a:
+        xa = aux_a
+        sxa1, sxa0 = aux_a.stride()
     else:
-        xa, sxa = a, sa
-    yc, syc = (aux_c, aux_c.stride()) if aux_c is not None else (c, (n, 1))
+        xa = aux_a
+        sxa0, sxa1 = aux_a.stride()
+    if aux_c is None:  # c is contiguous [m, n]
+        yc, syc0, syc1 = c, n, 1
+    else:
+        yc = aux_c
+        syc0, syc1 = aux_c.stride()
     _gemm_kernel[grid](
-        a, b, c, bias if bias is not None else c, xa, yc, rowsum if rowsum is not None else c, m, n, k,
-        sa[0], sa[1], sb[0], sb[1], n, 1, sxa[0], sxa[1], syc[0], syc[1],
+        a, b, c, c if bias is None else bias, xa, yc, c if rowsum is None else rowsum, m, n, k,
+        sa0, sa1, sb0, sb1, n, 1, sxa0, sxa1, syc0, syc1,
         PRO_A=pro_a, DACT_A=dact_a, PRO_B=pro_b, HAS_BIAS=bias is not None, EPI_ACT=epi_act, DACT_C=dact_c,
-        ROWSUM=rowsum is not None, UPCAST=upcast, PRECISION=precision, **cfg)
+        ROWSUM=rowsum is not None, UPCAST=upcast, PRECISION="tf32" if allow_tf32 and tf32_ok else "ieee", **cfg)
     return c

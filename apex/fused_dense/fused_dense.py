@@ -58,21 +58,24 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         return dx, dws[0], dbs[0], dws[1], dbs[1]
 
 
-def _apply(fn, acts, weights, biases, input, *params):
-    # weights/biases: positions in (input, *params)
-    return apply_chain(fn, (), (input, *params), weights, biases, acts)
+# The chains' slices of (input, *params): the weights', the biases'.
+_ONE = (slice(1, 2), slice(2, 3))
+_NO_BIAS = (slice(1, 2), slice(2, 2))
+_GELU_DENSE = (slice(1, 5, 2), slice(2, 5, 2))
+_ACT_NONE = (NONE,)
+_ACTS_GELU_DENSE = (GELU, NONE)
 
 
 def fused_dense_function(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``input @ weightᵀ + bias`` (Apex's ``_fused_dense``); autocast-aware, checked."""
     if bias is None:
-        return dense_no_bias_function(input, weight)
-    return _apply(FusedDenseFunc, (NONE,), (1,), (2,), input, weight, bias)
+        return apply_chain(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)
+    return apply_chain(FusedDenseFunc, (), (input, weight, bias), *_ONE, _ACT_NONE)
 
 
 def dense_no_bias_function(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``input @ weightᵀ`` (Apex's ``_dense_no_bias``)."""
-    return _apply(DenseNoBiasFunc, (NONE,), (1,), (), input, weight)
+    return apply_chain(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)
 
 
 def fused_dense_gelu_dense_function(input: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor,
@@ -80,7 +83,19 @@ def fused_dense_gelu_dense_function(input: torch.Tensor, weight1: torch.Tensor, 
     """``gelu_tanh(input @ weight1ᵀ + bias1) @ weight2ᵀ + bias2`` (Apex's ``_fused_dense_gelu_dense``)."""
     if bias1 is None or bias2 is None:
         raise ValueError("bias1 and bias2 are required: FusedDenseGeluDense has no bias-free form")
-    return _apply(FusedDenseGeluDenseFunc, (GELU, NONE), (1, 3), (2, 4), input, weight1, bias1, weight2, bias2)
+    return apply_chain(FusedDenseGeluDenseFunc, (), (input, weight1, bias1, weight2, bias2), *_GELU_DENSE,
+                       _ACTS_GELU_DENSE)
+
+
+def _registered(module: nn.Module, names: tuple[str, ...]) -> list:
+    """The module's parameters ``names`` read from ``_parameters`` (``nn.Module.__getattr__`` costs ~1 µs a
+    parameter, every call); anything else (a parametrization's property, an attribute a wrapper put in a
+    parameter's place) by the ordinary lookup."""
+    params = module._parameters
+    try:
+        return [params[name] for name in names]
+    except KeyError:
+        return [getattr(module, name) for name in names]
 
 
 # Apex's private names for the functional wrappers.
@@ -122,12 +137,16 @@ class FusedDense(nn.Module):
         _init_linear(self.weight, self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            return fused_dense_function(input, self.weight, self.bias)
-        return dense_no_bias_function(input, self.weight)
+        weight, bias = _registered(self, ("weight", "bias"))
+        if bias is not None:
+            return apply_chain(FusedDenseFunc, (), (input, weight, bias), *_ONE, _ACT_NONE)
+        return apply_chain(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+_GELU_DENSE_NAMES = ("weight1", "bias1", "weight2", "bias2")
 
 
 class FusedDenseGeluDense(nn.Module):
@@ -152,7 +171,7 @@ class FusedDenseGeluDense(nn.Module):
         _init_linear(self.weight2, self.bias2)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return fused_dense_gelu_dense_function(input, self.weight1, self.bias1, self.weight2, self.bias2)
+        return fused_dense_gelu_dense_function(input, *_registered(self, _GELU_DENSE_NAMES))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, intermediate_features={self.intermediate_features}, "

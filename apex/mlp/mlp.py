@@ -8,6 +8,7 @@ on the PyTorch path. Under ``torch.autocast`` the input and parameters are cast 
 
 from __future__ import annotations
 
+import functools
 import math
 from copy import copy
 
@@ -45,8 +46,19 @@ def mlp_function(bias, activation, *args) -> torch.Tensor:
         if n % 2:
             raise ValueError(f"with bias, args must be (input, *weights, *biases); got {len(args)} tensors")
         n //= 2
-    return apply_chain(MlpFunction, (bias, activation), args, range(1, 1 + n),
-                       range(1 + n, 1 + 2 * n) if bias else (), (int(activation),) * n)
+    return apply_chain(MlpFunction, (bias, activation), args, *_layout(n, bool(bias), int(activation)))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(n: int, bias: bool, activation: int) -> tuple[slice, slice, tuple[int, ...]]:
+    """The weights' and biases' slices of ``(input, *weights, *biases)`` and the activation codes of an MLP of
+    ``n`` layers: the same for every call of one MLP."""
+    return slice(1, 1 + n), slice(1 + n, 1 + 2 * n) if bias else slice(1, 1), (activation,) * n
+
+
+@functools.lru_cache(maxsize=64)
+def _names(n: int, bias: bool) -> tuple[str, ...]:
+    return tuple(f"weight_{i}" for i in range(n)) + (tuple(f"bias_{i}" for i in range(n)) if bias else ())
 
 
 class MLP(nn.Module):
@@ -95,7 +107,15 @@ class MLP(nn.Module):
                 nn.init.normal_(b, 0.0, math.sqrt(1.0 / float(b.size(0))))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return mlp_function(self.bias, self.activation, input, *self.weights, *self.biases)
+        # The parameters read from _parameters (nn.Module.__getattr__ costs ~1 µs a parameter, every call);
+        # anything else (a parametrization's property, say) by the ordinary lookup.
+        names = _names(self.num_layers, bool(self.bias))
+        params = self._parameters
+        try:
+            args = (input, *[params[name] for name in names])
+        except KeyError:
+            args = (input, *self.weights, *self.biases)
+        return mlp_function(self.bias, self.activation, *args)
 
     def extra_repr(self) -> str:
         return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

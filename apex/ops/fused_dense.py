@@ -314,10 +314,11 @@ def autocast_args(*args):
     return tuple(a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args), dev
 
 
-def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, weights, biases, acts) -> Tensor:
+def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, weights: slice, biases: slice,
+                acts: tuple) -> Tensor:
     """``fn.apply(*lead, *args)`` for a chain's public entry: ``args`` (the input first) cast under
-    ``torch.autocast``, then checked (``weights``/``biases``: their positions in ``args``). Autocast is read
-    once, and entered (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++
+    ``torch.autocast``, then checked (``weights``/``biases``: slices of ``args``). Autocast is read once, and
+    entered (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++
     ``Function.apply`` is called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers)."""
     x = args[0]
     compiling = torch.compiler.is_compiling()
@@ -327,10 +328,10 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
         dev = x.device.type if isinstance(x, Tensor) else "cpu"
         if torch.is_autocast_enabled(dev):
             args, dev = autocast_args(*args)
-            check_chain(args[0], [args[i] for i in weights], [args[i] for i in biases], acts)
+            check_chain(args[0], args[weights], args[biases], acts)
             with torch.autocast(dev, enabled=False):
                 return fn.apply(*lead, *args)
-    ws, bs = [args[i] for i in weights], [args[i] for i in biases]
+    ws, bs = args[weights], args[biases]
     check_chain(x, ws, bs, acts)
     if compiling or _functorch_active():
         return fn.apply(*lead, *args)
@@ -339,7 +340,13 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
         two_d = x.dim() == 2
         out = chain_forward(x if two_d else x.reshape(-1, x.shape[-1]), ws, bs, acts)[0]
         return out if two_d else out.view(*x.shape[:-1], out.shape[-1])
-    return super(torch.autograd.Function, fn).apply(*lead, *args)
+    apply = _CPP_APPLY.get(fn)
+    if apply is None:
+        apply = _CPP_APPLY[fn] = super(torch.autograd.Function, fn).apply
+    return apply(*lead, *args)
+
+
+_CPP_APPLY: dict = {}  # Function class -> its C++ apply (super(...).apply builds a proxy each call)
 
 
 def dense_chain(input: Tensor, weights, biases, activations) -> Tensor:

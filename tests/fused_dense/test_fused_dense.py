@@ -180,3 +180,32 @@ def test_bf16_output_rounded_once():
         twice = torch.matmul(x, dense.weight.t()) + dense.bias
     assert (y != once).float().mean().item() < 1e-3  # only fp32-accumulation ties
     assert (twice != once).float().mean().item() > 0.05  # the test's reference is the one that is off
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_parametrized_parameters(backend_name):
+    """A parametrization (``torch.nn.utils.parametrize``) puts a property where a registered parameter was:
+    the modules read registered parameters straight from ``_parameters``, and a parametrized one through
+    the property: its value in the forward, its gradient to the original."""
+    from torch.nn.utils import parametrize
+
+    m, g = FusedDense(5, 3), FusedDenseGeluDense(5, 7, 3)
+    parametrize.register_parametrization(m, "weight", _Doubled())
+    parametrize.register_parametrization(g, "bias2", _Doubled())
+    x = torch.randn(4, 5, requires_grad=True)
+    w = m.parametrizations.weight.original
+    b2 = g.parametrizations.bias2.original
+    y, yg = m(x), g(x)
+    gw, gb2 = torch.autograd.grad(y.sum() + yg.sum(), (w, b2))
+    x64, w64 = x.detach().double(), w.detach().double().requires_grad_()
+    ref = F.linear(x64, 2 * w64, m.bias.detach().double())
+    ref_g = _gelu_dense(x64, g.weight1.detach().double(), g.bias1.detach().double(), g.weight2.detach().double(),
+                        2 * b2.detach().double())
+    assert_rel_close(y, ref, torch.float32)
+    assert_rel_close(yg, ref_g, torch.float32)
+    assert_rel_close(gw, torch.autograd.grad(ref.sum(), w64)[0], torch.float32, name="weight grad")
+    assert torch.equal(gb2, torch.full_like(gb2, 2 * x.shape[0]))

@@ -141,3 +141,27 @@ def test_compiled_fullgraph_matches_eager():
     ref = torch.autograd.grad(y_ref.square().sum(), leaves)
     assert_rel_close(y, y_ref, tol=1e-5)
     assert_rel_close(list(g), list(ref), tol=1e-5)
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_parametrized_parameters(backend_name):
+    """A parametrization (``torch.nn.utils.parametrize``) puts a property where a registered parameter was:
+    the MLP reads registered parameters straight from ``_parameters``, and a parametrized one through the
+    property: its value in the forward, its gradient to the original."""
+    from torch.nn.utils import parametrize
+
+    mlp = MLP([5, 7, 3], activation="none")
+    parametrize.register_parametrization(mlp, "weight_1", _Doubled())
+    x = torch.randn(4, 5, requires_grad=True)
+    w1 = mlp.parametrizations.weight_1.original
+    y = mlp(x)
+    (gw1,) = torch.autograd.grad(y.sum(), w1)
+    x64, w164 = x.detach().double(), w1.detach().double().requires_grad_()
+    h = nn.functional.linear(x64, mlp.weight_0.detach().double(), mlp.bias_0.detach().double())
+    ref = nn.functional.linear(h, 2 * w164, mlp.bias_1.detach().double())
+    assert_rel_close(y, ref, torch.float32)
+    assert_rel_close(gw1, torch.autograd.grad(ref.sum(), w164)[0], torch.float32, name="weight grad")
