@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 MAX_N = 16384  # longer rows do not fit one tile; the op layer sends them to PyTorch
@@ -145,6 +146,10 @@ def tuneable_kernels() -> dict:
 
 def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, int]:
     """``(M, N, D1, D2, S0, S1, S2, SN)`` for a tensor of up to 4 dims normalised over its last dim."""
+    if x.dim() == 2:  # the usual rows: no lists built
+        m, n = x.shape
+        s_m, sn = x.stride()
+        return m, n, 1, m, 0, 0, s_m, sn
     *lead, n = x.shape
     lead = [1] * (3 - len(lead)) + list(lead)
     strides = [0] * (3 - (x.dim() - 1)) + list(x.stride()[:-1])
@@ -154,25 +159,63 @@ def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, int]:
 
 def _programs(m: int, device: torch.device) -> int:
     if device.type == "cuda":
-        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        cap = 2 * _tuning.device(device)[1]  # the SM count, asked once per device
     else:
         cap = 4  # the interpreter runs programs one by one: few, long programs
     return max(1, min(m, cap))
 
 
+# What a warm launch of a shape seen before needs, by (direction, sizes, flags, dtypes[, device]): the
+# autotuner's key and the config it chose for it, the grid and the launch's keyword arguments. Emptied with
+# the other launchers' plans (apex._kernels._tuning.invalidate).
+_PLANS = _tuning.plan_cache()
+_BWD_SHAPES = _tuning.plan_cache()  # the backward's programs and column-sum launch, by the same keys
+
+
+def _autotuner_key(kernel, args: tuple) -> tuple | None:
+    """The key ``triton.autotune`` files this launch's config under (its ``key`` arguments, then the dtype of
+    every tensor argument, as its ``run`` builds it); None for a single-config autotuner, which keeps no
+    cache and always runs that config."""
+    if len(kernel.configs) == 1:
+        return None
+    named = dict(zip(kernel.arg_names, args))
+    return (*(named[k] for k in kernel.keys), *(str(a.dtype) for a in args if hasattr(a, "dtype")))
+
+
+def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> None:
+    """``kernel[grid](*args, **constexprs)`` for an autotuned ``kernel``; ``grid`` is a tuple or, for a grid that
+    depends on the config, a function of its keyword arguments. A shape launched before takes the plan kept
+    then: the config the autotuner chose, launched directly (no key building, cache lookup and argument
+    merging per call), as long as the autotuner's cache still holds that very config for the key, so a cache
+    replaced or edited (``_load_triton_auto_tune_cache``, sync across ranks, an assignment) is followed."""
+    plan = _PLANS.get(plan_key)
+    if plan is not None:
+        tkey, config, launch_grid, options = plan
+        if (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is config:
+            kernel.fn[launch_grid](*args, **options)
+            return
+    kernel[grid](*args, **constexprs)
+    config = kernel.best_config
+    tkey = _autotuner_key(kernel, args)
+    if config.pre_hook is not None or (tkey is not None and kernel.cache.get(tkey) is not config):
+        return  # a hook to run per launch, or a key built otherwise by this Triton: the autotuner each call
+    options = {**constexprs, **config.all_kwargs()}
+    _PLANS[plan_key] = (tkey, config, grid if isinstance(grid, tuple) else grid(options), options)
+
+
 def forward(x: torch.Tensor, weight, bias, eps: float):
     """``(y, mean, rstd)`` for ``x`` of at most 4 dims normalised over its last dim; ``y`` contiguous."""
     m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # (empty_like takes ~2 µs less than a torch.Size argument; contiguous: the kernels write rows in order)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, mean, rstd
-    block_n = next_power_of_2(n)
-    _ln_fwd[lambda meta: (cdiv(m, meta["ROWS"]),)](
-        x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd,
-        m, n, d1, d2, s0, s1, s2, sn, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_N=block_n)
+    w, b = weight if weight is not None else x, bias if bias is not None else x
+    _launch(_ln_fwd, (False, m, n, weight is not None, bias is not None, x.dtype, w.dtype, b.dtype),
+            lambda meta: (cdiv(m, meta["ROWS"]),), (x, w, b, y, mean, rstd, m, n, d1, d2, s0, s1, s2, sn, float(eps)),
+            {"HAS_W": weight is not None, "HAS_B": bias is not None, "BLOCK_N": next_power_of_2(n)})
     return y, mean, rstd
 
 
@@ -180,26 +223,31 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
              w_dtype: torch.dtype, b_dtype: torch.dtype):
     """``(dx, dweight, dbias)``; ``dy`` contiguous with ``x``'s shape, ``dx`` contiguous."""
     m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    progs = _programs(m, x.device)
-    k = need_dw + need_db
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    w = weight if weight is not None else x
+    dev = x.device
+    key = (True, m, n, weight is not None, need_dw, need_db, dy.dtype, x.dtype, w.dtype, mean.dtype, rstd.dtype,
+           dev.type, dev.index)
+    shape = _BWD_SHAPES.get(key)
+    if shape is None:  # programs, rows each, the column sums' grid and block
+        progs = _programs(m, dev)
+        block_c = min(next_power_of_2(n), 256)
+        shape = _BWD_SHAPES[key] = (progs, cdiv(m, progs), (cdiv(n, block_c), need_dw + need_db), block_c)
+    progs, per_prog, sum_grid, block_c = shape
+    k = sum_grid[1]
     # One buffer of partial sums and one column-sum launch for both parameter gradients.
-    part = torch.empty((progs, k * n), dtype=torch.float32, device=x.device) if k else dx
+    part = torch.empty(progs, k * n, dtype=torch.float32, device=dev) if k else dx
     if m > 0:
-        _ln_bwd[(progs,)](
-            dy, x, weight if weight is not None else x, mean, rstd, dx, part, m, n, cdiv(m, progs),
-            d1, d2, s0, s1, s2, sn, HAS_W=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
-            BLOCK_N=next_power_of_2(n))
-    dw = torch.empty(n, dtype=w_dtype, device=x.device) if need_dw else None
-    db = torch.empty(n, dtype=b_dtype, device=x.device) if need_db else None
+        _launch(_ln_bwd, key, (progs,), (dy, x, w, mean, rstd, dx, part, m, n, per_prog, d1, d2, s0, s1, s2, sn),
+                {"HAS_W": weight is not None, "NEED_DW": need_dw, "NEED_DB": need_db, "BLOCK_N": next_power_of_2(n)})
+    dw = torch.empty(n, dtype=w_dtype, device=dev) if need_dw else None
+    db = torch.empty(n, dtype=b_dtype, device=dev) if need_db else None
     if k:
-        outs = [t for t in (dw, db) if t is not None]
         if m == 0:
-            for t in outs:
-                t.zero_()
+            for t in (dw, db):
+                if t is not None:
+                    t.zero_()
         else:
-            block_c = min(next_power_of_2(n), 256)
-            _column_sum[(cdiv(n, block_c), k)](part, outs[0], outs[-1], progs, n, k * n, BLOCK_P=16,
-                                               BLOCK_C=block_c)
-    sums = (dw, db)
-    return dx, sums[0], sums[1]
+            _column_sum[sum_grid](part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, BLOCK_P=16,
+                                  BLOCK_C=block_c)
+    return dx, dw, db

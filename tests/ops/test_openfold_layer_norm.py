@@ -187,3 +187,76 @@ def test_normalized_shape_forms_on_repeated_calls():
     for _ in range(2):
         with pytest.raises(ValueError, match="non-empty suffix"):
             check_args(x, (True, 8), None, None)
+
+
+def test_layer_norm_without_gradient_records_nothing(backend_name, monkeypatch):
+    """With nothing to differentiate (no_grad, or no input requiring grad) ``apply`` runs the forward alone,
+    without the autograd Function: the same values, no graph."""
+    x, w, b = torch.randn(6, 32), _param(32, torch.float32), torch.randn(32)
+    ref = LayerNormSmallShapeOptImpl.apply(x, (32,), w, b, 1e-5).detach()
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran without a gradient to record")
+
+    monkeypatch.setattr(LayerNormSmallShapeOptImpl, "forward", staticmethod(refuse))
+    with torch.no_grad():
+        y = LayerNormSmallShapeOptImpl.apply(x, (32,), w, b, 1e-5)
+    assert y.grad_fn is None and torch.equal(y, ref)
+    y = LayerNormSmallShapeOptImpl.apply(x, (32,), w.detach(), b)  # eps defaults to 1e-5
+    assert y.grad_fn is None and torch.equal(y, ref)
+
+
+def test_layer_norm_launches_follow_the_auto_tune_cache(triton_device, monkeypatch):
+    """A warm launch takes the config the autotuner's cache holds for its key, also after the cache is
+    replaced (loaded, synced, assigned) or edited: the launch plan kept per shape never serves a config the
+    cache no longer holds."""
+    import triton
+
+    from apex._kernels import _tuning
+    from apex._kernels import openfold_layer_norm as kernels
+
+    fwd = kernels._ln_fwd
+    small, large = triton.Config({"ROWS": 2}, num_warps=1), triton.Config({"ROWS": 8}, num_warps=1)
+    taken = []
+    run = fwd.fn.run
+
+    def recording(*args, **kwargs):
+        grid = kwargs["grid"]
+        taken.append((kwargs["ROWS"], tuple(grid(kwargs) if callable(grid) else grid)))
+        return run(*args, **kwargs)
+
+    # Two configs (as on a GPU, where the kernels have many), the cache filled for this shape: no benchmark.
+    monkeypatch.setattr(fwd, "configs", [small, large])
+    monkeypatch.setattr(fwd, "cache", {})
+    monkeypatch.setattr(fwd.fn, "run", recording)
+    _tuning.invalidate()
+    x, w, b = torch.randn(20, 24), _param(24, torch.float32), torch.randn(24)
+    args = (x, w, b, torch.empty(20, 24), torch.empty(20), torch.empty(20), 20, 24)
+    key = kernels._autotuner_key(fwd, args + (1, 20, 0, 0, 24, 1, 1e-5))
+    ref = F.layer_norm(x.double(), (24,), w.double(), b.double(), 1e-5)
+    try:
+        with apex.backend("triton"), torch.no_grad():
+            for cache, rows in (({key: small}, 2), (None, 2), ({key: large}, 8), ("edit", 2), (None, 2)):
+                if cache == "edit":
+                    fwd.cache[key] = small
+                elif cache is not None:
+                    fwd.cache = cache
+                y = LayerNormSmallShapeOptImpl.apply(x, (24,), w, b, 1e-5)
+                assert taken[-1][0] == rows and taken[-1][1] == (triton.cdiv(20, rows),)
+                assert_rel_close(y, ref, torch.float32, tol=1e-5)
+    finally:
+        _tuning.invalidate()
+    assert len(taken) == 5
+
+
+def test_layer_norm_under_torch_compile():
+    """``torch.compile`` of a caller of ``apply`` (whose override Dynamo inlines after a graph break): the
+    same values and gradients as eager."""
+    x, w = torch.randn(4, 8, requires_grad=True), _param(8, torch.float32)
+    fn = torch.compile(lambda x, w: LayerNormSmallShapeOptImpl.apply(x, (8,), w, None, 1e-5), backend="eager")
+    y = fn(x, w)
+    got = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    y_ref = F.layer_norm(x, (8,), w, None, 1e-5)
+    ref = torch.autograd.grad(y_ref, (x, w), torch.ones_like(y_ref))
+    for g, r in zip((y, *got), (y_ref, *ref)):
+        assert_rel_close(g, r, torch.float32, tol=1e-5)
