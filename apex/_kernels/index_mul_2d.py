@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
@@ -83,33 +84,48 @@ def _tiles(m: int, f: int):
     return rows, block_f
 
 
+_PLANS = _tuning.plan_cache()  # (rows, features, which launcher) -> (grid, ROWS, BLOCK_F)
+
+
+def _plan(m: int, f: int, segment: bool) -> tuple:
+    key = (m, f, segment)
+    p = _PLANS.get(key)
+    if p is None:
+        rows, bf = _tiles(m, f)
+        if segment and _INTERP:
+            rows = min(rows, 16)
+        p = _PLANS[key] = ((cdiv(m, rows), cdiv(f, bf)), rows, bf)
+    return p
+
+
 def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a[idx] * b`` for 2-D ``a``, ``b`` with unit feature stride; ``idx`` int64, in range (checked)."""
     m, f = b.shape
-    out = torch.empty((m, f), device=b.device, dtype=out_dtype)
+    # new_empty with integer sizes: ~1 µs less than torch.empty((m, f), device=..., dtype=...).
+    out = b.new_empty(m, f) if out_dtype == b.dtype else b.new_empty(m, f, dtype=out_dtype)
     if m and f:
-        rows, bf = _tiles(m, f)
-        _gather_mul[(cdiv(m, rows), cdiv(f, bf))](a, b, idx, out, m, f, a.stride(0), b.stride(0),
-                                                               out.stride(0), ROWS=rows, BLOCK_F=bf)
+        grid, rows, bf = _plan(m, f, False)
+        _gather_mul[grid](a, b, idx, out, m, f, a.stride(0), b.stride(0), f, ROWS=rows, BLOCK_F=bf)
     return out
 
 
 def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_out: int,
-                    out_dtype: torch.dtype, a: torch.Tensor | None = None):
+                    out_dtype: torch.dtype, a: torch.Tensor | None = None, order=None):
     """``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]`` (fp32 accumulation, sorted order). With ``a`` (the gathered
-    tensor), also ``out2 = a[idx] * g`` from the same pass, returned as ``(out, out2)``."""
+    tensor), also ``out2 = a[idx] * g`` from the same pass, returned as ``(out, out2)``. ``order``: the
+    caller's ``torch.sort(idx, stable=True)`` (sorted values, permutation), if it has one."""
     m, f = b.shape
-    out = torch.empty((rows_out, f), device=b.device, dtype=out_dtype)
-    out2 = torch.empty((m, f), device=b.device, dtype=out_dtype) if a is not None else None
-    if rows_out == 0 or f == 0:
-        return (out, out2) if a is not None else out
-    ordered, perm = torch.sort(idx, stable=True)
-    rows, bf = _tiles(rows_out, f)
-    if _INTERP:
-        rows = min(rows, 16)
+    same = out_dtype == b.dtype
+    out = b.new_empty(rows_out, f) if same else b.new_empty(rows_out, f, dtype=out_dtype)
     pair = a is not None
-    _segment_mul_sum[(cdiv(rows_out, rows), cdiv(f, bf))](
+    out2 = (b.new_empty(m, f) if same else b.new_empty(m, f, dtype=out_dtype)) if pair else None
+    if rows_out == 0 or f == 0:
+        return (out, out2) if pair else out
+    ordered, perm = order if order else torch.sort(idx, stable=True)
+    grid, rows, bf = _plan(rows_out, f, True)
+    # out and out2 are contiguous: their row stride is f.
+    _segment_mul_sum[grid](
         g, b, perm, ordered, out, a if pair else out, out2 if pair else out, rows_out, m, f, m.bit_length(),
-        g.stride(0), b.stride(0), out.stride(0), a.stride(0) if pair else 0, out2.stride(0) if pair else 0,
+        g.stride(0), b.stride(0), f, a.stride(0) if pair else 0, f if pair else 0,
         ROWS=rows, BLOCK_F=bf, PAIR=pair)
     return (out, out2) if pair else out

@@ -16,12 +16,15 @@ from __future__ import annotations
 import torch
 
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import lazy_module
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.index_mul_2d")
 
 
-def _check(in1: object, in2: object, idx1: object) -> None:
+def _check(in1: object, in2: object, idx1: object, bounds: bool = True) -> None:
+    # bounds=False: all but idx1's range, which the caller reads from its own sort.
     # Where Apex raised RuntimeError (dtypes, ranks) or asserted (idx1's length), the error is also that type.
     for name, t in (("in1", in1), ("in2", in2)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -43,10 +46,14 @@ def _check(in1: object, in2: object, idx1: object) -> None:
     if in2.device != dev or idx1.device != dev:
         name, t = ("in2", in2) if in2.device != dev else ("idx1", idx1)
         raise ValueError(f"{name} is on {t.device} but in1 is on {dev}")
-    if idx1.numel():
+    if idx1.numel() and bounds:
         lo, hi = torch.stack(idx1.aminmax()).tolist()  # one reduction, one host read (a sync on GPUs)
-        if lo < 0 or hi >= in1.shape[0]:
-            raise ValueError(f"idx1 must index in1's rows [0, {in1.shape[0]}), got values in [{lo}, {hi}]")
+        _check_range(lo, hi, in1.shape[0])
+
+
+def _check_range(lo: int, hi: int, rows: int) -> None:
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"idx1 must index in1's rows [0, {rows}), got values in [{lo}, {hi}]")
 
 
 def _triton(t: Tensor) -> bool:
@@ -57,22 +64,25 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _idx64(idx: Tensor) -> Tensor:
+    """The kernels' index: int64, contiguous (no operator where it is already: ``.to`` costs ~1 µs)."""
+    if idx.dtype != torch.int64:
+        idx = idx.to(torch.int64)
+    return idx if idx.is_contiguous() else idx.contiguous()
+
+
 # ------------------------------------------------------------------------------- primitives (no autograd)
 def gather_mul(a: Tensor, b: Tensor, idx: Tensor) -> Tensor:
     """``a[idx] * b`` in ``b``'s dtype."""
     if _triton(b):
-        from apex._kernels import index_mul_2d as kernels
-
-        return kernels.gather_mul(_rows(a), _rows(b), idx.to(torch.int64).contiguous(), b.dtype)
+        return _kernels().gather_mul(_rows(a), _rows(b), _idx64(idx), b.dtype)
     return torch.index_select(a, 0, idx).mul_(b)
 
 
 def segment_mul_sum(g: Tensor, b: Tensor, idx: Tensor, rows: int) -> Tensor:
     """``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]`` (``rows`` rows), accumulated in fp32, deterministic."""
     if _triton(b):
-        from apex._kernels import index_mul_2d as kernels
-
-        return kernels.segment_mul_sum(_rows(g), _rows(b), idx.to(torch.int64).contiguous(), rows, b.dtype)
+        return _kernels().segment_mul_sum(_rows(g), _rows(b), _idx64(idx), rows, b.dtype)
     ct = torch.float64 if b.dtype == torch.float64 else torch.float32
     out = torch.zeros(rows, b.shape[1], dtype=ct, device=b.device)
     return out.index_add_(0, idx, g.to(ct) * b.to(ct)).to(b.dtype)
@@ -81,10 +91,7 @@ def segment_mul_sum(g: Tensor, b: Tensor, idx: Tensor, rows: int) -> Tensor:
 def backward_pair(g: Tensor, in1: Tensor, in2: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """``(segment_mul_sum(g, in2), in1[idx] * g)``: on the Triton path one pass over ``g`` and ``in2``."""
     if _triton(in2):
-        from apex._kernels import index_mul_2d as kernels
-
-        return kernels.segment_mul_sum(_rows(g), _rows(in2), idx.to(torch.int64).contiguous(), in1.shape[0],
-                                       in2.dtype, _rows(in1))
+        return _kernels().segment_mul_sum(_rows(g), _rows(in2), _idx64(idx), in1.shape[0], in2.dtype, _rows(in1))
     return segment_mul_sum(g, in2, idx, in1.shape[0]), gather_mul(in1, g, idx)
 
 
@@ -92,19 +99,39 @@ def backward_pair(g: Tensor, in1: Tensor, in2: Tensor, idx: Tensor) -> tuple[Ten
 class IndexMul2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, in1, in2, idx1):
+        if _triton(in2):
+            # The backend chosen once (the backward launches the same path). The backward's segment sum needs
+            # idx1 sorted: sorted here, the sort's ends are the range check's host read (instead of a
+            # reduction, a stack and the backward's sort), and the sort is kept for the backward.
+            _check(in1, in2, idx1, bounds=False)
+            idx = _idx64(idx1)
+            m = idx.shape[0]
+            ordered, perm = torch.sort(idx, stable=True)
+            if m:
+                lo, hi = ordered[::m - 1].tolist() if m > 1 else ordered.tolist() * 2
+                _check_range(lo, hi, in1.shape[0])
+            # The inputs themselves are saved (a double backward differentiates through them), not their
+            # row-contiguous copies.
+            ctx.save_for_backward(in1, in2, idx, ordered, perm)
+            ctx.triton = True
+            return _kernels().gather_mul(_rows(in1), _rows(in2), idx, in2.dtype)
         _check(in1, in2, idx1)
         ctx.save_for_backward(in1, in2, idx1)
-        return gather_mul(in1, in2, idx1)
+        ctx.triton = False
+        return torch.index_select(in1, 0, idx1).mul_(in2)
 
     @staticmethod
     def backward(ctx, grad_out):
-        in1, in2, idx1 = ctx.saved_tensors
-        if not torch.is_grad_enabled():
-            # No create_graph: nothing will differentiate the gradients, so the second Function (the
-            # double backward's graph node, ~15 µs) is not needed; its forward computes the same thing.
+        in1, in2, idx1, *order = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the gradients are themselves differentiable
+            grad_in1, grad_in2 = IndexMul2dBackward.apply(in1, in2, idx1, grad_out)
+        elif ctx.triton:
+            # No create_graph: nothing will differentiate the gradients, so the second Function (the double
+            # backward's graph node, ~15 µs) is not needed; its forward computes the same thing.
+            grad_in1, grad_in2 = _kernels().segment_mul_sum(_rows(grad_out), _rows(in2), idx1, in1.shape[0],
+                                                            in2.dtype, _rows(in1), order)
+        else:
             grad_in1, grad_in2 = backward_pair(grad_out, in1, in2, idx1)
-            return grad_in1, grad_in2, None
-        grad_in1, grad_in2 = IndexMul2dBackward.apply(in1, in2, idx1, grad_out)
         return grad_in1, grad_in2, None
 
 
