@@ -155,6 +155,7 @@ def _worker_main(rank, world, tmp):
     _master_in_gather_buffer(rank, world)
     _accumulate_across_reductions(rank, world)
     _grad_scaler(rank, world)
+    _plans_follow_changes(rank, world)
     if world == 2:
         _checkpoint_save(rank, world, tmp)
         _bad_input(rank, world)
@@ -392,6 +393,80 @@ def _master_in_gather_buffer(rank, world):
         assert b.params_shard.untyped_storage().nbytes() == b.params_shard.numel() * 4
 
 
+def _plans_follow_changes(rank, world):
+    """A step keeps what it planned (the parameters' placement, the copy of the gathered buckets into the
+    parameters, the lists of its Adam launch) while nothing they depend on changes. Each change here comes
+    after steps that built those plans, and the parameters must still equal FusedAdam's: a parameter's
+    storage replaced (``param.data = ...``), a gradient no hook saw (assigned after backward), a new
+    parameter group, and a format-1 checkpoint loaded (new buckets) into an optimizer that has stepped."""
+    import copy
+    import warnings
+
+    from apex.optimizers import FusedAdam
+
+    model, ref = _model(), _model()
+    extra, ref_extra = (nn.Parameter(torch.linspace(-1, 1, 6)) for _ in range(2))
+    opt = _dfa(model)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+
+    def loss(m, e, step, r):
+        x, dy = _data(step, 0, r)
+        out = _loss(m, x, dy)
+        if step >= 5:  # the new group's parameter takes part
+            out = out + (e * torch.arange(6.0) * (r + 1)).sum()
+        if step == 4:  # a gradient of 0.5 on the second parameter, given after backward (no hook sees it)
+            out = out + 0.5 * list(m.parameters())[1].sum()
+        return out
+
+    for step in range(8):
+        if step == 3:
+            for m in (model, ref):
+                m[0].weight.data = m[0].weight.data.clone()
+        if step == 5:
+            # (no bias correction: DistributedFusedAdam counts steps for all groups, FusedAdam per group)
+            opt.add_param_group({"params": [extra], "lr": 0.01, "bias_correction": False})
+            ref_opt.add_param_group({"params": [ref_extra], "lr": 0.01, "bias_correction": False})
+        opt.zero_grad()
+        x, dy = _data(step, 0, rank)
+        (loss(model, extra, step, rank) if step != 4 else _loss(model, x, dy)).backward()
+        if step == 4:
+            model[0].bias.grad = torch.full_like(model[0].bias, 0.5)
+        opt.step()
+        ref_ps = [*ref.parameters(), ref_extra]
+        _ref_step_of(_Both(ref, ref_ps), ref_opt, world, lambda m, r, step=step: loss(ref, ref_extra, step, r))
+        assert_rel_close([p.detach() for p in [*model.parameters(), extra]], [p.detach() for p in ref_ps],
+                         tol=1e-6, name=f"step {step}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # (deep-copied: like torch.optim's, a state dict not gathered refers to the live state)
+        sd = copy.deepcopy(opt.state_dict(state_dict_format=1, gather_on_root=False))
+    weights = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, rank, range(8, 10))
+    expected = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.load_state_dict(sd)
+    _train(model, opt, rank, range(8, 10))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(expected, model.parameters())), "resume after format-1 load"
+
+
+class _Both:
+    """A model whose ``parameters()`` are the given list (the reference's model and its added group)."""
+
+    def __init__(self, model, params):
+        self.model, self.params = model, params
+
+    def parameters(self):
+        return iter(self.params)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 def _train(model, opt, rank, steps):
     for step in steps:
         opt.zero_grad()
@@ -626,6 +701,7 @@ def _one_rank_keeps_plans(rank, world):
 
 def _one_rank(rank, world):
     _one_rank_keeps_plans(rank, world)
+    _plans_follow_changes(rank, world)
     _deferred_grad_copy(rank, world)  # the hooks' fast path is taken on one rank too
     _master_in_gather_buffer(rank, world)
 

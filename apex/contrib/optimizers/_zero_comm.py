@@ -7,6 +7,9 @@ the same order because buckets become full in the same (backward) order on every
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
@@ -17,6 +20,9 @@ from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _
 from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
 
 _PENDING_CLASSES: dict = {}
+_grad = operator.attrgetter("grad")
+_fragments = operator.attrgetter("fragments")
+_ptr = torch.Tensor.data_ptr
 
 
 def _pending_args(args: tuple, kwargs: dict) -> list:
@@ -317,13 +323,16 @@ class ZeroCommMixin:
         with self._lock:
             self._flush_deferred_grads()
             self._shrink_last_buckets()
-            for sb in self.state["buckets"]:
-                for frag in sb.fragments:
-                    p = self.parameter(frag)
-                    if p.grad is not None:
-                        self._grad_copy(p)
-                        if not self.contiguous_grad_buffer:
-                            self._try_start_bucket_grad_sync(params=[p])
+            # After a backward the hooks have taken every gradient: one C-level pass finds none left, where
+            # the loop below costs a Python call per fragment.
+            if any(map(operator.is_not, map(_grad, self.parameters()), repeat(None))):
+                for sb in self.state["buckets"]:
+                    for frag in sb.fragments:
+                        p = self.parameter(frag)
+                        if p.grad is not None:
+                            self._grad_copy(p)
+                            if not self.contiguous_grad_buffer:
+                                self._try_start_bucket_grad_sync(params=[p])
             self._force_bucket_grad_sync()
 
     # -- parameters ----------------------------------------------------------------------------------------
@@ -364,26 +373,60 @@ class ZeroCommMixin:
         # The views are rebuilt only when a fragment, a parameter's storage or a bucket buffer changed: the
         # buffers are reused every step (_comm_buffer), so a model of many small parameters saves the per-view
         # Python work of every step.
-        # One entry per set of fragments asked for: all parameters at once, or (overlap_param_sync) one
-        # parameter per pre-forward hook.
+        # One entry per set of fragments asked for: (overlap_param_sync) one parameter per pre-forward hook.
         ids = tuple(map(id, frags)), parts
         ptrs = tuple(p.data_ptr() for p in params), tuple(b.data_ptr() for b in buffers)
         cached = self._param_copy_cache.get(ids)
         if cached is None or cached[0] != ptrs:
-            if len(self._param_copy_cache) > 2 * sum(len(g["params"]) for g in self.param_groups) + 4:
-                self._param_copy_cache.clear()  # stale entries of replaced fragments or buffers
-            ins, outs = [], []
-            for f, p, b, part in zip(frags, params, buffers, parts):
-                (b0, b1), p0, flat = f.bucket_range, f.param_range[0], zb._flat(p)
-                # this rank's part of the fragment, in bucket coordinates (empty when it owns none of it)
-                o0, o1 = f.shard_bucket_range if f.in_local_shard else (b1, b1)
-                pieces = [(b0, b1)] if not part else [(o0, o1)] if part == "own" else [(b0, o0), (o1, b1)]
-                for c0, c1 in pieces:
-                    if c0 < c1:
-                        ins.append(b[c0:c1])
-                        outs.append(flat[p0 + c0 - b0:p0 + c1 - b0])
+            self._trim_param_copy_cache()
             # The entry holds the fragments, so their ids cannot be reused by other fragments while it lives.
-            cached = self._param_copy_cache[ids] = (ptrs, zb._copy_plan(ins, outs), frags)
+            cached = self._param_copy_cache[ids] = (ptrs, self._plan_param_copy(frags, params, buffers, parts),
+                                                    frags)
+        zb._run_copy_plan(cached[1])
+
+    def _trim_param_copy_cache(self) -> None:
+        if len(self._param_copy_cache) > 2 * sum(len(g["params"]) for g in self.param_groups) + 4:
+            self._param_copy_cache.clear()  # stale entries of replaced fragments or buffers
+
+    @staticmethod
+    def _plan_param_copy(frags, params, buffers, parts) -> list:
+        ins, outs = [], []
+        for f, p, b, part in zip(frags, params, buffers, parts):
+            (b0, b1), p0, flat = f.bucket_range, f.param_range[0], zb._flat(p)
+            # this rank's part of the fragment, in bucket coordinates (empty when it owns none of it)
+            o0, o1 = f.shard_bucket_range if f.in_local_shard else (b1, b1)
+            pieces = [(b0, b1)] if not part else [(o0, o1)] if part == "own" else [(b0, o0), (o1, b1)]
+            for c0, c1 in pieces:
+                if c0 < c1:
+                    ins.append(b[c0:c1])
+                    outs.append(flat[p0 + c0 - b0:p0 + c1 - b0])
+        return zb._copy_plan(ins, outs)
+
+    def _param_copy_buckets(self, parts: dict) -> None:
+        """Copy every fragment of the pending buckets ``parts`` names (bucket id -> the part of each
+        fragment, as in :meth:`_param_copy_part`) into the parameters. What a step's copy depends on is
+        checked in a few C-level passes, whatever the number of parameters: the buckets asked for and their
+        buffers' addresses, the bucket list and each bucket's number of fragments (a bucket's fragments
+        change only with the bucket: appended, or a bucket replaced when cut to size or loaded), the
+        parameter list and each parameter's address (``param.data = ...``). The plan is built again when any
+        of them changed."""
+        pending = self._params_buckets
+        buckets = self.state["buckets"]
+        params = tuple(self.parameters())
+        asked = tuple(parts.items())
+        key = (asked, tuple(pending[i].params_bucket.data_ptr() for i, _ in asked),
+               tuple(map(len, map(_fragments, buckets))), tuple(map(id, params)), tuple(map(_ptr, params)))
+        entry_id = ("buckets", tuple(parts))
+        cached = self._param_copy_cache.get(entry_id)
+        if (cached is None or cached[0] != key or len(cached[2]) != len(buckets)
+                or not all(map(operator.is_, cached[2], buckets))):
+            self._trim_param_copy_cache()
+            frags = [f for i, _ in asked for f in buckets[i].fragments if f.param_range[1] > f.param_range[0]]
+            plan = self._plan_param_copy(frags, [self.parameter(f) for f in frags],
+                                         [pending[f.bucket_id].params_bucket for f in frags],
+                                         [parts[f.bucket_id] for f in frags])
+            # The entry holds the parameters and buckets, so their ids are not reused while it lives.
+            cached = self._param_copy_cache[entry_id] = (key, plan, tuple(buckets), params)
         zb._run_copy_plan(cached[1])
 
     def _param_copy(self, params) -> None:
@@ -420,7 +463,11 @@ class ZeroCommMixin:
             if self._params_buckets:
                 self._start_bucket_param_sync(list(self._params_buckets.values()))
                 self._finish_bucket_param_sync()
-                self._param_copy(list(self.parameters()))
+                if type(self)._param_copy_fragments is ZeroCommMixin._param_copy_fragments:
+                    # every bucket is written whole (param_sync releases them all): no per-parameter lookup
+                    self._param_copy_buckets({i: pb.own_written for i, pb in self._params_buckets.items()})
+                else:  # a subclass's own copy (NeMo's) gets the fragments, parameter by parameter
+                    self._param_copy(list(self.parameters()))
             self._params_buckets.clear()
 
     def _make_pre_forward_hook(self, param, param_group_id: int, param_id: int):

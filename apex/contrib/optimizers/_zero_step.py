@@ -86,7 +86,7 @@ class ZeroStepMixin:
         if (self.distributed_size == 1 or self.contiguous_param_buffer
                 or type(self)._param_copy_fragments is not ZeroCommMixin._param_copy_fragments):
             return
-        frags = []
+        parts = {}
         for bucket_id, pb in self._params_buckets.items():
             sb = self.state["buckets"][bucket_id]
             if pb.status is not zb.ParameterStatus.SYNCING or pb.params_shard is None or pb.params_bucket is None:
@@ -95,9 +95,9 @@ class ZeroStepMixin:
             if pb.params_shard.dtype != own.dtype or pb.params_shard.data_ptr() != own.data_ptr():
                 continue
             pb.own_written = True
-            frags += [f for f in sb.fragments if f.in_local_shard]
-        if frags:
-            self._param_copy_part(frags, ("own",) * len(frags))
+            parts[bucket_id] = "own"  # (a fragment outside the local shard has no own part: nothing copied)
+        if parts:
+            self._param_copy_buckets(parts)
 
     def _alias_master_shard(self, sb: zb.StateBucket, own: torch.Tensor) -> None:
         """Keep the fp32 master shard in this rank's part of the reused all-gather buffer when the two have

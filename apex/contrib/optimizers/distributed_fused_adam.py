@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 import warnings
 from collections import OrderedDict, defaultdict
@@ -260,10 +261,23 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
         """Place parameters (default: all) in buckets now instead of at their first gradient."""
-        params = self.parameters() if params is None else [params] if isinstance(params, torch.Tensor) else params
+        every = params is None
+        if every:
+            # Every step calls this. Once all parameters are placed, a call only checks that the parameter
+            # list and the bucket list are those it saw then, in one C-level pass (a parameter is unplaced
+            # again only by a format-1 load_state_dict, which replaces the bucket list).
+            params = tuple(self.parameters())
+            placed = self.__dict__.get("_all_placed")
+            if (placed is not None and placed[1] is self.state["buckets"] and len(placed[0]) == len(params)
+                    and all(map(operator.is_, placed[0], params))):
+                return
+        elif isinstance(params, torch.Tensor):
+            params = [params]
         # .get: indexing the state (a defaultdict) would add an entry for a parameter it does not hold
         pending = [p for p in params if "fragments" not in self.state.get(p, ())]
-        if not pending:  # every step calls this: no map of all parameters once they are placed
+        if not pending:
+            if every:
+                self._all_placed = (params, self.state["buckets"])
             return
         ids = self._held_ids(pending, "init_params")
         for p in pending:
