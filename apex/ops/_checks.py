@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter, eq
 
 import torch
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_shape = attrgetter("shape")
 
 
 # Apex's amp_C checked what check_tensor_lists checks (multi_tensor_apply's TORCH_CHECKs: the number of lists,
@@ -28,6 +30,17 @@ def check_noop_flag(noop_flag: object, device: torch.device | None = None) -> to
 def first_device(tensor_lists) -> torch.device | None:
     """The device of ``tensor_lists[0][0]`` (None when there is none): for callers that skip the checks."""
     return tensor_lists[0][0].device if tensor_lists and tensor_lists[0] else None
+
+
+def in_param_shapes(grads, params) -> list:
+    """``grads`` as a list, each in its parameter's shape. An optimizer's step plan compares a gradient's number
+    of elements with its parameter's, not its shape (as Apex's engine does), so a gradient given that number
+    in another shape behind the setter's back (``grad.data = ...``, ``grad.set_``) reaches the PyTorch paths,
+    whose elementwise ops need equal shapes: it is read in flat order there too, as the kernels read it."""
+    gs = list(grads)
+    if all(map(eq, map(_shape, gs), map(_shape, params))):
+        return gs
+    return [g if g.shape == p.shape else g.reshape(p.shape) for g, p in zip(gs, params)]
 
 
 def check_tensor_lists(

@@ -23,7 +23,7 @@ import torch
 
 from apex import _backend
 from apex.ops import _cpu_blocks, _lamb_cpu
-from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists, first_device
+from apex.ops._checks import FLOAT_DTYPES, check_noop_flag, check_tensor_lists, first_device, in_param_shapes
 from apex.ops._cpu_norms import fp32_norms
 from apex.ops._fp32 import as_fp32, write_back
 
@@ -142,7 +142,8 @@ def _run(noop_flag, g, p, m, v, out, workspace=None, trusted=False, **kw) -> Non
                                   for x in (g, p, m, v, out)), **kw)
         return
     with torch.no_grad():  # the PyTorch path writes parameters that require grad
-        _run_torch(noop_flag, *(x if x is None else list(x) for x in (g, p, m, v, out)), workspace=workspace,
+        g = in_param_shapes(g, p) if trusted else list(g)  # (the checks compare shapes)
+        _run_torch(noop_flag, g, *(x if x is None else list(x) for x in (p, m, v, out)), workspace=workspace,
                    trusted=trusted, **kw)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, in_param_shapes
 from apex.ops._fp32 import as_fp32, write_back
 
 
@@ -70,6 +70,8 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
         return
     if bool(noop_flag.item()):
         return
+    if not validate:  # (the checks compare shapes)
+        lists[0] = in_param_shapes(lists[0], lists[1])
     ok = (gn > 0) & (pn > 0)
     ratio = torch.where(ok, tc * pn / (gn + pn * wd + eps), torch.ones_like(pn))
     with torch.no_grad():  # the foreach ops write parameters that require grad

@@ -24,7 +24,7 @@ import torch
 
 from apex import _backend
 from apex.ops import _cpu_blocks
-from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, mark_found_inf
+from apex.ops._checks import check_noop_flag, check_tensor_lists, first_device, in_param_shapes, mark_found_inf
 from apex.ops._cpu_norms import fp32_norms
 from apex.ops._cpu_packed import Packed
 from apex.ops._fp32 import as_fp32, write_back
@@ -92,7 +92,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
         if empty:  # no chunks: the blend sees a zero norm
             _blend(grad_norms, empty, torch.zeros(len(empty), device=device), alpha, beta, norm_type)
         return
-    g, p, m = list(g), list(p), list(m)
+    g, p, m = list(g) if validate else in_param_shapes(g, p), list(p), list(m)
     if validate and workspace is not None and not workspace.fits(p):
         workspace = None  # (a trusted caller vouches for its workspace)
     # A trusted caller passes lists of one dtype each.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from apex import _backend
-from apex.ops._checks import mark_found_inf
+from apex.ops._checks import in_param_shapes, mark_found_inf
 from apex.ops._cpu_blocks import Workspace
 from apex.ops._cpu_norms import fp32_norms
 from apex.ops._lamb_cpu import grads_to_workspace
@@ -334,7 +334,7 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
             if all(g.dtype == torch.float32 for g in lst[0]):
                 norms.append(fp32_norms(lst[0]))
             else:
-                lst[0], n = grads_to_workspace(workspaces[key], lst[0])
+                lst[0], n = grads_to_workspace(workspaces[key], in_param_shapes(lst[0], lst[1]))
                 norms.append(n)
         total = torch.linalg.vector_norm(torch.cat(norms)).reshape(1)
         mark_found_inf(flag, ~torch.isfinite(total))

@@ -52,7 +52,8 @@ def _fresh_twin(opt):
     twin = copy.deepcopy(opt)
     for group, tgroup in zip(opt.param_groups, twin.param_groups):
         for p, tp in zip(group["params"], tgroup["params"]):
-            tp.grad = None if p.grad is None else p.grad.detach().clone()
+            # (in its parameter's shape: a gradient reshaped behind the setter's back is read in flat order)
+            tp.grad = None if p.grad is None else p.grad.detach().clone().reshape(tp.shape)
     return twin
 
 
@@ -77,6 +78,13 @@ def _change_new_gradient_tensor(opt, params, keep):
 def _change_gradient_data(opt, params, keep):
     keep.append(params[0].grad.data)
     params[0].grad.data = torch.randn_like(params[0]) * 3  # same tensor object, new storage
+
+
+def _change_gradient_reshaped(opt, params, keep):
+    # Same number of elements in another shape, behind the setter's back: updated in flat order (Apex's
+    # engine checks sizes only), on every backend.
+    keep.append(params[2].grad.data)
+    params[2].grad.data = (torch.randn_like(params[2]) * 3).reshape(5, 3)
 
 
 def _change_parameter_data(opt, params, keep):
@@ -132,6 +140,7 @@ def _change_step_written_in_place(opt, params, keep):
 CHANGES = {
     "new_gradient_tensor": _change_new_gradient_tensor,
     "gradient_data_swapped": _change_gradient_data,
+    "gradient_reshaped": _change_gradient_reshaped,
     "parameter_data_swapped": _change_parameter_data,
     "gradient_set_to_none": _change_gradient_to_none,
     "parameter_list_changed": _change_parameter_list,
