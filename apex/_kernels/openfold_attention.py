@@ -188,55 +188,47 @@ def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
     return 64, 32, block_d, 4
 
 
-def _strides4(t):
-    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
-
-
-def _common(q, k, v, mask, bias):
-    z, h, nq, d = q.shape
-    nk = k.shape[2]
-    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
-    return (*q.stride(), *k.stride(), *v.stride(), *_strides4(mask), *_strides4(bias), h, nq, nk, d), low
-
-
-def forward(q, k, v, mask, bias, scale: float, inf: float):
-    """``(o, lse)``: ``q``/``k``/``v`` 4-D ``[Z, H, N, D]`` (any strides); ``mask``/``bias`` None or 4-D views
-    of ``[Z, H, NQ, NK]`` (broadcast strides allowed). ``o`` contiguous in ``q``'s dtype, ``lse`` fp32."""
-    z, h, nq, d = q.shape
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((z, h, nq), dtype=torch.float32, device=q.device)
+def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides: tuple):
+    """``(o, lse)``: ``q``/``k``/``v`` read as ``[Z, H, N, D]`` and ``mask``/``bias`` (None or broadcast) as
+    ``[Z, H, NQ, NK]`` through ``strides`` (their 20 strides in that order, 0 for an absent one), ``dims`` =
+    ``(Z, H, NQ, NK, D)``. ``o`` contiguous in ``q``'s shape and dtype, ``lse`` fp32 ``[Z, H, NQ]``."""
+    z, h, nq, nk, d = dims
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
     bm, bn, bd, warps = _blocks(d, q.device)
-    args, low = _common(q, k, v, mask, bias)
+    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
     _attn_fwd[(cdiv(nq, bm), z * h)](
-        q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *args,
+        q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, h, nq, nk, d,
         float(scale), float(inf), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
     return o, lse
 
 
-def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds: bool):
-    """``(dq, dk, dv, ds)``: contiguous gradients in the inputs' dtypes; ``ds`` the fp32 score gradient
-    ``[Z, H, NQ, NK]`` when ``need_ds``, else None. ``do`` and ``o`` contiguous."""
-    z, h, nq, d = q.shape
-    nk = k.shape[2]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    ds = torch.empty((z, h, nq, nk), dtype=torch.float32, device=q.device) if need_ds else None
-    delta = torch.empty((z, h, nq), dtype=torch.float32, device=q.device)
+def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds: bool, dims: tuple,
+             strides: tuple):
+    """``(dq, dk, dv, ds)``: contiguous gradients in the inputs' shapes and dtypes; ``ds`` the fp32 score
+    gradient ``[Z, H, NQ, NK]`` when ``need_ds``, else None. ``do`` and ``o`` contiguous; ``dims`` and
+    ``strides`` as :func:`forward`'s."""
+    z, h, nq, nk, d = dims
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    ds = torch.empty(z, h, nq, nk, dtype=torch.float32, device=q.device) if need_ds else None
+    delta = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
     bm, bn, bd, warps = _blocks(d, q.device)
-    args, low = _common(q, k, v, mask, bias)
+    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
     m_arg = mask if mask is not None else q
     b_arg = bias if bias is not None else q
-    flags = dict(HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_D=bd, num_warps=warps)
+    has_mask, has_bias = mask is not None, bias is not None
     _attn_bwd_dq[(cdiv(nq, bm), z * h)](
-        q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *args,
-        float(scale), float(inf), NEED_DS=need_ds, **flags)
+        q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *strides, h, nq, nk, d,
+        float(scale), float(inf), HAS_MASK=has_mask, HAS_BIAS=has_bias, NEED_DS=need_ds, LOW=low, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
     _attn_bwd_dkdv[(cdiv(nk, bn), z * h)](
-        q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *args, float(scale), float(inf), **flags)
+        q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, float(scale), float(inf),
+        HAS_MASK=has_mask, HAS_BIAS=has_bias, LOW=low, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
     return dq, dk, dv, ds

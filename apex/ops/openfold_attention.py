@@ -26,6 +26,12 @@ Tensor = torch.Tensor
 
 def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> tuple:
     """Validate shapes, dtypes and devices; returns the full score shape ``[..., H, NQ, NK]``."""
+    if isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.is_floating_point() \
+            and q.dim() >= 3 and k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device \
+            and v.device == q.device:
+        qs, ks = q.shape, k.shape
+        if ks == v.shape and ks[-1] == qs[-1] and ks[:-2] == qs[:-2]:  # what the checks below ask of q, k, v
+            return _check_mask_bias(q, mask, bias, (*qs[:-1], ks[-2]))
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -42,7 +48,10 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tenso
     if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"key shape {list(k.shape)} does not match query shape {list(q.shape)} "
                          "(same leading dims and head dim expected)")
-    full = (*q.shape[:-1], k.shape[-2])
+    return _check_mask_bias(q, mask, bias, (*q.shape[:-1], k.shape[-2]))
+
+
+def _check_mask_bias(q: Tensor, mask: Tensor | None, bias: Tensor | None, full: tuple) -> tuple:
     for name, t in (("mask", mask), ("bias", bias)):
         if t is None:
             continue
@@ -81,12 +90,43 @@ def _attention_torch(q, k, v, mask, bias, inf):
 
 
 # --------------------------------------------------------------------------------------------- triton
-def _as4(t: Tensor | None, full: tuple, z: int, dtype: torch.dtype | None = None) -> Tensor | None:
+def _merged(sizes, strides) -> int | None:
+    """The stride that steps through leading dims of ``sizes``/``strides`` as one (0 when they hold one
+    element), or None when no single stride does."""
+    merged = None
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size == 1:
+            continue
+        if merged is not None and stride != merged[0] * merged[1]:
+            return None
+        merged = (stride, size) if merged is None else (merged[0], merged[1] * size)
+    return 0 if merged is None else merged[0]
+
+
+def _as4_strides(t: Tensor, lead: int) -> tuple | None:
+    """``t``'s strides as ``[Z, H, N, D]`` (its ``lead`` leading dims merged into Z), or None."""
+    st = t.stride()
+    if lead == 1:  # 4-D: the kernels' layout
+        return st
+    if t.is_contiguous():  # Z steps over whole [H, N, D] blocks (size-1 dims may carry any stride)
+        h, n, d = t.shape[lead:]
+        return (h * n * d, *st[lead:])
+    z = _merged(t.shape[:lead], st[:lead])
+    return None if z is None else (z, *st[lead:])
+
+
+def _broadcast_strides(t: Tensor, full: tuple) -> tuple | None:
+    """The ``[Z, H, NQ, NK]`` strides reading ``t`` broadcast to ``full`` (0 along broadcast dims), or None
+    when its leading dims do not merge into one stride."""
+    pad = len(full) - t.dim()
+    st = [0] * pad + [s if n != 1 else 0 for n, s in zip(t.shape, t.stride())]
+    lead = len(full) - 3
+    z = _merged(full[:lead], st[:lead])
+    return None if z is None else (z, *st[lead:])
+
+
+def _as4(t: Tensor, full: tuple, z: int) -> Tensor:
     """A ``[Z, H, NQ, NK]`` view with broadcast strides (a copy only when the strides cannot merge)."""
-    if t is None:
-        return None
-    if dtype is not None and t.dtype == torch.bool:
-        t = t.to(dtype)
     e = t.expand(full)
     try:
         return e.view(z, *full[-3:])
@@ -94,44 +134,76 @@ def _as4(t: Tensor | None, full: tuple, z: int, dtype: torch.dtype | None = None
         return e.reshape(z, *full[-3:])
 
 
-def _triton_forward(q, k, v, mask, bias, inf, full) -> tuple[Tensor, tuple, float]:
-    """``(output, tensors the backward needs, scale)`` of the Triton path."""
-    from apex._kernels import openfold_attention as kernels
+def _operands(q, k, v, mask, bias, full) -> tuple:
+    """``(q, k, v, mask, bias, dims, strides)`` for the kernels: the tensors as given whenever their leading
+    dims merge into one (strides computed, no view: an operator call each), else reshaped to 4-D; ``dims`` is
+    ``(Z, H, NQ, NK, D)``, ``strides`` the 20 strides of the five as ``[Z, H, N, *]`` (0 for an absent one)."""
+    lead = q.dim() - 3
+    z = q.shape[0] if lead == 1 else math.prod(q.shape[:lead])
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.to(q.dtype)
+    parts = []
+    for t in (q, k, v):
+        st = _as4_strides(t, lead)
+        if st is None:
+            t = t.reshape(z, *t.shape[lead:])
+            st = t.stride()
+        parts.append((t, st))
+    for t in (mask, bias):
+        if t is None:
+            parts.append((None, (0, 0, 0, 0)))
+            continue
+        st = _broadcast_strides(t, full)
+        if st is None:
+            t = _as4(t, full, z)
+            st = t.stride()
+        parts.append((t, st))
+    dims = (z, full[-3], full[-2], full[-1], q.shape[-1])
+    return (*(t for t, _ in parts), dims, (*parts[0][1], *parts[1][1], *parts[2][1], *parts[3][1], *parts[4][1]))
 
-    if q.dim() == 4:  # [Z, H, N, D] already: no reshapes (an operator call each)
-        z, q4, k4, v4 = q.shape[0], q, k, v
-    else:
-        z = math.prod(q.shape[:-3])
-        q4, k4, v4 = q.reshape(z, *q.shape[-3:]), k.reshape(z, *k.shape[-3:]), v.reshape(z, *v.shape[-3:])
-    m4 = _as4(mask, full, z, q.dtype)
-    b4 = _as4(bias, full, z)
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """``apex._kernels.openfold_attention``, imported on first use (an import statement costs ~1 µs a call)."""
+    if not _KERNELS:
+        from apex._kernels import openfold_attention
+
+        _KERNELS.append(openfold_attention)
+    return _KERNELS[0]
+
+
+def _triton_forward(q, k, v, mask, bias, inf, full) -> tuple[Tensor, tuple, tuple]:
+    """``(output in q's shape, tensors the backward needs, (dims, strides, scale))`` of the Triton path."""
+    kernels = _kernels()
+    q_, k_, v_, m_, b_, dims, strides = _operands(q, k, v, mask, bias, full)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse = kernels.forward(q4, k4, v4, m4, b4, scale, float(inf))
-    return (o if q4 is q else o.view(q.shape)), (q4, k4, v4, o, lse, m4, b4), scale
+    o, lse = kernels.forward(q_, k_, v_, m_, b_, scale, float(inf), dims, strides)
+    # o is contiguous in q_'s shape: q's, unless q's leading dims had to be reshaped.
+    return (o if q_ is q else o.view(q.shape)), (q_, k_, v_, o, lse, m_, b_), (dims, strides, scale)
 
 
 class _AttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, inf, full):
-        out, saved, scale = _triton_forward(q, k, v, mask, bias, inf, full)
+        out, saved, geometry = _triton_forward(q, k, v, mask, bias, inf, full)
         ctx.save_for_backward(*saved)
-        ctx.meta = (q.shape, k.shape, full, bias.shape if bias is not None else None, scale, float(inf))
+        ctx.meta = (q.shape, k.shape, full, bias.shape if bias is not None else None, *geometry, float(inf))
         return out
 
     @staticmethod
     def backward(ctx, do):
-        from apex._kernels import openfold_attention as kernels
-
-        q4, k4, v4, o, lse, m4, b4 = ctx.saved_tensors
-        q_shape, k_shape, full, bias_shape, scale, inf = ctx.meta
-        need_ds = b4 is not None and ctx.needs_input_grad[4]
-        four = len(q_shape) == 4
-        do4 = (do if four else do.reshape(o.shape)).contiguous()
-        dq, dk, dv, ds = kernels.backward(do4, q4, k4, v4, m4, b4, o, lse, scale, inf, need_ds)
+        q_, k_, v_, o, lse, m_, b_ = ctx.saved_tensors
+        q_shape, k_shape, full, bias_shape, dims, strides, scale, inf = ctx.meta
+        need_ds = b_ is not None and ctx.needs_input_grad[4]
+        # The kernels read do as contiguous rows of D, as they wrote o.
+        dq, dk, dv, ds = _kernels().backward(do.contiguous(), q_, k_, v_, m_, b_, o, lse, scale, inf, need_ds, dims,
+                                          strides)
         dbias = None
         if need_ds:
-            dbias = ds.view(full).sum_to_size(bias_shape).to(b4.dtype)
-        if four:
+            dbias = ds.view(full).sum_to_size(bias_shape).to(b_.dtype)
+        if q_.dim() == len(q_shape) and k_.dim() == len(k_shape):  # gradients already in the inputs' shapes
             return dq, dk, dv, None, dbias, None, None
         return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, dbias, None, None
 

@@ -86,6 +86,32 @@ def test_attn_4d_takes_no_reshape(backend_name):
     assert o._base is None and all(g._base is None for g in grads)
 
 
+def test_attn_leading_dims_take_no_reshape(backend_name):
+    """OpenFold's [1, B, H, N, D] with its broadcast mask and bias: the kernels read q, k, v, the mask and the
+    bias through merged leading strides, and the output and q/k/v gradients come back in the inputs' shapes
+    without a reshape or view (an operator call each)."""
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path's result comes from its own operators")
+    q, k, v, mask, b = _attn_inputs((1, 2), 2, 9, 14, 16, torch.float32)
+    o = AttnTri(q, k, v, mask, b)
+    grads = torch.autograd.grad(o, (q, k, v, b), torch.ones_like(o))
+    assert o._base is None and all(g._base is None for g in grads[:3])
+    assert o.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape, b.shape]
+
+
+def test_attn_leading_dims_of_any_strides(backend_name):
+    """Leading dims that merge into one stride although a size-1 dim carries an odd stride (a tensor
+    PyTorch calls contiguous), and leading dims that do not merge (then reshaped): float64 accuracy both."""
+    q, k, v, mask, b = _attn_inputs((2, 1), 2, 9, 14, 16, torch.float32)
+    odd = torch.empty_strided(q.shape, (2 * 9 * 16, 7, 9 * 16, 16, 1), dtype=q.dtype)
+    assert odd.is_contiguous()
+    qo = odd.copy_(q.detach()).requires_grad_()
+    _check_attn(lambda *a: AttnTri(*a, True), qo, k, v, mask, b, torch.float32)
+    q2, k2, v2, mask2, b2 = _attn_inputs((3, 2), 2, 9, 14, 16, torch.float32)
+    qt = q2.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # (3, 2) not mergeable
+    _check_attn(lambda *a: AttnTri(*a, True), qt, k2, v2, mask2, b2, torch.float32)
+
+
 def test_attn_without_gradient_records_nothing(backend_name, monkeypatch):
     """Under no_grad (AttnTri's is_training=False) the Triton path runs its kernels without the autograd
     Function (no context, nothing saved): the same output as with a graph."""
