@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 # Tile sizes (elements); tests lower them to exercise the split path. None: the defaults below.
@@ -156,7 +157,7 @@ def _gn_apply(x_ptr, y_ptr, w_ptr, b_ptr, part_ptr, mean_ptr, rstd_ptr, G, S, CG
 
 
 @triton.jit
-def _gn_bwd_sums(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_ptr, cpart_ptr, G, C, S, CG,
+def _gn_bwd_sums(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_ptr, wpart_ptr, bpart_ptr, G, C, S, CG,
                  S_PER, SPLIT, sn, sc, ss, HAS_W: tl.constexpr, ACT: tl.constexpr, FUSED: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per slice: Σ dŷ and Σ dŷ·x̂ for the group, and per-channel Σ dz·x̂, Σ dz. FUSED: also dx."""
@@ -189,10 +190,11 @@ def _gn_bwd_sums(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_
             cnt = (S * CG).to(tl.float32)
             dx = rstd * (dxh - a1 / cnt - xhat * (a2 / cnt))
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    row = n * SPLIT + sp
-    cm = c < CG
-    tl.store(cpart_ptr + row.to(tl.int64) * 2 * C + g * CG + c, dgw, mask=cm)
-    tl.store(cpart_ptr + row.to(tl.int64) * 2 * C + C + g * CG + c, dgb, mask=cm)
+    if HAS_W:  # one row of C partial sums per (sample, slice) in each buffer; rounded to the buffer's dtype
+        row = n * SPLIT + sp
+        cm = c < CG
+        tl.store(wpart_ptr + row.to(tl.int64) * C + g * CG + c, dgw.to(wpart_ptr.dtype.element_ty), mask=cm)
+        tl.store(bpart_ptr + row.to(tl.int64) * C + g * CG + c, dgb.to(bpart_ptr.dtype.element_ty), mask=cm)
     if not FUSED:
         tl.store(gpart_ptr + (ng * SPLIT + sp) * 2, a1)
         tl.store(gpart_ptr + (ng * SPLIT + sp) * 2 + 1, a2)
@@ -232,11 +234,23 @@ def supported(channels_per_group: int) -> bool:
     return channels_per_group <= MAX_GROUP_CHANNELS
 
 
+_PLANS = _tuning.plan_cache()  # (N, G, C/G, S, LIMITS) -> _plan's answer
+
+
 def _plan(n: int, groups: int, cg: int, s: int):
-    """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem."""
+    """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem (cached per shape)."""
+    tile, fuse_max = LIMITS["tile"], LIMITS["fuse_max"]
+    key = (n, groups, cg, s, tile, fuse_max)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = _new_plan(n, groups, cg, s, tile, fuse_max)
+    return p
+
+
+def _new_plan(n: int, groups: int, cg: int, s: int, tile: int | None, fuse_max: int | None):
     interp = _INTERP
-    tile = LIMITS["tile"] or (65536 if interp else 4096)
-    fuse_max = LIMITS["fuse_max"] or (65536 if interp else 16384)
+    tile = tile or (65536 if interp else 4096)
+    fuse_max = fuse_max or (65536 if interp else 16384)
     block_c = next_power_of_2(cg)
     s_pow = next_power_of_2(max(s, 1))
     if s_pow * block_c <= fuse_max:
@@ -248,22 +262,20 @@ def _plan(n: int, groups: int, cg: int, s: int):
     return False, block_s, block_c, s_per, cdiv(s, s_per)
 
 
-def _strides(x: torch.Tensor):
-    st = x.stride()  # one read of all strides
-    return st[0], st[1], (st[-1] if len(st) > 2 else 1)
-
-
 def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     """``(y, mean, rstd)``; ``x`` is ``[N, C, *spatial]`` whose spatial dims flatten with one stride."""
     n, ch = x.shape[:2]
-    s = x.numel() // (n * ch) if n and ch else 0  # (x[0, 0].numel() would build a view)
+    numel = x.numel()
+    s = numel // (n * ch) if n and ch else 0  # (x[0, 0].numel() would build a view)
     cg = ch // groups
-    y = torch.empty_like(x)
-    mean = torch.empty(n * groups, device=x.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    if x.numel() == 0:
+    y = torch.empty_like(x)  # in x's layout
+    # new_empty with integer sizes: ~1 µs less than torch.empty(..., device=..., dtype=...).
+    mean = x.new_empty(n * groups, dtype=torch.float32)
+    rstd = x.new_empty(n * groups, dtype=torch.float32)
+    if numel == 0:
         return y, mean, rstd
-    sn, sc, ss = _strides(x)
+    sn, sc, *rest = x.stride()
+    ss = rest[-1] if rest else 1
     has_w = weight is not None
     w = weight if has_w else mean
     b = bias if has_w else mean
@@ -272,7 +284,7 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
         _gn_fwd_fused[(n * groups,)](x, y, w, b, mean, rstd, groups, s, cg, sn, sc, ss, float(eps),
                                      HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc)
         return y, mean, rstd
-    part = torch.empty(n * groups * split * 3, device=x.device, dtype=torch.float32)
+    part = x.new_empty(n * groups * split * 3, dtype=torch.float32)
     _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, BLOCK_S=bs, BLOCK_C=bc)
     _gn_apply[(n * groups, split)](x, y, w, b, part, mean, rstd, groups, s, cg, s_per, split, sn, sc, ss,
                                    float(eps), HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
@@ -281,28 +293,43 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean, rstd, silu: bool):
-    """``(dx, dweight, dbias)`` (fp32 parameter gradients, None without affine); ``dy`` has x's strides."""
+    """``(dx, dweight, dbias)`` (fp32 parameter gradients, or in the parameters' dtype where one program row
+    covers the batch; None without affine); ``dy`` has x's strides."""
     n, ch = x.shape[:2]
-    s = x.numel() // (n * ch) if n and ch else 0
+    numel = x.numel()
+    s = numel // (n * ch) if n and ch else 0
     cg = ch // groups
     dx = torch.empty_like(x)
     has_w = weight is not None
     fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
-    if x.numel() == 0:
-        cpart = torch.zeros(n * split, 2 * ch, device=x.device, dtype=torch.float32)
-        return dx, cpart[:, :ch].sum(0) if has_w else None, cpart[:, ch:].sum(0) if has_w else None
-    # Every (n, group, slice) program writes its channels' row of partial sums: no zero fill.
-    cpart = torch.empty(n * split, 2 * ch, device=x.device, dtype=torch.float32)
-    sn, sc, ss = _strides(x)
+    if numel == 0:
+        if not has_w:
+            return dx, None, None
+        return dx, x.new_zeros(ch, dtype=torch.float32), x.new_zeros(ch, dtype=torch.float32)
+    # Every (n, group, slice) program writes its channels' row of partial sums: no zero fill. Two buffers, so
+    # that the two gradients never share storage (a custom op's outputs may not alias). One row (one sample,
+    # one slice) is the gradient itself, written in the parameters' dtype: no reduction, no cast.
+    rows = n * split
+    if not has_w:
+        wpart = bpart = mean  # (not written)
+    elif rows == 1:
+        wpart, bpart = weight.new_empty(ch), bias.new_empty(ch)
+    else:
+        wpart, bpart = x.new_empty(rows, ch, dtype=torch.float32), x.new_empty(rows, ch, dtype=torch.float32)
+    sn, sc, *rest = x.stride()
+    ss = rest[-1] if rest else 1
     w = weight if has_w else mean
     b = bias if has_w else mean
-    gpart = torch.empty(n * groups * split * 2, device=x.device, dtype=torch.float32) if not fused else mean
-    _gn_bwd_sums[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, cpart, groups, ch, s, cg, s_per, split,
-                                      sn, sc, ss, HAS_W=has_w, ACT=silu, FUSED=fused, BLOCK_S=bs, BLOCK_C=bc)
+    gpart = x.new_empty(n * groups * split * 2, dtype=torch.float32) if not fused else mean
+    _gn_bwd_sums[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, wpart, bpart, groups, ch, s, cg, s_per,
+                                      split, sn, sc, ss, HAS_W=has_w, ACT=silu, FUSED=fused, BLOCK_S=bs,
+                                      BLOCK_C=bc)
     if not fused:
         _gn_bwd_dx[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, groups, s, cg, s_per, split,
                                         sn, sc, ss, HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
                                         BLOCK_P=next_power_of_2(split))
     if not has_w:
         return dx, None, None
-    return dx, cpart[:, :ch].sum(0), cpart[:, ch:].sum(0)
+    if rows == 1:
+        return dx, wpart, bpart
+    return dx, wpart.sum(0), bpart.sum(0)

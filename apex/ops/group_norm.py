@@ -21,12 +21,14 @@ import numbers
 
 import torch
 import torch.nn.functional as F
+from torch._C import _any_requires_grad
 
 from apex._errors import AssertValueError, RuntimeValueError
-from apex.ops._dispatch import custom_op
+from apex.ops._dispatch import custom_op, eager, lazy_module
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
+_kernels = lazy_module("apex._kernels.group_norm")
 ACTIVATIONS = (None, "", "silu", "swish")
 
 
@@ -41,33 +43,42 @@ def check_args(input: object, num_groups: object, weight: object, bias: object, 
         raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
     if input.dim() < 2:
         raise RuntimeValueError(f"input must have shape [N, C, *spatial], got {list(input.shape)}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+    # (an int is the common case: the ABC check for numpy and other integers only otherwise)
+    if type(num_groups) is not int and (isinstance(num_groups, bool)
+                                        or not isinstance(num_groups, numbers.Integral)):
+        raise RuntimeValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if num_groups <= 0:
         raise RuntimeValueError(f"num_groups must be a positive int, got {num_groups!r}")
     c = input.shape[1]
     if c % num_groups:
         raise RuntimeValueError(f"num_groups={num_groups} must divide the number of channels C={c}")
     if (weight is None) != (bias is None):
         raise ValueError("weight and bias must both be given or both be None")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor or None")
-        if p.shape != (c,):
-            raise RuntimeValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
-        if p.device != input.device:
-            raise RuntimeValueError(f"{name} is on {p.device} but input is on {input.device}")
+    if weight is not None:
+        dev = input.device  # read once
+        for name, p in (("weight", weight), ("bias", bias)):
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point torch.Tensor or None")
+            if p.dim() != 1 or p.shape[0] != c:
+                raise RuntimeValueError(f"{name} must have shape [{c}] (the channels), got {list(p.shape)}")
+            if p.device != dev:
+                raise RuntimeValueError(f"{name} is on {p.device} but input is on {dev}")
+    if act is None or (type(act) is str and not act):  # the default: no activation
+        return False
     a = act.lower() if isinstance(act, str) else act
     if a not in ACTIVATIONS:
         raise AssertValueError(f"act must be one of '', 'silu', 'swish' or None, got {act!r}")
     return a in ("silu", "swish")
 
 
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def _layout(x: Tensor) -> Tensor:
     """``x`` itself if its spatial dims flatten with one stride in NCHW or NHWC order, else a copy."""
     if x.is_contiguous():
         return x
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    fmt = _CHANNELS_LAST.get(x.dim())
     if fmt is not None and x.is_contiguous(memory_format=fmt):
         return x
     return x.contiguous()
@@ -76,9 +87,7 @@ def _layout(x: Tensor) -> Tensor:
 def _use_kernel(x: Tensor, num_groups: int) -> bool:
     if x.dtype == torch.float64 or select(x) != "triton":
         return False
-    from apex._kernels import group_norm as kernels
-
-    return kernels.supported(x.shape[1] // num_groups)
+    return _kernels().supported(x.shape[1] // num_groups)
 
 
 # ------------------------------------------------------------------------------------------- torch
@@ -163,9 +172,7 @@ def _forward_checked(input, num_groups, weight, bias, eps, silu):
     """:func:`group_norm_forward` on arguments :func:`check_args` passed."""
     x = _layout(input)
     if _use_kernel(x, num_groups):
-        from apex._kernels import group_norm as kernels
-
-        return kernels.forward(x, num_groups, weight, bias, float(eps), silu)
+        return _kernels().forward(x, num_groups, weight, bias, float(eps), silu)
     return _forward_torch(x, num_groups, weight, bias, float(eps), silu)
 
 
@@ -195,15 +202,18 @@ def _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, 
     """:func:`group_norm_backward` on arguments it checked (or the autograd forward's saved ones)."""
     x = _layout(input)
     if _use_kernel(x, num_groups):
-        from apex._kernels import group_norm as kernels
-
-        dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
-        dx, dw, db = kernels.backward(dy, x, num_groups, weight, bias, _stat(mean), _stat(rstd), silu)
-        if dw is not None:  # fp32 sums: cast where the parameter is not (a same-dtype .to is still a call)
-            dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
-            db = db if db.dtype == bias.dtype else db.to(bias.dtype)
-        return dx, dw, db
+        return _backward_kernels(grad_output, x, _stat(mean), _stat(rstd), num_groups, weight, bias, silu)
     return _backward_torch(grad_output, x, mean, rstd, num_groups, weight, bias, silu)
+
+
+def _backward_kernels(grad_output, x, mean, rstd, num_groups, weight, bias, silu):
+    """The Triton backward on a laid-out ``x`` and the forward's fp32 statistics."""
+    dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
+    dx, dw, db = _kernels().backward(dy, x, num_groups, weight, bias, mean, rstd, silu)
+    if dw is not None:  # fp32 sums: cast where the parameter is not (a same-dtype .to is still a call)
+        dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+        db = db if db.dtype == bias.dtype else db.to(bias.dtype)
+    return dx, dw, db
 
 
 def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
@@ -280,15 +290,51 @@ _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 # ------------------------------------------------------------------------------------- autograd entry
+class _Direct(torch.autograd.Function):
+    """The eager Triton path with a gradient, launching the kernels itself (what ``_fwd_op``'s eager call does
+    through its function, setup and backward op: the same launches, several µs of Python fewer each way).
+    The backward takes ``_bwd_op`` wherever the registered op is needed: a graph for a second derivative (its
+    error), a dispatch mode or tensor subclass."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, num_groups, eps, silu):
+        x = _layout(input)
+        y, mean, rstd = _kernels().forward(x, num_groups, weight, bias, eps, silu)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.args = (num_groups, silu)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        num_groups, silu = ctx.args
+        if torch.is_grad_enabled() or not eager((dy,)):
+            dx, dw, db = _bwd_op(dy, x, mean, rstd, num_groups, weight, bias, "silu" if silu else "")
+        else:
+            dx, dw, db = _backward_kernels(dy, x, mean, rstd, num_groups, weight, bias, silu)
+        return dx, dw if weight is not None else None, db if bias is not None else None, None, None, None
+
+
+_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, act: str | None = "") -> Tensor:
     """Differentiable GroupNorm (+ SiLU with ``act="silu"``); see the module docstring."""
     silu = check_args(input, num_groups, weight, bias, act)
-    if not _use_kernel(input, int(num_groups)):
+    num_groups = int(num_groups)
+    if not _use_kernel(input, num_groups):
         if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
-            return _AccurateGroupNorm.apply(input, int(num_groups), weight, bias, float(eps), silu)
-        return _group_norm_torch(input, int(num_groups), weight, bias, float(eps), silu)
-    return _fwd_op(input, int(num_groups), weight, bias, float(eps), "silu" if silu else "")[0]
+            return _AccurateGroupNorm.apply(input, num_groups, weight, bias, float(eps), silu)
+        return _group_norm_torch(input, num_groups, weight, bias, float(eps), silu)
+    # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
+    # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
+    if not torch.compiler.is_compiling() and eager((input, weight, bias)):
+        if torch.is_grad_enabled() and _any_requires_grad(input, weight, bias):
+            return _direct(input, weight, bias, num_groups, float(eps), silu)
+        # Nothing to record: the kernels alone (the registered op's eager call without its dispatch).
+        return _kernels().forward(_layout(input), num_groups, weight, bias, float(eps), silu)[0]
+    return _fwd_op(input, num_groups, weight, bias, float(eps), "silu" if silu else "")[0]
 
 
 # ---------------------------------------------------------------------- Apex's ``group_norm_cuda`` entry points

@@ -219,7 +219,8 @@ def test_group_norm_nchw_fp32_takes_pytorchs_kernel_and_stays_accurate():
 
 def test_triton_launchers_run_no_fill(triton_device, monkeypatch):
     """The forward's launcher issues no PyTorch operator of its own; the backward's only the two reductions
-    of the per-slice channel sums (every program writes its row of them: no zero-filled buffer)."""
+    of the per-slice channel sums (every program writes its row of them: no zero-filled buffer), and none
+    where there is one row of them (one sample, one slice): that row is the gradient."""
     from apex._backend import interpreting
     from apex._kernels import group_norm as kernels
     from apex.testing import count_eager
@@ -239,3 +240,13 @@ def test_triton_launchers_run_no_fill(triton_device, monkeypatch):
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("a zero-filled buffer") or zeros(*a, **k))
     assert own(lambda: kernels.forward(x, 8, w, b, 1e-5, False)) == {}
     assert own(lambda: kernels.backward(dy, x, 8, w, b, mean, rstd, False)) == {"sum": 2}
+    _, mean1, rstd1 = kernels.forward(x[:1], 8, w, b, 1e-5, False)
+    assert own(lambda: kernels.backward(dy[:1], x[:1], 8, w, b, mean1, rstd1, False)) == {}
+    for n in (1, 2):  # the gradients those sums give
+        _, dw, db = kernels.backward(dy[:n], x[:n], 8, w, b, *kernels.forward(x[:n], 8, w, b, 1e-5, False)[1:],
+                                     False)
+        w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+        # (an NCHW reference: PyTorch's CPU channels_last GroupNorm backward crashed on this one-sample slice)
+        ref = torch.autograd.grad(F.group_norm(x[:n].double().contiguous(), 8, w64, b64, 1e-5), (w64, b64),
+                                  dy[:n].double().contiguous())
+        assert_rel_close([dw, db], list(ref), tol=1e-6)
