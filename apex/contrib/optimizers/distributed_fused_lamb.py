@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
@@ -186,6 +188,21 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                      for t in (self._fp32_g, self._fp32_p, self._fp32_m, self._fp32_v, self._fp32_u)]
             self._group_frags.append((torch.tensor([f.param for f in sel], dtype=torch.long, device=device),
                                       views))
+        # The weight decay (decoupled: u += wd * p; L2: g += wd * p) is elementwise, so it runs over the group's
+        # runs of fragments that are neighbours in the shard (one run for a model of one group): an op per
+        # fragment cost a microsecond per parameter on the host.
+        self._group_runs = []
+        for gi in range(len(self.param_groups)):
+            runs: list = []
+            for f, g in zip(lay.fragments, self._frag_group):
+                if g != gi or f.length == 0:
+                    continue
+                if runs and runs[-1][1] == f.shard_offset:
+                    runs[-1][1] += f.length
+                else:
+                    runs.append([f.shard_offset, f.shard_offset + f.length])
+            self._group_runs.append(tuple([t[a:b] for a, b in runs] for t in (self._fp32_g, self._fp32_p,
+                                                                                  self._fp32_u)))
         # the CPU LAMB path's buffers, reused every step (building them per step allocates a shard's worth)
         self._lamb_workspaces = [Workspace([t.shape for t in views[4]]) if device.type == "cpu" and views[4]
                                  else None for _, views in self._group_frags]
@@ -341,13 +358,14 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         torch.div(self._fp16_g, scale * clip, out=self._fp32_g)
         self._fp32_u.zero_()
         zero_norm = torch.zeros(1, device=self._device)
-        for group, (_, (g, p, m, v, u)), ws in zip(self.param_groups, self._group_frags, self._lamb_workspaces):
+        for group, (_, (g, _p, m, v, u)), ws, (g_runs, p_runs, u_runs) in zip(
+                self.param_groups, self._group_frags, self._lamb_workspaces, self._group_runs):
             if not g:
                 continue
             beta1, beta2 = group["betas"]
             wd = group["weight_decay"]
             if not self._adam_w_mode and wd != 0:
-                torch._foreach_add_(g, p, alpha=wd)
+                torch._foreach_add_(g_runs, p_runs, alpha=wd)
             # FusedLAMB's update direction, without decay or trust ratio, written into the zeroed u:
             # u = 0 - (-1) * m̂ / (sqrt(v̂) + eps). With grad averaging (m += (1 - beta1) g) that is Adam's
             # moment update and direction, which apex.ops.multi_tensor_adam computes in one fused pass
@@ -360,7 +378,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                                   self._step, 1 if group["bias_correction"] else 0, 0.0, 0, 1, zero_norm, 1.0,
                                   False, validate=False, workspace=ws)
             if self._adam_w_mode and wd != 0:
-                torch._foreach_add_(u, p, alpha=wd)
+                torch._foreach_add_(u_runs, p_runs, alpha=wd)
         # trust ratios of whole parameters: the fragments' squared norms summed over the shards
         n = len(self._model_params)
         sq = torch.zeros(2 * n, dtype=torch.float32, device=self._device)
@@ -440,7 +458,14 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         """Upstream's deferred set-up; done in the constructor here."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
+        """As ``torch.optim.Optimizer.zero_grad``. The hooks leave each gradient on its parameter (as
+        upstream's do), so every iteration drops them all here: with ``set_to_none`` in one C-level pass per
+        group (torch's loop costs a Python iteration per parameter, more than freeing the gradient)."""
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        for group in self.param_groups:
+            deque(map(setattr, group["params"], repeat("grad"), repeat(None)), maxlen=0)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
