@@ -161,13 +161,23 @@ class CaseTimeout(BaseException):
 
 @contextlib.contextmanager
 def time_cap(seconds: float | None):
-    """Interrupt the block after ``seconds`` (SIGALRM; main thread on POSIX only, otherwise no cap)."""
+    """Interrupt the block after ``seconds`` (SIGALRM; main thread on POSIX only, otherwise no cap), or when
+    an import running then has finished."""
     if (not seconds or seconds <= 0 or not hasattr(signal, "setitimer")
             or threading.current_thread() is not threading.main_thread()):
         yield
         return
 
     def stop(signum, frame):
+        # Not inside an import (a first autograd call imports sympy, a first torch.compile Inductor): a
+        # module stopped half-way stays half-initialised in sys.modules and breaks every later case. Such a
+        # case stops when its import is done.
+        f = frame
+        while f is not None:
+            if f.f_code.co_filename.startswith("<frozen importlib"):
+                signal.setitimer(signal.ITIMER_REAL, 0.05)
+                return
+            f = f.f_back
         raise CaseTimeout(f"stopped at its {seconds:.0f} s cap")
 
     previous = signal.signal(signal.SIGALRM, stop)
@@ -248,12 +258,46 @@ def _inputs(case: GpuCase, device: torch.device) -> dict:
     return inputs
 
 
+def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 3, top: int = 6) -> list[dict]:
+    """What one call of ``fn`` runs on the device, from ``torch.profiler`` over ``calls`` calls: the ``top``
+    kernels by time, each ``{"name", "per_call", "us"}`` (launches and device µs per call), and a last entry
+    ``{"name": "(all)", ...}`` with every kernel's. A rate below the kernel's own shows here as a second
+    kernel, a copy or a conversion beside it, or as the gap between ``(all)`` and the timer's figure (time
+    outside any kernel: the host, allocation). On a CPU device the operators' self CPU time stands in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()  # compiled and allocated before the profile
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
+        on_device = str(getattr(e, "device_type", "")).endswith("CUDA") if cuda else e.key.startswith("aten::")
+        if on_device and us > 0:
+            events.append({"name": e.key[:80], "per_call": e.count / calls, "us": us / calls})
+    events.sort(key=lambda k: -k["us"])
+    total = {"name": "(all)", "per_call": sum(k["per_call"] for k in events), "us": sum(k["us"] for k in events)}
+    return events[:top] + [total]
+
+
+def format_kernels(kernels: list[dict]) -> str:
+    """``name ×launches µs; ...`` of :func:`kernel_profile`'s entries (per call)."""
+    return "; ".join(f"{k['name']} ×{k['per_call']:g} {k['us']:.1f} µs" for k in kernels)
+
+
 def run_case(case: GpuCase, device: torch.device, timer: Callable[[Callable[[], object]], float],
              copy_gbps: float | None, compile_backend: str | None = "inductor",
-             on_row: Callable[[dict], None] | None = None) -> list[dict]:
+             on_row: Callable[[dict], None] | None = None, kernels: bool = False) -> list[dict]:
     """One row per implementation: ``ms`` (``timer``'s figure), ``gbps`` (``bytes_min`` over it), ``copy_pct``
-    (of ``copy_gbps``), ``rel_err``; ``error`` instead where it failed. A :class:`CaseTimeout` stops the case:
-    the rows done so far are kept (the caller reads them from ``on_row``)."""
+    (of ``copy_gbps``), ``rel_err``; ``error`` instead where it failed; with ``kernels``, ``kernels``: what a
+    call runs on the device (:func:`kernel_profile`). A :class:`CaseTimeout` stops the case: the rows done so
+    far are kept (the caller reads them from ``on_row``)."""
     rows: list[dict] = []
     ref, ref_error = None, None
     try:
@@ -281,6 +325,8 @@ def run_case(case: GpuCase, device: torch.device, timer: Callable[[Callable[[], 
             row["ms"] = ms
             row["gbps"] = case.bytes_min / (ms * 1e-3) / 1e9 if ms > 0 else None
             row["copy_pct"] = 100 * row["gbps"] / copy_gbps if copy_gbps and row["gbps"] else None
+            if kernels:
+                row["kernels"] = kernel_profile(fn, device)
         except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the others
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             traceback.print_exc()

@@ -5,6 +5,7 @@
     python benchmarks/run.py --all              # also writes benchmarks/REPORT.md and benchmarks/report.png
     python benchmarks/run.py --device cuda      # on a GPU, in about three minutes (see below)
     python benchmarks/run.py --device cuda --quick -k layer_norm
+    python benchmarks/run.py --device cuda --quick -k norm --kernels   # also what each call runs on the GPU
 
 On the CPU, Triton kernels are counted under the interpreter, so this script turns it on before anything
 imports a kernel module; the CPU timings are unaffected (CPU tensors take the PyTorch path).
@@ -242,9 +243,11 @@ def run_cuda(args, device=None, timer=None) -> int:
             def on_row(r, done=done):
                 done.append(r)
                 print(rep.markdown_line(rep.row_cells(r)), flush=True)
+                if r.get("kernels"):
+                    print(f"#   {r['impl']} kernels per call: {_gpu.format_kernels(r['kernels'])}", flush=True)
             try:
                 with _gpu.time_cap(min(args.case_cap, left)):
-                    _gpu.run_case(case, device, timer, copy, backend, on_row)
+                    _gpu.run_case(case, device, timer, copy, backend, on_row, kernels=args.kernels)
             except _gpu.CaseTimeout as exc:
                 seen = {r["impl"] for r in done}
                 labels = [x for x in case.labels if x not in seen and (backend or x != "torch.compile")]
@@ -287,6 +290,7 @@ def _release(device) -> None:
 
 
 def _cuda_report(args, env, copy, rows, small_rows, not_reached, seconds) -> str:
+    from benchmarks import _gpu
     from benchmarks import _gpu_report as rep
 
     lines = [f"# GPU benchmark: {rep.describe(env, copy)}", "",
@@ -297,6 +301,12 @@ def _cuda_report(args, env, copy, rows, small_rows, not_reached, seconds) -> str
              "worst output; apex/best: apex's time over the fastest other implementation (< 1: apex faster).",
              "", rep.summary(rows) if rows else "(no GPU-sized case ran)", "", "## Every row", "",
              rep.markdown_table(rep.ROW_HEAD, [rep.row_cells(r) for r in rows])]
+    profiled = [r for r in rows if r.get("kernels")]
+    if profiled:
+        lines += ["", "## Kernels per call (torch.profiler, device µs; (all): every kernel of the call)", "",
+                  rep.markdown_table(["case", "impl", "ms", "kernels"],
+                                     [[r["case"], r["impl"], f"{r['ms']:.4f}", _gpu.format_kernels(r["kernels"])]
+                                      for r in profiled])]
     if small_rows:
         lines += ["", "## CPU-sized cases on the GPU (every other Triton kernel, compiled)", "",
                   format_gpu_table(small_rows)]
@@ -336,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--cpu-cases", action="store_true",
                    help="also run the CPU-sized cases without a Triton kernel (amp steps, ASP search, ...)")
     g.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    g.add_argument("--kernels", action="store_true",
+                   help="also profile each row's call: the kernels it launches and their device time")
     g.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)
     g.add_argument("--copy-bytes", type=int, default=1 << 30, help=argparse.SUPPRESS)
     g.add_argument("--out", type=Path, default=HERE / "results",

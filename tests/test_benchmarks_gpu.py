@@ -45,7 +45,7 @@ def fake_timer(ms=0.5):
 
 def _args(tmp_path, **kw):
     base = dict(k="", quick=False, cpu_cases=False, no_compile=False, compile_backend="eager", budget=600.0,
-                case_cap=0.0, copy_bytes=1 << 12, out=tmp_path, json=None)
+                case_cap=0.0, copy_bytes=1 << 12, out=tmp_path, json=None, kernels=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -175,6 +175,39 @@ def test_run_cuda_prints_rows_writes_the_report_and_caps_cases(tmp_path, monkeyp
     assert (tmp_path / "gpu.png").exists() or importlib.util.find_spec("matplotlib") is None
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["copy_gbps"] > 0 and {r["impl"] for r in data["rows"]} >= {"apex", "torch", "torch.compile"}
+
+
+def test_time_cap_lets_an_import_finish(tmp_path, monkeypatch):
+    # A cap that fires inside an import stops the case after it: a module interrupted half-way would stay
+    # half-initialised (sympy, imported by the first autograd call, broke every later backward case so).
+    (tmp_path / "apex_slow_import_probe.py").write_text("import time\ntime.sleep(0.6)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    with pytest.raises(_gpu.CaseTimeout), _gpu.time_cap(0.2):
+        import apex_slow_import_probe  # noqa: F401
+        time.sleep(20)
+    assert 0.6 <= time.monotonic() - t0 < 5
+    import sys
+
+    assert sys.modules.pop("apex_slow_import_probe").DONE
+
+
+def test_kernels_profile_what_a_call_runs(tmp_path, monkeypatch, capsys):
+    # --kernels: each row also says what one call runs (here the CPU operators stand in for the kernels): the
+    # eager RMSNorm backward's operators, one call's worth, and the (all) total; printed, in the report and JSON.
+    cases = bench_rms_norm.gpu_cases([(8, 64)], [torch.float32])
+    monkeypatch.setattr(run, "cuda_plan", lambda *a: (cases, []))
+    assert run.run_cuda(_args(tmp_path, kernels=True, no_compile=True), device=torch.device("cpu"),
+                        timer=fake_timer()) == 0
+    out = capsys.readouterr().out
+    assert "#   torch kernels per call: " in out and "(all)" in out
+    rows = {(r["mode"], r["impl"]): r for r in json.loads((tmp_path / "gpu.json").read_text())["rows"]}
+    ks = rows[("bwd", "torch")]["kernels"]
+    assert ks[-1]["name"] == "(all)" and ks[-1]["us"] >= max(k["us"] for k in ks[:-1]) > 0
+    assert all(k["name"].startswith("aten::") and k["per_call"] > 0 for k in ks[:-1])
+    assert "## Kernels per call" in (tmp_path / "gpu.md").read_text()
+    assert all("kernels" not in r for r in _gpu.run_case(cases[0], torch.device("cpu"), fake_timer(), 1.0,
+                                                          compile_backend=None))
 
 
 def test_run_cuda_stops_starting_cases_after_its_budget(tmp_path, monkeypatch, capsys):
