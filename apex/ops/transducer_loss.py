@@ -55,6 +55,11 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
+    if not packed_input and label.device == f_len.device == y_len.device:
+        T, U = x.shape[1], x.shape[2]
+        if _in_bounds(label, f_len, y_len, T, U, V):
+            return T, U
+        # Something is out of range: the reads below find what, for the message.
     # The lengths' extremes and those of the used labels in one host read (each int(t.min()) is a reduction
     # and, on a GPU, a sync). Unused label entries read as 0 (in range), so the extremes of all entries decide:
     # no boolean indexing (a nonzero and a sync on GPUs).
@@ -95,19 +100,60 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
     return T, U
 
 
+def _in_bounds(label: Tensor, f_len: Tensor, y_len: Tensor, T: int, U: int, V: int) -> bool:
+    """Whether ``1 ≤ f_len ≤ T``, ``0 ≤ y_len ≤ min(label length, U − 1)`` and the used labels (those before
+    each row's ``y_len``) lie in ``[0, V)``: the checks of a dense input in a few small operators and one
+    host read (``torch.equal``; a GPU synchronisation), the lengths and the labels clamped to their bounds at
+    once and compared with themselves. Every label is tried first (no mask to build); only when one is out
+    of range are the unused ones, which may hold anything (padding), masked and the values tried again."""
+    L = label.shape[1]
+    values = torch.cat((f_len, y_len, label.reshape(-1)))
+    lo, hi = _bounds(f_len.shape[0], L, T, U, V, values.dtype, values.device)
+    if torch.equal(values.clamp(lo, hi), values):
+        return True
+    if not L:
+        return False
+    unused = _positions(L, label.device, y_len.dtype) >= y_len.unsqueeze(1)  # (same dtypes: no promotion)
+    values = torch.cat((f_len, y_len, label.masked_fill(unused, 0).view(-1)))
+    return torch.equal(values.clamp(lo, hi), values)
+
+
+_BOUNDS: dict = {}
+
+
+def _bounds(B: int, L: int, T: int, U: int, V: int, dtype: torch.dtype, device: torch.device
+            ) -> tuple[Tensor, Tensor]:
+    """The lower and upper bounds of :func:`_in_bounds`'s values (B frame lengths, B label lengths, B·L
+    labels), kept per sizes, dtype and device (a traced graph gets its own constants)."""
+    key = (B, L, T, U, V, dtype, device)
+    bounds = None if torch.compiler.is_compiling() else _BOUNDS.get(key)
+    if bounds is None:
+        top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
+        lo = torch.tensor([1] * B + [0] * (B + B * L), dtype=dtype, device=device)
+        hi = torch.tensor([min(T, top)] * B + [min(L, U - 1, top)] * B + [min(V - 1, top)] * (B * L), dtype=dtype,
+                          device=device)
+        bounds = (lo, hi)
+        if not torch.compiler.is_compiling():
+            if len(_BOUNDS) > 64:
+                _BOUNDS.clear()
+            _BOUNDS[key] = bounds
+    return bounds
+
+
 _POSITIONS: dict = {}
 
 
-def _positions(n: int, device: torch.device) -> Tensor:
-    """``arange(n)`` as a (1, n) row on ``device``, kept per (n, device): the label mask needs it every call."""
+def _positions(n: int, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``arange(n)`` as a (1, n) row on ``device``, kept per (n, device, dtype): the label mask needs it every
+    call."""
     if torch.compiler.is_compiling():  # a traced graph gets its own constant
-        return torch.arange(n, device=device).unsqueeze(0)
-    key = (n, device)
+        return torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
+    key = (n, device, dtype)
     pos = _POSITIONS.get(key)
     if pos is None:
         if len(_POSITIONS) > 64:
             _POSITIONS.clear()
-        pos = _POSITIONS[key] = torch.arange(n, device=device).unsqueeze(0)
+        pos = _POSITIONS[key] = torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
     return pos
 
 
@@ -227,13 +273,32 @@ def loss_forward(logp: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, batc
 def _alpha_beta_triton(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, blank_idx: int,
                        packed_input: bool, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`loss_forward`'s kernels on the contiguous ``logp`` and ``lse``, the arguments already checked."""
-    from apex._kernels import transducer_loss as kernels
-
     dev = logp.device
     boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
-    alpha, beta, loss = kernels.alpha_beta(logp, lse, label.to(dev).contiguous(), f_len.to(dev, torch.int32),
-                                           y_len.to(dev, torch.int32), boff, T, U, blank_idx, packed_input, acc)
-    return alpha, beta, loss.to(logp.dtype)
+    alpha, beta, loss = _kernels().alpha_beta(logp, lse, _on(label, dev), _on(f_len, dev, torch.int32),
+                                              _on(y_len, dev, torch.int32), boff, T, U, blank_idx, packed_input,
+                                              acc)
+    return alpha, beta, (loss if loss.dtype == logp.dtype else loss.to(logp.dtype))
+
+
+def _on(t: Tensor, dev: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` contiguous on ``dev`` (in ``dtype``) for the kernels; the usual tensors already are (a no-op
+    ``.to`` is still an operator call, ~1 µs)."""
+    if t.device != dev or (dtype is not None and t.dtype != dtype):
+        t = t.to(dev, dtype)
+    return t.contiguous()
+
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """``apex._kernels.transducer_loss``, imported on first use (an import statement costs ~1 µs a call)."""
+    if not _KERNELS:
+        from apex._kernels import transducer_loss
+
+        _KERNELS.append(transducer_loss)
+    return _KERNELS[0]
 
 
 def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, f_len: Tensor, y_len: Tensor,
@@ -246,8 +311,7 @@ def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, 
     acc = alpha.dtype
     out_dtype = out_dtype or logp.dtype
     if _backend.select(logp) == "triton":
-        from apex._kernels import transducer_loss as kernels
-
+        kernels = _kernels()
         dev = logp.device
         boff = row_b = None
         if packed_input:
@@ -256,7 +320,7 @@ def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, 
             row_b = torch.repeat_interleave(torch.arange(B, device=dev, dtype=torch.int32), counts)
         lse = lse.contiguous() if lse is not None else logp.new_zeros(logp.shape[:-1], dtype=acc)
         return kernels.grad(logp.contiguous(), lse, loss_grad.contiguous(), alpha.contiguous(), beta.contiguous(),
-                            label.to(dev).contiguous(), f_len.to(dev, torch.int32), y_len.to(dev, torch.int32),
+                            _on(label, dev), _on(f_len, dev, torch.int32), _on(y_len, dev, torch.int32),
                             boff, row_b, blank_idx, packed_input, fused, out_dtype)
     lpb, lpl, valid, lab = _gather(logp, lse, label, f_len, y_len, T, U, blank_idx, packed_input, acc)
     pa, pbeta = _padded(alpha, B, T, U).view(B, T + 2, U + 2), _padded(beta, B, T, U).view(B, T + 2, U + 2)
@@ -293,8 +357,7 @@ def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, d
     _check_opt(opt)
     # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
     if _backend.select(x) == "triton":
-        from apex._kernels import transducer_loss as kernels
-
+        kernels = _kernels()
         T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
         acc = _acc(x.dtype)
         xc = x.contiguous()

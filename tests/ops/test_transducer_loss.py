@@ -203,19 +203,70 @@ def test_checks_read_the_lengths_and_only_the_used_labels():
         TL.transducer_loss(x[:, :, :2], label, f_len, y_len, 4)
 
 
+@pytest.mark.parametrize("edge", ["at_bounds", "f_len_past", "y_len_past_label", "y_len_past_lattice",
+                                  "label_v", "label_negative", "uint8_labels"])
+def test_checks_bounds_at_their_edges(edge, monkeypatch):
+    """The bounds each value is clamped to are the checks' own: every length and used label at its largest
+    (or smallest) allowed value passes in one read, one past it raises the message naming it."""
+    x, label, f_len, y_len = _case(2, 4, 4, 5, [4, 1], [3, 0])  # f_len = T, y_len = L = U - 1
+    label[0] = torch.tensor([0, 4, 4], dtype=torch.int32)  # 0 and V - 1
+    match = {"f_len_past": "f_len", "y_len_past_label": "y_len", "y_len_past_lattice": r"y_len \+ 1",
+             "label_v": "label", "label_negative": "label"}.get(edge)
+    if edge == "f_len_past":
+        f_len[1] = 5
+    elif edge == "y_len_past_label":
+        y_len[1] = 4
+    elif edge == "y_len_past_lattice":
+        label = torch.cat((label, label[:, :1]), 1)  # L = 4 = U: the lattice bounds y_len
+        y_len[1] = 4
+    elif edge == "label_v":
+        label[0, 2] = 5
+    elif edge == "label_negative":
+        label[0, 1] = -1
+    elif edge == "uint8_labels":  # V - 1 past the dtype's range: no bound
+        x = torch.randn(2, 4, 4, 300)
+        label, f_len, y_len = (t.to(torch.uint8) for t in (label, f_len, y_len))
+        label[0, 2] = 200
+    if match is None:
+        reads, equal = [], torch.equal
+        monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(1) or equal(a, b))
+        assert TL.check_args(x, label, f_len, y_len, 4, None, None, False) == (4, 4)
+        assert len(reads) == 1
+    else:
+        with pytest.raises(ValueError, match=match):
+            TL.check_args(x, label, f_len, y_len, 4, None, None, False)
+
+
 def test_checks_make_one_host_read(monkeypatch):
-    """The lengths' and the used labels' extremes come back in one transfer (a GPU synchronisation each),
-    and an empty label tensor (every y_len 0) needs no label read."""
+    """A dense input's lengths and labels are checked by one host read (a GPU synchronisation each): the
+    values clamped to their bounds compared with themselves (``torch.equal``), no reduction read back; a
+    second only when an unused label entry is out of range, and the reads that name the culprit only when
+    something is. A packed input's lengths' and used labels' extremes come back in one transfer."""
     x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
     reads = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    tolist, equal = torch.Tensor.tolist, torch.equal
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(("tolist", t.numel())) or tolist(t))
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(("equal", a.numel())) or equal(a, b))
     monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("item() in the checks"))
     assert TL.check_args(x, label, f_len, y_len, 4, None, None, False) == (4, 3)
-    assert reads == [6]
+    assert reads == [("equal", 2 + 2 + 4)]
     reads.clear()
     assert TL.check_args(x, label[:, :0], f_len, torch.zeros(2, dtype=torch.int32), 4, None, None, False) == (4, 3)
-    assert len(reads) == 1
+    assert reads == [("equal", 4)]
+    reads.clear()
+    label[1, 1] = -1  # past y_len[1] = 1: padding, masked on the second try
+    assert TL.check_args(x, label, f_len, y_len, 4, None, None, False) == (4, 3)
+    assert reads == [("equal", 8), ("equal", 8)]
+    reads.clear()
+    label[1, 0] = 5  # used: out of range
+    with pytest.raises(ValueError, match=r"label values must lie in \[0, 5\), got \[0, 5\]"):
+        TL.check_args(x, label, f_len, y_len, 4, None, None, False)
+    assert [r[0] for r in reads[:3]] == ["equal", "equal", "tolist"]
+    reads.clear()
+    label[1, 0] = 0
+    xp, boff = _pack(x, f_len, y_len)
+    assert TL.check_args(xp, label, f_len, y_len, 4, boff, 4, True) == (4, 3)
+    assert [r for r in reads if r[0] == "tolist"] == [("tolist", 6)]
 
 
 def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
