@@ -229,12 +229,30 @@ def _gn_bwd_dx(dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, gpart_pt
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gn_param_grads(wpart_ptr, bpart_ptr, dw_ptr, db_ptr, ROWS, C, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """dweight and dbias: the column sums of the per-(sample, slice) partial rows, rounded once to the
+    parameters' dtype (one launch for both, instead of two reductions and two casts)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cm = cols < C
+    acc_w = tl.zeros((BLOCK,), tl.float32)
+    acc_b = tl.zeros((BLOCK,), tl.float32)
+    for r0 in range(0, ROWS, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = (r < ROWS)[:, None] & cm[None, :]
+        offs = r.to(tl.int64)[:, None] * C + cols[None, :]
+        acc_w += tl.sum(tl.load(wpart_ptr + offs, mask=m, other=0.0), axis=0)
+        acc_b += tl.sum(tl.load(bpart_ptr + offs, mask=m, other=0.0), axis=0)
+    tl.store(dw_ptr + cols, acc_w.to(dw_ptr.dtype.element_ty), mask=cm)
+    tl.store(db_ptr + cols, acc_b.to(db_ptr.dtype.element_ty), mask=cm)
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 def supported(channels_per_group: int) -> bool:
     return channels_per_group <= MAX_GROUP_CHANNELS
 
 
-_PLANS = _tuning.plan_cache()  # (N, G, C/G, S, LIMITS) -> _plan's answer
+_PLANS = _tuning.plan_cache()  # (N, G, C/G, S, LIMITS) -> _plan's answer; ("reduce", rows, C) too
 
 
 def _plan(n: int, groups: int, cg: int, s: int):
@@ -293,8 +311,8 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean, rstd, silu: bool):
-    """``(dx, dweight, dbias)`` (fp32 parameter gradients, or in the parameters' dtype where one program row
-    covers the batch; None without affine); ``dy`` has x's strides."""
+    """``(dx, dweight, dbias)``, the parameter gradients in the parameters' dtype (None without affine);
+    ``dy`` has x's strides."""
     n, ch = x.shape[:2]
     numel = x.numel()
     s = numel // (n * ch) if n and ch else 0
@@ -305,10 +323,10 @@ def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean,
     if numel == 0:
         if not has_w:
             return dx, None, None
-        return dx, x.new_zeros(ch, dtype=torch.float32), x.new_zeros(ch, dtype=torch.float32)
-    # Every (n, group, slice) program writes its channels' row of partial sums: no zero fill. Two buffers, so
-    # that the two gradients never share storage (a custom op's outputs may not alias). One row (one sample,
-    # one slice) is the gradient itself, written in the parameters' dtype: no reduction, no cast.
+        return dx, weight.new_zeros(ch), bias.new_zeros(ch)
+    # Every (n, group, slice) program writes its channels' row of partial sums (no zero fill) into two
+    # buffers; _gn_param_grads sums their columns into the gradients, in the parameters' dtype. One row (one
+    # sample, one slice) is the gradient itself: written in that dtype, nothing to sum.
     rows = n * split
     if not has_w:
         wpart = bpart = mean  # (not written)
@@ -332,4 +350,20 @@ def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean,
         return dx, None, None
     if rows == 1:
         return dx, wpart, bpart
-    return dx, wpart.sum(0), bpart.sum(0)
+    dw, db = weight.new_empty(ch), bias.new_empty(ch)
+    grid, block_r, block = _reduce_plan(rows, ch)
+    _gn_param_grads[grid](wpart, bpart, dw, db, rows, ch, BLOCK_R=block_r, BLOCK=block)
+    return dx, dw, db
+
+
+def _reduce_plan(rows: int, ch: int):
+    key = ("reduce", rows, ch)
+    p = _PLANS.get(key)
+    if p is None:
+        # A tile of BLOCK_R rows × BLOCK channels a step (4096 elements on a GPU; the interpreter pays per
+        # step, not per element).
+        cap = 65536 if _INTERP else 4096
+        block = min(next_power_of_2(ch), 4096 if _INTERP else 256)
+        block_r = max(1, min(next_power_of_2(rows), cap // block))
+        p = _PLANS[key] = ((cdiv(ch, block),), block_r, block)
+    return p
