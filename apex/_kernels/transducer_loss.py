@@ -59,6 +59,12 @@ def _alpha_beta(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, alpha_pt
     lab = tl.load(lab_ptr + b * lab_stride + u, mask=u < y_len, other=0)
     base = b * T * U
     acc_ty = alpha_ptr.dtype.element_ty
+    # Cells outside the lengths hold -inf (the buffers come uninitialised): the recursion below never writes
+    # them, so no ordering with its stores is needed, and it never reads them.
+    for t0 in range(0, T):
+        outside = bm & (u < U) & ((t0 >= f_len) | (u > y_len))
+        tl.store(alpha_ptr + base + t0 * U + u, float("-inf"), mask=outside)
+        tl.store(beta_ptr + base + t0 * U + u, float("-inf"), mask=outside)
     n_diag = f_len + y_len
     for k in range(0, tl.max(n_diag)):
         # alpha on diagonal k: alpha(t, u) = lae(alpha(t-1, u) + blank(t-1, u), alpha(t, u-1) + label(t, u-1))
@@ -181,7 +187,7 @@ def row_lse(x, acc_dtype: torch.dtype):
     """log-sum-exp of every row of the contiguous ``x`` (rows, V) in ``acc_dtype``."""
     V = x.shape[-1]
     rows = x.numel() // max(V, 1)
-    lse = torch.empty(x.shape[:-1], dtype=acc_dtype, device=x.device)
+    lse = torch.empty(*x.shape[:-1], dtype=acc_dtype, device=x.device)  # (integer sizes: a Size costs ~2 µs more)
     if rows:
         bv = _block_v(V)
         per = _rows_per_program(rows, bv)
@@ -195,9 +201,11 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
     (B, T, U) lattices in ``acc_dtype`` (−inf outside the lengths), loss (B,)."""
     B = f_len.shape[0]
     V = logp.shape[-1]
-    alpha = torch.full((B, T, U), float("-inf"), dtype=acc_dtype, device=logp.device)
-    beta = torch.full((B, T, U), float("-inf"), dtype=acc_dtype, device=logp.device)
-    loss = torch.empty((B,), dtype=acc_dtype, device=logp.device)
+    dev = logp.device
+    # (the kernel writes -inf outside the lengths itself: no fill here)
+    alpha = torch.empty(B, T, U, dtype=acc_dtype, device=dev)
+    beta = torch.empty(B, T, U, dtype=acc_dtype, device=dev)
+    loss = torch.empty(B, dtype=acc_dtype, device=dev)
     tx, ux = (1, 1) if packed else (logp.shape[1], logp.shape[2])
     boff = batch_offset if packed else f_len
     bb = next_power_of_2(B) if _INTERP else 1
@@ -214,7 +222,7 @@ def grad(logp, lse, loss_grad, alpha, beta, label, f_len, y_len, batch_offset, r
     B, T, U = alpha.shape
     V = logp.shape[-1]
     rows = logp.numel() // max(V, 1)
-    out = torch.empty(logp.shape, dtype=out_dtype, device=logp.device)
+    out = torch.empty_like(logp, dtype=out_dtype, memory_format=torch.contiguous_format)
     tx, ux = (1, 1) if packed else (logp.shape[1], logp.shape[2])
     boff = batch_offset if packed else f_len
     rowb = row_batch if packed else f_len

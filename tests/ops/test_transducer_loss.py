@@ -134,6 +134,10 @@ def test_triton_and_torch_agree_on_alpha_beta(triton_device):
         T, U = int(f_len[b]), int(y_len[b]) + 1
         for i in (1, 2):
             assert_rel_close(out["triton"][i][b, :T, :U], out["torch"][i][b, :T, :U], tol=1e-6)
+            # -inf outside the lengths (the kernel writes those cells of its uninitialised buffers itself)
+            outside = torch.ones(out["triton"][i].shape[1:], dtype=torch.bool)
+            outside[:T, :U] = False
+            assert (out["triton"][i][b][outside] == float("-inf")).all()
         assert out["torch"][1][b, 0, 0] == 0
         assert torch.allclose(out["torch"][2][b, 0, 0], -out["torch"][0][b])
     assert_rel_close(out["triton"][0], out["torch"][0], tol=1e-6)
