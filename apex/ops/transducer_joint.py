@@ -39,8 +39,9 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
     for name, t in (("f_len", f_len), ("g_len", g_len)):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
-    if B:
-        # Both lengths' extremes in one host read (each is a sync on GPUs) where they share a device.
+    if B and (f_len.device != g_len.device or not _in_bounds(f_len, g_len, T, g.shape[1])):
+        # Something is out of range (or the lengths live apart): both lengths' extremes, for the message, in
+        # one host read where they share a device.
         if f_len.device == g_len.device:
             extremes = torch.stack((*f_len.aminmax(), *g_len.aminmax())).tolist()
         else:
@@ -59,6 +60,33 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
         total = int(expect[-1]) if B else 0
         if int(packed_batch) != total:
             raise ValueError(f"packed_batch must be the packed row count {total}, got {int(packed_batch)}")
+
+
+def _in_bounds(f_len: Tensor, g_len: Tensor, T: int, U: int) -> bool:
+    """Whether ``0 ≤ f_len ≤ T`` and ``0 ≤ g_len ≤ U``: both lengths clamped to their bounds at once and
+    compared with themselves, three small operators and one host read (``torch.equal``; a GPU
+    synchronisation) instead of two ``aminmax``, a stack and a transfer."""
+    values = torch.cat((f_len, g_len))
+    lo, hi = _bounds(f_len.shape[0], T, U, values.dtype, values.device)
+    return torch.equal(values.clamp(lo, hi), values)
+
+
+_BOUNDS: dict = {}
+
+
+def _bounds(B: int, T: int, U: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`_in_bounds`'s bounds, kept per sizes, dtype and device (a traced graph gets its own constants)."""
+    key = (B, T, U, dtype, device)
+    bounds = None if torch.compiler.is_compiling() else _BOUNDS.get(key)
+    if bounds is None:
+        top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
+        bounds = (torch.zeros(2 * B, dtype=dtype, device=device),
+                  torch.tensor([min(T, top)] * B + [min(U, top)] * B, dtype=dtype, device=device))
+        if not torch.compiler.is_compiling():
+            if len(_BOUNDS) > 64:
+                _BOUNDS.clear()
+            _BOUNDS[key] = bounds
+    return bounds
 
 
 def _valid(f_len, g_len, T, U):
@@ -109,6 +137,18 @@ def _backward_torch(dh, mask, f_len, g_len, T, U, pack_output, scale):
     return df, dg
 
 
+_KERNELS: list = []
+
+
+def _kernels():
+    """``apex._kernels.transducer_joint``, imported on first use (an import statement costs ~1 µs a call)."""
+    if not _KERNELS:
+        from apex._kernels import transducer_joint
+
+        _KERNELS.append(transducer_joint)
+    return _KERNELS[0]
+
+
 def _int32(t: Tensor) -> Tensor:
     # The kernels read contiguous int32 lengths; the usual ones are already (a no-op .to is still a call).
     return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
@@ -122,8 +162,7 @@ def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offs
     if tile_size not in (1, 2, 4):
         raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
     if _backend.select(f, g) == "triton":
-        from apex._kernels import transducer_joint as kernels
-
+        kernels = _kernels()
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
         return kernels.forward(f.contiguous(), g.contiguous(), _int32(f_len), _int32(g_len), boff,
@@ -135,8 +174,7 @@ def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor
                    max_f_len: int, max_g_len: int, pack_output: bool, scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """``(grad_f, grad_g)`` from the gradient of the (dense or packed) joint output."""
     if _backend.select(dh) == "triton":
-        from apex._kernels import transducer_joint as kernels
-
+        kernels = _kernels()
         boff = batch_offset.to(dh.device, torch.int64).contiguous() if pack_output else None
         return kernels.backward(dh.contiguous(), mask.contiguous() if mask is not None else None,
                                 _int32(f_len), _int32(g_len), boff,

@@ -154,19 +154,26 @@ def test_bad_input(case, exc, match):
 
 
 def test_checks_make_one_host_read(monkeypatch):
-    """Both lengths' extremes come back in one transfer (a GPU synchronisation each), with the messages that
-    name the offending lengths."""
+    """Both lengths are checked by one host read (a GPU synchronisation each): the lengths clamped to their
+    bounds compared with themselves (``torch.equal``), no reduction read back; their extremes come back (in
+    one transfer) only when a length is out of range, for the messages that name it. Lengths at their
+    bounds pass."""
     f, g = torch.randn(2, 5, 4), torch.randn(2, 3, 4)
-    f_len, g_len = torch.tensor([5, 4], dtype=torch.int32), torch.tensor([3, 2])
+    f_len, g_len = torch.tensor([5, 0], dtype=torch.int32), torch.tensor([3, 2])
     reads = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    tolist, equal = torch.Tensor.tolist, torch.equal
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(("tolist", t.numel())) or tolist(t))
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(("equal", a.numel())) or equal(a, b))
     TJ._check(f, g, f_len, g_len, None, 0, False, 0.0)
-    assert reads == [4]
+    assert reads == [("equal", 4)]
+    reads.clear()
     with pytest.raises(ValueError, match=r"f_len values must lie in \[0, 5\], got \[4, 6\]"):
         TJ._check(f, g, torch.tensor([6, 4]), g_len, None, 0, False, 0.0)
+    assert reads == [("equal", 4), ("tolist", 4)]
     with pytest.raises(ValueError, match=r"g_len values must lie in \[0, 3\], got \[-1, 3\]"):
         TJ._check(f, g, f_len, torch.tensor([3, -1]), None, 0, False, 0.0)
+    with pytest.raises(ValueError, match=r"g_len values must lie in \[0, 3\], got \[2, 4\]"):
+        TJ._check(f, g, f_len.to(torch.uint8), torch.tensor([4, 2], dtype=torch.uint8), None, 0, False, 0.0)
 
 
 def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
