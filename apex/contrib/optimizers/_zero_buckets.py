@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from apex._kernels._lists import Column
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -148,6 +150,9 @@ def _copy_cast(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _multi_tensor_copy(buffers_in, buffers_out, dummy_overflow_buf: torch.Tensor | None = None) -> None:
     """Copy ``buffers_in[i]`` into ``buffers_out[i]`` (casting), one foreach copy per (dtype, dtype) pair."""
+    if buffers_in is buffers_out or (type(buffers_in) is Column and type(buffers_out) is Column and
+                                     (buffers_in.ptrs, buffers_in.dtypes) == (buffers_out.ptrs, buffers_out.dtypes)):
+        return  # every pair is a self copy (Adam's master is the all-gather's input)
     if len(buffers_in) == 1 and len(buffers_out) == 1:  # a single pair (Adam on one run): no grouping
         _copy_cast(buffers_in[0], buffers_out[0])
         return
@@ -216,9 +221,23 @@ def _fp32_to_bf16_rem(fp32: torch.Tensor, bf16: torch.Tensor, rem: torch.Tensor)
 # distributed_adam_cuda's kernels, with Apex's positional signatures, on apex.ops.multi_tensor_adam.
 
 
+def _as_list(x):
+    """A tensor list as given when it is a Column (apex's kept lists), else a list of it."""
+    return x if type(x) is Column else list(x)
+
+
+def _work(p_in, m):
+    """The parameters Adam updates in the state's dtype: ``p_in`` itself (a Column stays one) when the
+    dtypes agree, else cast copies."""
+    if all(p.dtype == m_.dtype for p, m_ in zip(p_in, m)):
+        return p_in
+    return [p if p.dtype == m_.dtype else p.to(m_.dtype) for p, m_ in zip(p_in, m)]
+
+
 def _scaled_grads(grads, grad_scale: torch.Tensor):
     if grad_scale.device.type == "cpu" and float(grad_scale) == 1.0 and all(g.dtype == torch.float32 for g in grads):
-        return list(grads)  # the common unscaled step: no pass over the gradients (reading 1.0 costs no sync)
+        # the common unscaled step: no pass over the gradients (reading 1.0 costs no sync); a Column stays one
+        return grads if type(grads) is Column else list(grads)
     scale = grad_scale.to(device=grads[0].device, dtype=torch.float32).reshape(())
     return torch._foreach_mul([g.float() for g in grads], scale)
 
@@ -231,10 +250,10 @@ def multi_tensor_fused_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lis
     then ``p_out`` receives ``p_in`` cast to its dtype (integer ``p_out``: the most significant bytes)."""
     from apex.ops.multi_tensor_adam import multi_tensor_adam
 
-    p_in, m, v, g, p_out = (list(x) for x in tensor_lists)
+    p_in, m, v, g, p_out = (_as_list(x) for x in tensor_lists)
     if not p_in:
         return
-    work = [p if p.dtype == m_.dtype else p.to(m_.dtype) for p, m_ in zip(p_in, m)]
+    work = _work(p_in, m)
     multi_tensor_adam(chunk_size, noop_flag, [_scaled_grads(g, grad_scale), work, m, v], lr, beta1, beta2, eps,
                       int(step), mode, bias_correction, weight_decay, validate=False)
     _multi_tensor_copy(work, p_in)
@@ -250,10 +269,10 @@ def multi_tensor_fused_adam_capturable(chunk_size: int, noop_flag: torch.Tensor,
     ``noop_flag`` is set."""
     from apex.ops.multi_tensor_adam import multi_tensor_adam_capturable
 
-    p_in, m, v, g, p_out = (list(x) for x in tensor_lists)
+    p_in, m, v, g, p_out = (_as_list(x) for x in tensor_lists)
     if not p_in:
         return
-    work = [p if p.dtype == m_.dtype else p.to(m_.dtype) for p, m_ in zip(p_in, m)]
+    work = _work(p_in, m)
     one = torch.ones((), dtype=torch.float32, device=p_in[0].device)
     multi_tensor_adam_capturable(chunk_size, noop_flag, [_scaled_grads(g, grad_scale), work, m, v], lr, beta1,
                                  beta2, eps, step, mode, bias_correction, weight_decay, one, validate=False)

@@ -7,8 +7,13 @@ import weakref
 
 import torch
 
+from apex._kernels._lists import column
 from apex.contrib.optimizers import _zero_buckets as zb
 from apex.contrib.optimizers._zero_comm import ZeroCommMixin
+
+
+def _where(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, t.numel())
 
 
 class ZeroStepMixin:
@@ -116,6 +121,41 @@ class ZeroStepMixin:
         if self.with_scaled_states:
             self._local_step_with_scaled_states(bucket_ids)
             return
+        for (group_id, rem), lists in self._local_lists(bucket_ids).items():
+            group = self.param_groups[group_id]
+            beta1, beta2 = group["betas"]
+            args = (self._grad_scale, group["lr"], beta1, beta2, group["eps"], self.state["step"],
+                    int(self.adam_w_mode), int(bool(group["bias_correction"])), group["weight_decay"])
+            if rem:
+                zb.multi_tensor_fused_adam_with_param_remainders(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            elif self.capturable:
+                zb.multi_tensor_fused_adam_capturable(2048 * 32, self._dummy_overflow_buf, lists, *args)
+            else:
+                zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
+        self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
+
+    def _local_lists(self, bucket_ids) -> dict:
+        """``{(param_group_id, remainders): the tensor lists of its Adam launch}``. With master shards the
+        lists are views of buffers that live from step to step, so they are kept, as Columns (the
+        multi-tensor engine reads their addresses once), while each bucket, its runs and the address, dtype
+        and size of every tensor they view are the same: a step then makes no views (one step's fixed cost)."""
+        buckets = self.state["buckets"]
+        key = []
+        for i in bucket_ids:
+            sb = buckets[i]
+            if sb.params_shard is None:  # the shard is read from the model: new tensors every step
+                return self._build_local_lists(bucket_ids, keep=False)
+            key.append((i, sb, self._local_runs(sb), *map(_where, (
+                self._grads_buckets[i].grads_shard, self._params_buckets[i].params_shard, sb.params_shard,
+                sb.param_remainders_shard, sb.exp_avg_shard, sb.exp_avg_sq_shard))))
+        key = tuple(key)
+        held = self.__dict__.get("_local_lists_cache")
+        if held is None or held[0] != key:
+            # (the kept views hold their buffers, so an address in the key cannot be reused by another one)
+            held = self._local_lists_cache = (key, self._build_local_lists(bucket_ids, keep=True))
+        return held[1]
+
+    def _build_local_lists(self, bucket_ids, keep: bool) -> dict:
         groups: dict = {}
         for bucket_id in bucket_ids:
             sb = self.state["buckets"][bucket_id]
@@ -134,18 +174,9 @@ class ZeroStepMixin:
                     sb.exp_avg_shard[r], sb.exp_avg_sq_shard[r], grads[r], out[r]]
                 for lst, t in zip(lists, row):
                     lst.append(t)
-        for (group_id, rem), lists in groups.items():
-            group = self.param_groups[group_id]
-            beta1, beta2 = group["betas"]
-            args = (self._grad_scale, group["lr"], beta1, beta2, group["eps"], self.state["step"],
-                    int(self.adam_w_mode), int(bool(group["bias_correction"])), group["weight_decay"])
-            if rem:
-                zb.multi_tensor_fused_adam_with_param_remainders(2048 * 32, self._dummy_overflow_buf, lists, *args)
-            elif self.capturable:
-                zb.multi_tensor_fused_adam_capturable(2048 * 32, self._dummy_overflow_buf, lists, *args)
-            else:
-                zb.multi_tensor_fused_adam(2048 * 32, self._dummy_overflow_buf, lists, *args)
-        self._check_params_shard_dtypes({i: self._params_buckets[i] for i in bucket_ids})
+        if keep:
+            groups = {k: [column(lst) for lst in lists] for k, lists in groups.items()}
+        return groups
 
     def _local_runs(self, sb: zb.StateBucket) -> list:
         """``(param_group_id, shard slice, fragment)`` for the local fragments of a bucket. With fp32 master
