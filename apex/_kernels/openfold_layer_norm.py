@@ -195,9 +195,10 @@ def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> Non
             kernel.fn[launch_grid](*args, **options)
             return
     kernel[grid](*args, **constexprs)
-    config = kernel.best_config
+    config = getattr(kernel, "best_config", None)  # (unset where the launch was intercepted: compile checks)
     tkey = _autotuner_key(kernel, args)
-    if config.pre_hook is not None or (tkey is not None and kernel.cache.get(tkey) is not config):
+    if config is None or config.pre_hook is not None or \
+            (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is not config:
         return  # a hook to run per launch, or a key built otherwise by this Triton: the autotuner each call
     options = {**constexprs, **config.all_kwargs()}
     _PLANS[plan_key] = (tkey, config, grid if isinstance(grid, tuple) else grid(options), options)
