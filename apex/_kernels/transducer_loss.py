@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
@@ -183,15 +184,29 @@ def _rows_per_program(rows: int, block_v: int) -> int:
     return next_power_of_2(min(per, max(rows, 1)))
 
 
+# Launch plans by size (the row-wise kernels' grid, rows a program and vocabulary block; the alpha/beta
+# kernel's grid, batch elements a program and lattice block): a call of a shape seen before looks them up.
+_ROW_PLANS = _tuning.plan_cache()
+_LATTICE_PLANS = _tuning.plan_cache()
+
+
+def _row_plan(rows: int, V: int) -> tuple:
+    plan = _ROW_PLANS.get((rows, V))
+    if plan is None:
+        bv = _block_v(V)
+        per = _rows_per_program(rows, bv)
+        plan = _ROW_PLANS[(rows, V)] = ((cdiv(rows, per),), per, bv)
+    return plan
+
+
 def row_lse(x, acc_dtype: torch.dtype):
     """log-sum-exp of every row of the contiguous ``x`` (rows, V) in ``acc_dtype``."""
     V = x.shape[-1]
     rows = x.numel() // max(V, 1)
     lse = torch.empty(*x.shape[:-1], dtype=acc_dtype, device=x.device)  # (integer sizes: a Size costs ~2 µs more)
     if rows:
-        bv = _block_v(V)
-        per = _rows_per_program(rows, bv)
-        _row_lse[(cdiv(rows, per),)](x, lse, rows, V, ROWS=per, BLOCK_V=bv)
+        grid, per, bv = _row_plan(rows, V)
+        _row_lse[grid](x, lse, rows, V, ROWS=per, BLOCK_V=bv)
     return lse
 
 
@@ -208,11 +223,14 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
     loss = torch.empty(B, dtype=acc_dtype, device=dev)
     tx, ux = (1, 1) if packed else (logp.shape[1], logp.shape[2])
     boff = batch_offset if packed else f_len
-    bb = next_power_of_2(B) if _INTERP else 1
     if B:
-        _alpha_beta[(cdiv(B, bb),)](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux,
-                                           V, label.stride(0), blank_idx, PACKED=packed, BB=bb,
-                                           BLOCK_U=next_power_of_2(max(U, 2)))
+        plan = _LATTICE_PLANS.get((B, U))
+        if plan is None:
+            bb = next_power_of_2(B) if _INTERP else 1
+            plan = _LATTICE_PLANS[(B, U)] = ((cdiv(B, bb),), bb, next_power_of_2(max(U, 2)))
+        grid, bb, block_u = plan
+        _alpha_beta[grid](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux, V,
+                          label.stride(0), blank_idx, PACKED=packed, BB=bb, BLOCK_U=block_u)
     return alpha, beta, loss
 
 
@@ -227,9 +245,7 @@ def grad(logp, lse, loss_grad, alpha, beta, label, f_len, y_len, batch_offset, r
     boff = batch_offset if packed else f_len
     rowb = row_batch if packed else f_len
     if rows:
-        bv = _block_v(V)
-        per = _rows_per_program(rows, bv)
-        _grad[(cdiv(rows, per),)](logp, lse, label, f_len, y_len, boff, rowb, alpha, beta, loss_grad, out,
-                                         rows, T, U, tx, ux, V, label.stride(0), blank_idx, PACKED=packed,
-                                         FUSED=fused, ROWS=per, BLOCK_V=bv)
+        grid, per, bv = _row_plan(rows, V)
+        _grad[grid](logp, lse, label, f_len, y_len, boff, rowb, alpha, beta, loss_grad, out, rows, T, U, tx, ux, V,
+                    label.stride(0), blank_idx, PACKED=packed, FUSED=fused, ROWS=per, BLOCK_V=bv)
     return out
