@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, next_power_of_2
 
 
@@ -106,6 +107,10 @@ def _block_h(H: int) -> int:
     return min(1024, next_power_of_2(max(H, 16)))
 
 
+# The forward's grid and feature block by (B, T, U, H, tile): a call of a shape seen before looks them up.
+_PLANS = _tuning.plan_cache()
+
+
 def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bool, relu: bool,
             dropout: bool, dropout_prob: float, tile_size: int, seed: int):
     """``(h, mask or None)``; ``f`` (B, T, H) and ``g`` (B, U, H) contiguous, lengths int32."""
@@ -116,8 +121,11 @@ def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bo
     h = torch.empty(*shape, dtype=f.dtype, device=f.device)  # (integer sizes: a tuple costs ~1 µs more)
     mask = torch.zeros(shape, dtype=torch.uint8, device=f.device) if masked else h
     boff = batch_offset if pack_output else f_len
-    bh = _block_h(H)
-    grid = (B * T, cdiv(U, tile_size), cdiv(H, bh))
+    plan = _PLANS.get((B, T, U, H, tile_size))
+    if plan is None:
+        bh = _block_h(H)
+        plan = _PLANS[(B, T, U, H, tile_size)] = ((B * T, cdiv(U, tile_size), cdiv(H, bh)), bh)
+    grid, bh = plan
     _joint_fwd[grid](f, g, f_len, g_len, boff, h, mask, T, U, H, 1.0 - dropout_prob, seed,
                      PACKED=pack_output, RELU=relu, DROPOUT=dropout, TILE_U=tile_size, BLOCK_H=bh)
     return h, (mask if masked else None)
