@@ -182,6 +182,9 @@ def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor
     return _backward_torch(dh, mask, f_len, g_len, int(max_f_len), int(max_g_len), pack_output, float(scale))
 
 
+_NO_GRADS = (None,) * 10  # the gradients of the Function's non-tensor and length arguments
+
+
 class TransducerJointFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch, tile_size,
@@ -194,14 +197,15 @@ class TransducerJointFunc(torch.autograd.Function):
         ctx.shape = (f.shape[1], g.shape[1])
         ctx.pack_output = pack_output
         ctx.scale = 1.0 / (1.0 - dropout_prob) if dropout else 1.0
-        ctx.mark_non_differentiable(*(t for t in (mask,) if t is not None))
+        if mask is not None:
+            ctx.mark_non_differentiable(mask)
         return h
 
     @staticmethod
     def backward(ctx, dh):
         mask, f_len, g_len, batch_offset = ctx.saved_tensors
         df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *ctx.shape, ctx.pack_output, ctx.scale)
-        return df, dg, *([None] * 10)
+        return (df, dg, *_NO_GRADS)
 
 
 def transducer_joint(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None = None,
