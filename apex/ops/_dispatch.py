@@ -24,8 +24,8 @@ behaves as before (an error where the op had no formula for it, never a silently
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
@@ -174,9 +174,20 @@ def lazy_module(name: str) -> Callable[[], ModuleType]:
     load when the op first runs, not when apex is imported, and later calls cost a list lookup instead of an
     ``import`` statement's (~1 µs)."""
     box: list[ModuleType] = []
+    # An import statement, not importlib.import_module: torch.compile traces the first call too (an op compiled
+    # before it ran eagerly), and Dynamo runs an ``import`` statement but breaks the graph at import_module.
+    # While tracing, the box is not read: the graph would guard on it, and the box filled later (by the
+    # backward's eager call, say) would fail that guard at the next call, a second graph for the same code.
+    code: dict = {}
+    exec(f"def load():\n    import {name}\n", code)  # noqa: S102 - a module path of apex's own, not input
+    load = code["load"]
 
     def get() -> ModuleType:
+        if torch.compiler.is_compiling():
+            load()
+            return sys.modules[name]
         if not box:
-            box.append(importlib.import_module(name))
+            load()
+            box.append(sys.modules[name])
         return box[0]
     return get

@@ -263,3 +263,34 @@ def test_eager_predicate():
 
 class _Sub(torch.Tensor):
     pass
+
+
+def test_lazy_module_traces_and_compiles_once(tmp_path, monkeypatch):
+    # An op compiled before it ever ran eagerly imports its kernels inside the traced call: no graph break
+    # there (Dynamo breaks at importlib.import_module), and no second graph once an eager call (a backward,
+    # say) has filled the loader's cache.
+    import sys
+
+    from apex.ops._dispatch import lazy_module
+
+    name = "apex_lazy_module_probe"
+    (tmp_path / f"{name}.py").write_text("SCALE = 3.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    get = lazy_module(name)
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def f(x):
+        return x * get().SCALE
+
+    x = torch.ones(2)
+    assert torch.equal(f(x), x * 3)
+    assert get().SCALE == 3.0  # an eager call fills the cache
+    assert torch.equal(f(x), x * 3) and len(frames) == 1
+    torch._dynamo.reset()
