@@ -8,7 +8,6 @@ on the PyTorch path. Under ``torch.autocast`` the input and parameters are cast 
 
 from __future__ import annotations
 
-import functools
 import math
 from copy import copy
 
@@ -49,14 +48,32 @@ def mlp_function(bias, activation, *args) -> torch.Tensor:
     return apply_chain(MlpFunction, (bias, activation), args, *_layout(n, bool(bias), int(activation)))
 
 
-@functools.lru_cache(maxsize=64)
+def _cached(make):
+    """``make(*key)``, kept per key: the same for every call of one MLP. A dict, not ``functools.lru_cache``
+    (which torch.compile warns about), left alone while torch.compile traces (the graph would guard on it, and
+    the next eager call's entry would fail that guard)."""
+    kept: dict = {}
+
+    def get(*key):
+        if torch.compiler.is_compiling():
+            return make(*key)
+        got = kept.get(key)
+        if got is None:
+            if len(kept) >= 64:
+                kept.clear()
+            got = kept[key] = make(*key)
+        return got
+    return get
+
+
+@_cached
 def _layout(n: int, bias: bool, activation: int) -> tuple[slice, slice, tuple[int, ...]]:
     """The weights' and biases' slices of ``(input, *weights, *biases)`` and the activation codes of an MLP of
-    ``n`` layers: the same for every call of one MLP."""
+    ``n`` layers."""
     return slice(1, 1 + n), slice(1 + n, 1 + 2 * n) if bias else slice(1, 1), (activation,) * n
 
 
-@functools.lru_cache(maxsize=64)
+@_cached
 def _names(n: int, bias: bool) -> tuple[str, ...]:
     return tuple(f"weight_{i}" for i in range(n)) + (tuple(f"bias_{i}" for i in range(n)) if bias else ())
 

@@ -87,11 +87,14 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
             if b.dtype != dt:
                 raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {dt}: they must match")
         features = out_f
-    if acts in _CHECKED_ACTS:  # a chain's codes are the same every call: checked once
+    # A chain's codes are the same every call: checked once. Not while torch.compile traces: the graph would
+    # guard on the set, which the next eager call changes (a second graph for the same code).
+    compiling = torch.compiler.is_compiling()
+    if not compiling and acts in _CHECKED_ACTS:
         return
     if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
         raise ValueError(f"activation codes must be 0 (none), 1 (relu), 2 (sigmoid) or 3 (gelu), got {acts}")
-    if isinstance(acts, tuple) and len(_CHECKED_ACTS) < 256:
+    if not compiling and isinstance(acts, tuple) and len(_CHECKED_ACTS) < 256:
         _CHECKED_ACTS.add(acts)
 
 

@@ -143,6 +143,36 @@ def test_compiled_fullgraph_matches_eager():
     assert_rel_close(list(g), list(ref), tol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["MLP", "FusedDense", "FusedDenseGeluDense"])
+def test_compiled_training_steps_trace_one_graph(backend_name, kind):
+    """Steps of a compiled forward + backward reuse one graph: nothing the traced call reads (the checked
+    activation codes, the layout caches) changes at the next eager call, and no torch.compile warning about
+    cache wrappers."""
+    import warnings
+
+    from apex.fused_dense import FusedDense, FusedDenseGeluDense
+
+    make = {"MLP": lambda: MLP([8, 6, 4]), "FusedDense": lambda: FusedDense(8, 4),
+            "FusedDenseGeluDense": lambda: FusedDenseGeluDense(8, 6, 4)}[kind]
+    model = make()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=count)
+    x = torch.randn(3, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            compiled(x).square().sum().backward()
+    assert len(graphs) == 1
+    assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message) for w in caught]
+    torch._dynamo.reset()
+
+
 class _Doubled(nn.Module):
     def forward(self, w):
         return 2 * w
