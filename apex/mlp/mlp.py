@@ -14,6 +14,7 @@ from copy import copy
 import torch
 from torch import nn
 
+from apex.ops._dispatch import kept_per_key
 from apex.ops.fused_dense import apply_chain, chain_grads, save_chain
 
 _CODES = {"none": 0, "relu": 1, "sigmoid": 2}
@@ -48,32 +49,14 @@ def mlp_function(bias, activation, *args) -> torch.Tensor:
     return apply_chain(MlpFunction, (bias, activation), args, *_layout(n, bool(bias), int(activation)))
 
 
-def _cached(make):
-    """``make(*key)``, kept per key: the same for every call of one MLP. A dict, not ``functools.lru_cache``
-    (which torch.compile warns about), left alone while torch.compile traces (the graph would guard on it, and
-    the next eager call's entry would fail that guard)."""
-    kept: dict = {}
-
-    def get(*key):
-        if torch.compiler.is_compiling():
-            return make(*key)
-        got = kept.get(key)
-        if got is None:
-            if len(kept) >= 64:
-                kept.clear()
-            got = kept[key] = make(*key)
-        return got
-    return get
-
-
-@_cached
+@kept_per_key
 def _layout(n: int, bias: bool, activation: int) -> tuple[slice, slice, tuple[int, ...]]:
     """The weights' and biases' slices of ``(input, *weights, *biases)`` and the activation codes of an MLP of
-    ``n`` layers."""
+    ``n`` layers: the same for every call of one MLP."""
     return slice(1, 1 + n), slice(1 + n, 1 + 2 * n) if bias else slice(1, 1), (activation,) * n
 
 
-@_cached
+@kept_per_key
 def _names(n: int, bias: bool) -> tuple[str, ...]:
     return tuple(f"weight_{i}" for i in range(n)) + (tuple(f"bias_{i}" for i in range(n)) if bias else ())
 

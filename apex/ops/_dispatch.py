@@ -191,3 +191,22 @@ def lazy_module(name: str) -> Callable[[], ModuleType]:
             box.append(sys.modules[name])
         return box[0]
     return get
+
+
+def kept_per_key(make: Callable, limit: int = 64) -> Callable:
+    """``make(*key)``, kept per key (at most ``limit`` keys): values a call derives from its sizes, dtypes and
+    devices alone (bounds, index rows, layouts). Not read or filled while torch.compile traces: the graph
+    gets its own constants, and a graph that read the cache would guard on it, which the next eager call
+    changes (a second graph for the same code)."""
+    kept: dict = {}
+
+    def get(*key):
+        if torch.compiler.is_compiling():
+            return make(*key)
+        got = kept.get(key)
+        if got is None:
+            if len(kept) >= limit:
+                kept.clear()
+            got = kept[key] = make(*key)
+        return got
+    return get

@@ -19,6 +19,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import kept_per_key
 
 Tensor = torch.Tensor
 
@@ -71,22 +72,12 @@ def _in_bounds(f_len: Tensor, g_len: Tensor, T: int, U: int) -> bool:
     return torch.equal(values.clamp(lo, hi), values)
 
 
-_BOUNDS: dict = {}
-
-
+@kept_per_key
 def _bounds(B: int, T: int, U: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """:func:`_in_bounds`'s bounds, kept per sizes, dtype and device (a traced graph gets its own constants)."""
-    key = (B, T, U, dtype, device)
-    bounds = None if torch.compiler.is_compiling() else _BOUNDS.get(key)
-    if bounds is None:
-        top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
-        bounds = (torch.zeros(2 * B, dtype=dtype, device=device),
-                  torch.tensor([min(T, top)] * B + [min(U, top)] * B, dtype=dtype, device=device))
-        if not torch.compiler.is_compiling():
-            if len(_BOUNDS) > 64:
-                _BOUNDS.clear()
-            _BOUNDS[key] = bounds
-    return bounds
+    """:func:`_in_bounds`'s bounds, kept per sizes, dtype and device."""
+    top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
+    return (torch.zeros(2 * B, dtype=dtype, device=device),
+            torch.tensor([min(T, top)] * B + [min(U, top)] * B, dtype=dtype, device=device))
 
 
 def _valid(f_len, g_len, T, U):

@@ -26,6 +26,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import kept_per_key
 
 Tensor = torch.Tensor
 _NEG = float("-inf")
@@ -118,43 +119,23 @@ def _in_bounds(label: Tensor, f_len: Tensor, y_len: Tensor, T: int, U: int, V: i
     return torch.equal(values.clamp(lo, hi), values)
 
 
-_BOUNDS: dict = {}
-
-
+@kept_per_key
 def _bounds(B: int, L: int, T: int, U: int, V: int, dtype: torch.dtype, device: torch.device
             ) -> tuple[Tensor, Tensor]:
     """The lower and upper bounds of :func:`_in_bounds`'s values (B frame lengths, B label lengths, B·L
-    labels), kept per sizes, dtype and device (a traced graph gets its own constants)."""
-    key = (B, L, T, U, V, dtype, device)
-    bounds = None if torch.compiler.is_compiling() else _BOUNDS.get(key)
-    if bounds is None:
-        top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
-        lo = torch.tensor([1] * B + [0] * (B + B * L), dtype=dtype, device=device)
-        hi = torch.tensor([min(T, top)] * B + [min(L, U - 1, top)] * B + [min(V - 1, top)] * (B * L), dtype=dtype,
-                          device=device)
-        bounds = (lo, hi)
-        if not torch.compiler.is_compiling():
-            if len(_BOUNDS) > 64:
-                _BOUNDS.clear()
-            _BOUNDS[key] = bounds
-    return bounds
+    labels), kept per sizes, dtype and device."""
+    top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
+    lo = torch.tensor([1] * B + [0] * (B + B * L), dtype=dtype, device=device)
+    hi = torch.tensor([min(T, top)] * B + [min(L, U - 1, top)] * B + [min(V - 1, top)] * (B * L), dtype=dtype,
+                      device=device)
+    return lo, hi
 
 
-_POSITIONS: dict = {}
-
-
+@kept_per_key
 def _positions(n: int, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
     """``arange(n)`` as a (1, n) row on ``device``, kept per (n, device, dtype): the label mask needs it every
     call."""
-    if torch.compiler.is_compiling():  # a traced graph gets its own constant
-        return torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
-    key = (n, device, dtype)
-    pos = _POSITIONS.get(key)
-    if pos is None:
-        if len(_POSITIONS) > 64:
-            _POSITIONS.clear()
-        pos = _POSITIONS[key] = torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
-    return pos
+    return torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------------------------- torch
