@@ -699,6 +699,46 @@ def _one_rank_keeps_plans(rank, world):
                      tol=1e-6, name="one rank, kept buffers")
 
 
+def _triton_write_back(rank, world):
+    """On the Triton path (interpreted on the CPU, compiled on a GPU) the gathered buckets are written into the
+    parameters with apex's multi-tensor copy (multi_tensor_scale by 1.0, as Apex does), not a per-tensor copy:
+    each parameter equals its fp32 master rounded once to ``param_sync_dtype`` bit for bit, through fragments
+    split across buckets and a bf16 bucket written into fp32 parameters."""
+    import apex
+    from apex.ops import multi_tensor_scale as mts
+
+    calls = []
+    real = mts.multi_tensor_scale
+    mts.multi_tensor_scale = lambda *a, **k: (calls.append(len(a[2][0])), real(*a, **k))
+    if torch.empty(0).device.type == "cpu":
+        from apex.testing import prepare_interpreter
+
+        prepare_interpreter()
+    try:
+        with apex.backend("triton"):
+            for sync in (torch.float32, torch.bfloat16):
+                torch.manual_seed(3)
+                model = nn.ParameterList([nn.Parameter(torch.randn(n)) for n in (5, 40, 1, 33, 64, 7, 90, 2)])
+                opt = _dfa(model, param_sync_dtype=sync)
+                for step in range(3):
+                    calls.clear()
+                    opt.zero_grad()
+                    sum(((p * p).sum() * (i + 1) for i, p in enumerate(model)), torch.zeros(())).backward()
+                    opt.step()
+                    assert calls and sum(calls) >= len(model), (sync, step, calls)
+                    params = [p for g in opt.param_groups for p in g["params"]]
+                    state = opt.state_dict()["state"]
+                    for i, p in enumerate(params):
+                        want = state[i]["param"].to(sync).to(p.dtype)
+                        assert torch.equal(p.detach().cpu(), want), (sync, step, i)
+    finally:
+        mts.multi_tensor_scale = real
+
+
+def test_one_rank_triton_write_back_is_exact(dist_device):
+    run_distributed(_triton_write_back, 1, timeout_s=120, device=dist_device)
+
+
 def _one_rank(rank, world):
     _one_rank_keeps_plans(rank, world)
     _plans_follow_changes(rank, world)

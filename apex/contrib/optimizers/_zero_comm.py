@@ -325,7 +325,8 @@ class ZeroCommMixin:
             self._shrink_last_buckets()
             # After a backward the hooks have taken every gradient: one C-level pass finds none left, where
             # the loop below costs a Python call per fragment.
-            if any(map(operator.is_not, map(_grad, self.parameters()), repeat(None))):
+            params = self.__dict__.get("_step_params") or self.parameters()
+            if any(map(operator.is_not, map(_grad, params), repeat(None))):
                 for sb in self.state["buckets"]:
                     for frag in sb.fragments:
                         p = self.parameter(frag)
@@ -400,7 +401,7 @@ class ZeroCommMixin:
                 if c0 < c1:
                     ins.append(b[c0:c1])
                     outs.append(flat[p0 + c0 - b0:p0 + c1 - b0])
-        return zb._copy_plan(ins, outs)
+        return zb._copy_plan(ins, outs, keep=True)
 
     def _param_copy_buckets(self, parts: dict) -> None:
         """Copy every fragment of the pending buckets ``parts`` names (bucket id -> the part of each
@@ -412,14 +413,17 @@ class ZeroCommMixin:
         of them changed."""
         pending = self._params_buckets
         buckets = self.state["buckets"]
-        params = tuple(self.parameters())
+        # (within step() the list init_params checked: the plan built from it holds that very tuple)
+        params = self.__dict__.get("_step_params") or tuple(self.parameters())
         asked = tuple(parts.items())
         key = (asked, tuple(pending[i].params_bucket.data_ptr() for i, _ in asked),
-               tuple(map(len, map(_fragments, buckets))), tuple(map(id, params)), tuple(map(_ptr, params)))
+               tuple(map(len, map(_fragments, buckets))), tuple(map(_ptr, params)))
         entry_id = ("buckets", tuple(parts))
         cached = self._param_copy_cache.get(entry_id)
         if (cached is None or cached[0] != key or len(cached[2]) != len(buckets)
-                or not all(map(operator.is_, cached[2], buckets))):
+                or not all(map(operator.is_, cached[2], buckets))
+                or cached[3] is not params and (len(cached[3]) != len(params)
+                                                or not all(map(operator.is_, cached[3], params)))):
             self._trim_param_copy_cache()
             frags = [f for i, _ in asked for f in buckets[i].fragments if f.param_range[1] > f.param_range[0]]
             plan = self._plan_param_copy(frags, [self.parameter(f) for f in frags],

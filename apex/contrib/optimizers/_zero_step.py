@@ -20,13 +20,23 @@ class ZeroStepMixin:
     def step(self, closure=None, *, grad_scaler=None):
         """One Adam step on this rank's shard, then the parameter all-gather. With a ``GradScaler`` whose
         gradients hold an inf/NaN the step is skipped and nothing changes."""
-        from torch.amp.grad_scaler import OptState
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.init_params()
+        # The parameter list init_params has just checked (the tuple it keeps): the step's passes over the
+        # parameters (grad_sync, the parameter copy) read it instead of checking the list again. Only for
+        # this call: between steps the list may change.
+        self._step_params = self._all_placed[0]
+        try:
+            return self._step_placed(loss, grad_scaler)
+        finally:
+            self._step_params = None
+
+    def _step_placed(self, loss, grad_scaler):
+        from torch.amp.grad_scaler import OptState
+
         self.param_sync()
         self.grad_sync()
         if grad_scaler is not None and grad_scaler._enabled:

@@ -264,13 +264,15 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
         every = params is None
         if every:
             # Every step calls this. Once all parameters are placed, a call only checks that the parameter
-            # list and the bucket list are those it saw then, in one C-level pass (a parameter is unplaced
-            # again only by a format-1 load_state_dict, which replaces the bucket list).
-            params = tuple(self.parameters())
+            # list and the bucket list are those it saw then, in one C-level pass over the groups' lists
+            # without building a tuple (a parameter is unplaced again only by a format-1 load_state_dict,
+            # which replaces the bucket list). The tuple it keeps is then the step's verified parameter list.
             placed = self.__dict__.get("_all_placed")
-            if (placed is not None and placed[1] is self.state["buckets"] and len(placed[0]) == len(params)
-                    and all(map(operator.is_, placed[0], params))):
+            if (placed is not None and placed[1] is self.state["buckets"]
+                    and sum(len(g["params"]) for g in self.param_groups) == len(placed[0])
+                    and all(map(operator.is_, placed[0], self.parameters()))):
                 return
+            params = tuple(self.parameters())
         elif isinstance(params, torch.Tensor):
             params = [params]
         # .get: indexing the state (a defaultdict) would add an entry for a parameter it does not hold
@@ -283,6 +285,8 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
         for p in pending:
             self._init_param_state(p, *ids[p], dtype=dtype, grad_sync_dtype=grad_sync_dtype,
                                    param_sync_dtype=param_sync_dtype)
+        if every:
+            self._all_placed = (params, self.state["buckets"])
 
     def _held_ids(self, params, caller: str) -> dict:
         """The (group, index) map of every parameter, once each of ``params`` is checked to be held."""
