@@ -92,20 +92,53 @@ class ZeroCommMixin:
             # buffer stays with it and this backward gets a new one.
             del self._comm_buffers[("grads", bucket_id)]
         buf = gb.grads_bucket = self._comm_buffer("grads", bucket_id, sb.bucket_size, sb.grad_sync_dtype)
-        end = 0
-        for a, b in sorted(f.bucket_range for f in sb.fragments if f.bucket_range[1] > f.bucket_range[0]):
-            if a > end:
-                buf[end:a].zero_()
-            end = max(end, b)
-        buf[end:].zero_()
+        gaps, index, _ = self._bucket_gaps(sb)
+        for a, b in gaps:
+            buf[a:b].zero_()
+        if index is not None:  # many small parameters: one op for all the alignment gaps between them
+            buf.index_fill_(0, index, 0)
         gb.written = set()
         return buf
+
+    def _bucket_gaps(self, sb) -> tuple:
+        """``(gaps, index, written_keys)`` of a bucket: the ranges no fragment covers (alignment padding and
+        the tail), as ``(start, end)`` pairs; with more than a few gaps between fragments, those as one index
+        tensor of their elements instead, the tail still a range (zeroing a gap costs an op, one per
+        parameter for a model of small parameters); and
+        the number of fragment keys that a bucket written whole holds. Kept while the bucket and its
+        fragments are the same (fragments are only appended, or the bucket replaced)."""
+        cache = self.__dict__.setdefault("_bucket_gaps_cache", {})
+        held = cache.get(id(sb))
+        if held is not None and held[0] is sb and held[1] == len(sb.fragments):
+            return held[2]
+        spans = [f.bucket_range for f in sb.fragments if f.bucket_range[1] > f.bucket_range[0]]
+        gaps, end = [], 0
+        for a, b in sorted(spans):
+            if a > end:
+                gaps.append((end, a))
+            end = max(end, b)
+        tail = (end, sb.bucket_size)
+        index = None
+        if len(gaps) > 4:
+            index = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in gaps]).to(self.device)
+            gaps = [tail] if tail[1] > tail[0] else []
+        elif tail[1] > tail[0]:
+            gaps.append(tail)
+        keys = len({(f.param_group_id, f.param_id) for f in sb.fragments if f.bucket_range[1] > f.bucket_range[0]})
+        if len(cache) > 4 * len(self.state["buckets"]) + 4:
+            cache.clear()  # entries of replaced buckets
+        cache[id(sb)] = (sb, len(sb.fragments), (gaps, index, keys))
+        return gaps, index, keys
 
     def _zero_unwritten(self, bucket_id: int, gb) -> None:
         """Zero the regions of fragments that received no gradient in this bucket (see _grads_bucket_for)."""
         if gb.written is None:
             return
-        for f in self.state["buckets"][bucket_id].fragments:
+        sb = self.state["buckets"][bucket_id]
+        if len(gb.written) == self._bucket_gaps(sb)[2]:  # (the usual case: every fragment got its gradient)
+            gb.written = None
+            return
+        for f in sb.fragments:
             if f.bucket_range[1] > f.bucket_range[0] and (f.param_group_id, f.param_id) not in gb.written:
                 gb.grads_bucket[slice(*f.bucket_range)].zero_()
         gb.written = None
