@@ -268,9 +268,17 @@ class FusedLayerNorm(_FusedNorm):
             # A traced or scripted graph (TorchScript, ONNX export) records PyTorch's own op, as in Apex.
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         if self.elementwise_affine:
-            return fused_layer_norm_affine(input, self._param("weight"), self._param("bias"), self.normalized_shape,
-                                           self.eps, self.memory_efficient)
-        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+            params = self._parameters
+            # _param inlined (a frame fewer on every call): a registered parameter, else the ordinary lookup.
+            weight = params["weight"] if "weight" in params else self.weight
+            bias = params["bias"] if "bias" in params else self.bias
+        else:
+            weight = bias = None
+        if torch._C._is_any_autocast_enabled():
+            return _autocast_call(_layer_norm_affine, input, weight, bias, self.normalized_shape, self.eps,
+                                  self.memory_efficient)
+        # Autocast off (one query): the functional form's call without its two frames.
+        return layer_norm(input, self.normalized_shape, weight, bias, self.eps, self.memory_efficient)
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -288,9 +296,14 @@ class FusedRMSNorm(_FusedNorm):
         if torch.jit.is_tracing() or torch.jit.is_scripting():
             return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         if self.elementwise_affine:
-            return fused_rms_norm_affine(input, self._param("weight"), self.normalized_shape, self.eps,
-                                         self.memory_efficient)
-        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+            params = self._parameters
+            weight = params["weight"] if "weight" in params else self.weight
+        else:
+            weight = None
+        if torch._C._is_any_autocast_enabled():
+            return _autocast_call(_rms_norm_affine, input, weight, self.normalized_shape, self.eps,
+                                  self.memory_efficient)
+        return rms_norm(input, self.normalized_shape, weight, self.eps, self.memory_efficient)
 
 
 def _mixed_affine_kwargs(cls_name: str, kwargs: dict) -> None:

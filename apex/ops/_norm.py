@@ -7,11 +7,15 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+from torch._C import _any_requires_grad, _are_functorch_transforms_active, _get_tracing_state
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 # Widest row the one-pass kernels hold in one block; wider rows take the PyTorch operator.
 MAX_FUSED_N = 65536
 
@@ -151,6 +155,85 @@ def use_kernel(input: torch.Tensor, out_dtype: torch.dtype, n: int, *params) -> 
         if p is not None and p.dtype not in KERNEL_DTYPES:
             return False
     return True
+
+
+# How a norm call runs (:func:`route`'s answer).
+TORCH = 0  # PyTorch's operators: the torch backend, or a CPU tensor under torch.compile's choice of it
+OP = 1  # the registered custom op: compiling, a dispatch mode, torch.func, a tensor subclass, other dtypes
+KERNEL = 2  # eager, plain tensors, nothing to differentiate: the Triton launchers called directly
+DIRECT = 3  # eager, plain tensors, a gradient needed: the op's plain autograd.Function launching the kernels
+EXPORT = 4  # torch.export is tracing: the standard operators exporters know
+
+
+def route(input: torch.Tensor, out_dtype: torch.dtype, n: int, w: torch.Tensor | None = None,
+          b: torch.Tensor | None = None, r: torch.Tensor | None = None) -> int:
+    """How a call of a norm on checked arguments runs (one of the constants above), decided once per call:
+    the backend, the kernels' dtypes and row length, the tracing state and whether a gradient is needed.
+    ``w``, ``b``, ``r``: the other tensor arguments (weight, bias, residual) or None."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if torch.compiler.is_exporting():
+            return EXPORT
+        return TORCH if _select_for_device(input.device.type) == "torch" else OP
+    if _backend.select_tensor(input) != "triton":
+        return TORCH
+    # Each test a plain comparison (no loop over a tuple, no generator): asked on every call.
+    if (n > MAX_FUSED_N or input.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES
+            or w is not None and w.dtype not in KERNEL_DTYPES or b is not None and b.dtype not in KERNEL_DTYPES
+            or r is not None and r.dtype not in KERNEL_DTYPES):
+        return OP
+    if _dispatch_modes() or _are_functorch_transforms_active() or _get_tracing_state() is not None:
+        return OP
+    if (type(input) not in _PLAIN or type(w) not in _PLAIN_OR_NONE or type(b) not in _PLAIN_OR_NONE
+            or type(r) not in _PLAIN_OR_NONE):
+        return OP  # a tensor subclass (its __torch_dispatch__ sees the registered op)
+    if torch.is_grad_enabled() and _any_requires_grad(input, w, b, r):
+        return DIRECT
+    return KERNEL
+
+
+_KERNEL_DTYPE_SET = frozenset(KERNEL_DTYPES)
+
+
+def prepare(input: object, normalized_shape: object, weight: object, bias: object, out_dtype: torch.dtype | None
+            ) -> tuple[tuple[int, ...], int, torch.dtype, int]:
+    """:func:`check_args` then :func:`route`: ``(normalized_shape, row_length, out_dtype, route)``, with
+    ``out_dtype`` defaulting to the input's. The usual eager call (plain tensors of the kernels' dtypes, one
+    normalised dimension, parameters of that shape on the input's device) is checked and routed reading each
+    tensor attribute once; anything else, or anything wrong, takes the two functions in turn (their errors)."""
+    if type(input) in _PLAIN and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        kind = type(normalized_shape)
+        if kind is int:
+            n = normalized_shape
+        elif (kind is torch.Size or kind is tuple or kind is list) and len(normalized_shape) == 1:
+            n = normalized_shape[0]
+        else:
+            n = None
+        dt = input.dtype
+        ishape = input.shape
+        if type(n) is int and dt in _KERNEL_DTYPE_SET and ishape and ishape[-1] == n:
+            shape = (n,)
+            on_gpu = input.is_cuda
+            ok = True
+            for p in (weight, bias):  # the same tests as _check_param's, on the usual types only
+                if p is not None and (type(p) not in _PLAIN or p.dtype not in _KERNEL_DTYPE_SET or p.shape != shape
+                                      or p.is_cuda != on_gpu
+                                      or (p.get_device() != input.get_device() if on_gpu
+                                          else not (p.is_cpu and input.is_cpu))):
+                    ok = False
+            if ok:
+                out_dtype = out_dtype or dt
+                if _backend._resolve(on_gpu, input) != "triton":
+                    return shape, n, out_dtype, TORCH
+                if (n <= MAX_FUSED_N and out_dtype in _KERNEL_DTYPE_SET
+                        and not (_dispatch_modes() or _are_functorch_transforms_active()
+                                 or _get_tracing_state() is not None)):
+                    if torch.is_grad_enabled() and _any_requires_grad(input, weight, bias):
+                        return shape, n, out_dtype, DIRECT
+                    return shape, n, out_dtype, KERNEL
+                return shape, n, out_dtype, OP
+    shape, _, n = check_args(input, normalized_shape, weight, bias)
+    out_dtype = out_dtype or input.dtype
+    return shape, n, out_dtype, route(input, out_dtype, n, weight, bias)
 
 
 def _f32(stat: torch.Tensor) -> torch.Tensor:

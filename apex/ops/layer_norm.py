@@ -16,10 +16,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch._C import _any_requires_grad
 
 from apex.ops._dispatch import custom_op, eager, lazy_module
-from apex.ops._norm import KERNEL_DTYPES, _f32, check_args, promote, rows_view, select, stats_dtype, use_kernel
+from apex.ops._norm import (
+    DIRECT,
+    EXPORT,
+    KERNEL,
+    KERNEL_DTYPES,
+    TORCH,
+    _f32,
+    check_args,
+    prepare,
+    promote,
+    rows_view,
+    stats_dtype,
+    use_kernel,
+)
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.layer_norm")
@@ -212,35 +224,36 @@ class _Direct(torch.autograd.Function):
     (its error), a dispatch mode or tensor subclass, a gradient of a dtype the kernels do not take."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, normalized_shape, n, eps, memory_efficient, out_dtype):
-        y, mean, rstd, _ = _kernels().forward(rows_view(input, n),
-                                              weight.contiguous() if weight is not None else None,
-                                              bias.contiguous() if bias is not None else None,
-                                              eps, out_dtype, out_like=input)
+    def forward(ctx, input, weight, bias, shape, n, eps, memory_efficient, out_dtype):
+        y, mean, rstd, _ = _launchers().forward(input if input.dim() == 2 and input.stride(1) == 1
+                                                else rows_view(input, n),
+                                                weight.contiguous() if weight is not None else None,
+                                                bias.contiguous() if bias is not None else None,
+                                                eps, out_dtype, False, None, None, input)
         if memory_efficient:
             ctx.save_for_backward(y, weight, bias, None, rstd)
         else:
             ctx.save_for_backward(input, weight, bias, mean, rstd)
-        ctx.args = (normalized_shape, n, memory_efficient, input.dtype, eps)
+        ctx.args = (shape, n, memory_efficient, input.dtype, eps)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         v, weight, bias, mean, rstd = ctx.saved_tensors
-        normalized_shape, n, memory_efficient, dx_dtype, eps = ctx.args
+        shape, n, memory_efficient, dx_dtype, eps = ctx.args
         if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
-            dx, dw, db = _bwd_op(dy, mean, rstd, v, weight, bias, normalized_shape, memory_efficient, dx_dtype,
-                                 eps)
+            dx, dw, db = _bwd_op(dy, mean, rstd, v, weight, bias, list(shape), memory_efficient, dx_dtype, eps)
         else:
-            dx, dw, db = _kernels().backward(rows_view(dy, n), rows_view(v, n),
-                                             weight.contiguous() if weight is not None else None,
-                                             bias.contiguous() if bias is not None else None, mean, rstd,
-                                             memory_efficient, dx_dtype, eps=eps, out_like=v)
+            dx, dw, db = _launchers().backward(rows_view(dy, n), rows_view(v, n),
+                                               weight.contiguous() if weight is not None else None,
+                                               bias.contiguous() if bias is not None else None, mean, rstd,
+                                               memory_efficient, False, dx_dtype, None, eps, v)
         return (dx, dw if weight is not None else None, db if bias is not None else None,
                 None, None, None, None, None)
 
 
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+_launchers = lazy_module("apex._kernels._norm")  # (the wrappers of apex._kernels.layer_norm, one frame fewer)
 
 
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -248,18 +261,17 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
                ) -> Tensor:
     """Differentiable LayerNorm; ``out_dtype`` defaults to the input dtype (Apex's mixed variant passes
     the weight dtype)."""
-    shape, _, n = check_args(input, normalized_shape, weight, bias)
-    out_dtype = out_dtype or input.dtype
+    shape, n, out_dtype, how = prepare(input, normalized_shape, weight, bias, out_dtype)
+    if how == DIRECT:
+        return _direct(input, weight, bias, shape, n, float(eps), bool(memory_efficient), out_dtype)
+    if how == KERNEL:  # nothing to differentiate: the launcher alone (the registered op's function does this)
+        return _launchers().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
+                                    bias.contiguous() if bias is not None else None, float(eps), out_dtype,
+                                    False, None, None, input)[0]
     # While torch.export traces (torch.onnx.export), PyTorch's own layer_norm: exporters know it (ONNX
     # LayerNormalization) and have no translation for the apex::layer_norm_fwd custom op of the GPU path.
-    if torch.compiler.is_exporting() or (not memory_efficient and select(input) == "torch"):
+    if how == EXPORT or (how == TORCH and not memory_efficient):
         return _layer_norm_torch(input, shape, weight, bias, eps, out_dtype)
-    # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
-    # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
-    if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and _any_requires_grad(input, weight, bias)
-            and eager((input, weight, bias))
-            and use_kernel(input, out_dtype, n, weight, bias)):
-        return _direct(input, weight, bias, list(shape), n, float(eps), bool(memory_efficient), out_dtype)
     return _fwd_op(input, weight, bias, list(shape), float(eps), bool(memory_efficient), out_dtype)[0]
 
 

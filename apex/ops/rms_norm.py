@@ -17,11 +17,22 @@ as standard operators instead of the custom op, so exported graphs (ONNX: Reduce
 from __future__ import annotations
 
 import torch
-from torch._C import _any_requires_grad
 
 from apex.ops._cpu_norms import row_norms
 from apex.ops._dispatch import custom_op, eager, lazy_module
-from apex.ops._norm import KERNEL_DTYPES, _f32, check_args, promote, rows_view, stats_dtype, use_kernel
+from apex.ops._norm import (
+    DIRECT,
+    EXPORT,
+    KERNEL,
+    KERNEL_DTYPES,
+    _f32,
+    check_args,
+    prepare,
+    promote,
+    rows_view,
+    stats_dtype,
+    use_kernel,
+)
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.rms_norm")
@@ -192,45 +203,46 @@ class _Direct(torch.autograd.Function):
     (its error), a dispatch mode or tensor subclass, a gradient of a dtype the kernels do not take."""
 
     @staticmethod
-    def forward(ctx, input, weight, normalized_shape, n, eps, memory_efficient, out_dtype):
-        y, rstd, _ = _kernels().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
-                                        eps, out_dtype, out_like=input)
+    def forward(ctx, input, weight, shape, n, eps, memory_efficient, out_dtype):
+        y, _, rstd, _ = _launchers().forward(input if input.dim() == 2 and input.stride(1) == 1
+                                             else rows_view(input, n),
+                                             weight.contiguous() if weight is not None else None, None,
+                                             eps, out_dtype, True, None, None, input)
         ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
-        ctx.args = (normalized_shape, n, memory_efficient, input.dtype, eps)
+        ctx.args = (shape, n, memory_efficient, input.dtype, eps)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         v, weight, rstd = ctx.saved_tensors
-        normalized_shape, n, memory_efficient, dx_dtype, eps = ctx.args
+        shape, n, memory_efficient, dx_dtype, eps = ctx.args
         if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
-            dx, dw = _bwd_op(dy, rstd, v, weight, normalized_shape, memory_efficient, dx_dtype, eps)
+            dx, dw = _bwd_op(dy, rstd, v, weight, list(shape), memory_efficient, dx_dtype, eps)
         else:
-            dx, dw = _kernels().backward(rows_view(dy, n), rows_view(v, n),
-                                         weight.contiguous() if weight is not None else None, rstd,
-                                         memory_efficient, dx_dtype, eps=eps, out_like=v)
+            dx, dw, _ = _launchers().backward(rows_view(dy, n), rows_view(v, n),
+                                              weight.contiguous() if weight is not None else None, None, None,
+                                              rstd, memory_efficient, True, dx_dtype, None, eps, v)
         return dx, dw if weight is not None else None, None, None, None, None, None
 
 
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+_launchers = lazy_module("apex._kernels._norm")  # (the wrappers of apex._kernels.rms_norm, one frame fewer)
 
 
 def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float = 1e-5,
              memory_efficient: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
     """Differentiable RMSNorm; ``out_dtype`` defaults to the input dtype."""
-    shape, _, n = check_args(input, normalized_shape, weight)
-    if torch.compiler.is_exporting():
+    shape, n, out_dtype, how = prepare(input, normalized_shape, weight, None, out_dtype)
+    if how == DIRECT:
+        return _direct(input, weight, shape, n, float(eps), bool(memory_efficient), out_dtype)
+    if how == KERNEL:  # nothing to differentiate: the launcher alone (the registered op's function does this)
+        return _launchers().forward(rows_view(input, n), weight.contiguous() if weight is not None else None, None,
+                                    float(eps), out_dtype, True, None, None, input)[0]
+    if how == EXPORT:
         # torch.export (and so torch.onnx.export's dynamo exporter) records PyTorch's own operators: an
         # exported graph must not depend on apex being importable, and exporters have no translation for
         # apex::rms_norm_fwd. torch.compile keeps the custom op (its fused kernels).
-        return _rms_norm_composite(input, shape, weight, float(eps), out_dtype or input.dtype)
-    out_dtype = out_dtype or input.dtype
-    # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
-    # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
-    if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and _any_requires_grad(input, weight)
-            and eager((input, weight))
-            and use_kernel(input, out_dtype, n, weight)):
-        return _direct(input, weight, list(shape), n, float(eps), bool(memory_efficient), out_dtype)
+        return _rms_norm_composite(input, shape, weight, float(eps), out_dtype)
     return _fwd_op(input, weight, list(shape), float(eps), bool(memory_efficient), out_dtype)[0]
 
 
