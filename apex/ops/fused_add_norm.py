@@ -19,7 +19,17 @@ from torch._C import _any_requires_grad
 from apex.ops import layer_norm as _ln
 from apex.ops import rms_norm as _rms
 from apex.ops._dispatch import custom_op, eager, lazy_module
-from apex.ops._norm import _same_device, check_args, rows_view, stats_dtype, use_kernel
+from apex.ops._norm import (
+    _PLAIN,
+    DIRECT,
+    KERNEL,
+    KERNEL_DTYPES,
+    _same_device,
+    prepare,
+    rows_view,
+    stats_dtype,
+    use_kernel,
+)
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels._norm")
@@ -139,17 +149,19 @@ class _Direct(torch.autograd.Function):
         normalized_shape, n, is_rms, memory_efficient, in_dtype, res_dtype, h_dtype = ctx.args
         if grad_y is None:
             grad_y = torch.zeros_like(v, dtype=in_dtype)
-        if grad_h is None:
-            grad_h = torch.zeros_like(v, dtype=h_dtype)
         if torch.is_grad_enabled() or not eager((grad_y, grad_h)):
-            dh, dw, db = _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, normalized_shape, is_rms,
+            if grad_h is None:
+                grad_h = torch.zeros_like(v, dtype=h_dtype)
+            dh, dw, db = _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, list(normalized_shape), is_rms,
                                  memory_efficient, h_dtype)
         else:
+            # No gradient for h (the usual call: only y reaches the loss): the kernel adds none, instead of a
+            # zero-filled tensor made and read for it.
             dh, dw, db = _kernels().backward(rows_view(grad_y, n), rows_view(v, n),
                                              weight.contiguous() if weight is not None else None,
                                              bias.contiguous() if bias is not None else None,
                                              None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
-                                             rows_view(grad_h, n), out_like=v)
+                                             rows_view(grad_h, n) if grad_h is not None else None, out_like=v)
         return (dh if dh.dtype == in_dtype else dh.to(in_dtype), dh if dh.dtype == res_dtype else dh.to(res_dtype),
                 dw if weight is not None else None, db if bias is not None else None, None, None, None, None, None,
                 None)
@@ -159,15 +171,26 @@ _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as ape
 
 
 def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, memory_efficient):
-    shape, _, n = check_args(input, normalized_shape, weight, bias)
+    shape, n, in_dtype, how = prepare(input, normalized_shape, weight, bias, None)
     _check_residual(input, residual)
-    h_dtype = torch.promote_types(input.dtype, residual.dtype)
+    res_dtype = residual.dtype
+    h_dtype = in_dtype if res_dtype is in_dtype else torch.promote_types(in_dtype, res_dtype)
+    # prepare's answer covers the input and parameters: eager, plain tensors, the kernels' dtypes; the residual
+    # needs the same (h_dtype is then one of the kernels' dtypes too).
+    if (how == DIRECT or how == KERNEL) and type(residual) in _PLAIN and res_dtype in KERNEL_DTYPES:
+        if how == DIRECT or (torch.is_grad_enabled() and residual.requires_grad):
+            return _direct(input, residual, weight, bias, shape, n, float(eps), is_rms, bool(memory_efficient),
+                           h_dtype)
+        y, _, _, h = _kernels().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
+                                        bias.contiguous() if bias is not None else None, float(eps), in_dtype,
+                                        is_rms, rows_view(residual, n), h_dtype, out_like=input)
+        return y, h
     if use_kernel(input, h_dtype, n, weight, bias, residual):
         # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
         # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
         if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
                 and _any_requires_grad(input, residual, weight, bias) and eager((input, residual, weight, bias))):
-            return _direct(input, residual, weight, bias, list(shape), n, float(eps), is_rms, bool(memory_efficient),
+            return _direct(input, residual, weight, bias, shape, n, float(eps), is_rms, bool(memory_efficient),
                            h_dtype)
         y, h, _, _ = _fwd_op(input, residual, weight, bias, list(shape), float(eps), is_rms, bool(memory_efficient))
         return y, h

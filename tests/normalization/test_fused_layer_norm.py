@@ -346,6 +346,34 @@ def test_fused_add_norm(backend_name, kind, dtypes, mem_eff):
         assert_rel_close(g, r, dt, tol=1e-5 if dt == torch.float32 else None)
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_fused_add_norm_output_alone_in_the_loss(backend_name, kind):
+    """Only ``y`` reaches the loss (a pre-norm block's usual call): the gradient of ``h`` is None, which the
+    Triton backward adds as nothing; a forward without gradients returns the same ``y`` and ``h``."""
+    ns = (64,)
+    x, res = torch.randn(5, 64).requires_grad_(), torch.randn(5, 64).requires_grad_()
+    w, b = (1 + 0.25 * torch.randn(ns)).requires_grad_(), (0.25 * torch.randn(ns)).requires_grad_()
+    dy = torch.randn(5, 64)
+    leaves = [x, res, w] + ([b] if kind == "layer" else [])
+
+    def run(*ts):
+        return fused_add_rms_norm(ts[0], ts[1], ts[2], ns, 1e-5) if kind == "rms" else \
+            fused_add_layer_norm(ts[0], ts[1], ts[2], ts[3], ns, 1e-5)
+    with _trace(backend_name) as tr:
+        y, h = run(*leaves)
+        grads = torch.autograd.grad(y, leaves, dy)
+        with torch.no_grad():
+            y_ng, h_ng = run(*leaves)
+    if tr is not None:
+        assert tr.launches == 4
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    h64 = l64[0] + l64[1]
+    y64 = _rms64(h64, ns, l64[2], 1e-5) if kind == "rms" else _ln64(h64, ns, l64[2], l64[3], 1e-5)
+    g64 = torch.autograd.grad(y64, l64, dy.double())
+    assert_rel_close(list(grads), list(g64), torch.float32, tol=1e-5)
+    assert_rel_close([y_ng, h_ng], [y64, h64], torch.float32, tol=1e-5)
+
+
 def test_fused_add_rejects_mismatched_residual():
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match="residual must have the input's shape"):
