@@ -172,9 +172,22 @@ def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, 
     return plan
 
 
+def _mask_strides(mask: torch.Tensor, shape: torch.Size) -> tuple[int, int, int, int]:
+    """The strides that read ``mask`` (at most 4-D, broadcasting to ``shape``) at each of ``shape``'s
+    positions: 0 along its missing and size-1 dimensions (what ``expand`` gives, without making the view)."""
+    msh, mst = mask.shape, mask.stride()
+    lead = 4 - len(msh)
+    out = [0, 0, 0, 0]
+    for i in range(len(msh)):
+        if msh[i] != 1 or shape[lead + i] == 1:
+            out[lead + i] = mst[i]
+    return out[0], out[1], out[2], out[3]
+
+
 def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
             max_block: int | None = None) -> torch.Tensor:
-    """Probabilities of the 4-D scores ``x`` (any strides); ``mask`` already expanded to ``x``'s shape."""
+    """Probabilities of the 4-D scores ``x`` (any strides); ``mask`` broadcasts to ``x``'s shape (at most
+    4-D; read through zero strides along its broadcast dimensions)."""
     b, h, sq, sk = x.shape
     # Integer sizes: a tuple costs ~1 µs more to parse.
     y = torch.empty(b, h, sq, sk, dtype=x.dtype, device=x.device)
@@ -184,7 +197,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
     rows, block, one, warps = _plan(n_rows, sk, max_block)
     if mask is not None:
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-        ms = m.stride()
+        ms = _mask_strides(m, x.shape)
     else:
         m, ms = x, (0, 0, 0, 0)  # never read
     _fwd_kernel[(cdiv(n_rows, rows),)](

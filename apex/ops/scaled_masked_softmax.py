@@ -20,10 +20,12 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch._C import _are_functorch_transforms_active, _get_tracing_state
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._dispatch import _PLAIN, custom_op, eager, lazy_module
 from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
@@ -178,12 +180,11 @@ def _forward_checked(input: Tensor, mask: Tensor | None, scale: float, causal: b
                      ) -> Tensor:
     """:func:`scaled_masked_softmax_forward` on checked arguments (the custom op's: its callers check)."""
     x = _as4d(input)
-    m = _mask4d(mask, x.shape)
     if _use_kernel(x):
         kernels = _kernels()
-        y = kernels.forward(x, m, scale, causal, max_block)
+        y = kernels.forward(x, mask, scale, causal, max_block)  # (reads a broadcast mask through zero strides)
     else:
-        y = _forward_torch(x, m, scale, causal)
+        y = _forward_torch(x, _mask4d(mask, x.shape), scale, causal)
     # A 4-D input's result already has its shape: no view (a torch.Size argument costs ~5 µs to parse).
     return y if input.dim() == 4 else y.view(input.shape)
 
@@ -254,18 +255,68 @@ _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 # ------------------------------------------------------------------------------------- autograd entry
+class _Direct(torch.autograd.Function):
+    """The eager Triton path with a gradient, launching the kernels itself: what ``_fwd_op``'s eager call does
+    through its function, setup and backward op, without those layers. The backward takes ``_bwd_op`` wherever
+    the registered op is needed: a graph for a second derivative (its error), a dispatch mode or tensor
+    subclass, a gradient of a dtype the kernels do not take."""
+
+    @staticmethod
+    def forward(ctx, input, mask, scale, causal):
+        y = _kernels().forward(input if input.dim() == 4 else input.unsqueeze(1), mask, scale, causal)
+        if input.dim() != 4:
+            y = y.view(input.shape)
+        ctx.save_for_backward(y)
+        ctx.args = (scale, causal, input.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        scale, causal, dx_dtype = ctx.args
+        if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
+            return _bwd_op(dy, y, scale, causal, dx_dtype), None, None, None
+        if y.dim() == 4:
+            return _kernels().backward(dy, y, scale, causal, dx_dtype), None, None, None
+        return _kernels().backward(dy.unsqueeze(1), y.unsqueeze(1), scale, causal, dx_dtype).view(y.shape), None, \
+            None, None
+
+
+_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+
+def _eager_kernel(input: Tensor, mask: Tensor | None) -> bool:
+    """True when a call on checked ``input`` and ``mask`` runs the Triton kernels eagerly on plain tensors
+    (not compiling, exporting or tracing, no dispatch mode or torch.func transform, no tensor subclass)."""
+    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+                or _are_functorch_transforms_active() or _get_tracing_state() is not None) \
+        and type(input) in _PLAIN and (mask is None or type(mask) in _PLAIN) \
+        and input.dtype in KERNEL_DTYPES and _backend.select_tensor(input) == "triton"
+
+
+def _run(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
+    # The registered op, except in eager mode on plain tensors with the kernels: there the plain Function (a
+    # gradient needed) or the launcher alone (the custom op's eager call without its wrapper).
+    if _eager_kernel(input, mask):
+        if torch.is_grad_enabled() and input.requires_grad:
+            return _direct(input, mask, scale, causal)
+        y = _kernels().forward(input if input.dim() == 4 else input.unsqueeze(1), mask, scale, causal)
+        return y if input.dim() == 4 else y.view(input.shape)
+    return _fwd_op(input, mask, scale, causal)
+
+
 def scaled_masked_softmax(input: Tensor, mask: Tensor | None = None, scale: float = 1.0,
                           causal: bool = False) -> Tensor:
     """Differentiable ``softmax(scale · input)`` over the last dim with ``mask`` (True = masked) and/or the
     causal mask; fully masked rows give zeros. Output contiguous, in ``input.dtype``."""
     check_args(input, mask, causal)
-    return _fwd_op(input, mask, check_scale(scale), bool(causal))
+    return _run(input, mask, check_scale(scale), bool(causal))
 
 
 def scaled_masked_softmax_checked(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
     """:func:`scaled_masked_softmax` on ``input`` and ``mask`` that :func:`check_args` passed (with the same
     ``causal``): for callers that check them first (``apex.transformer.functional``), not twice."""
-    return _fwd_op(input, mask, check_scale(scale), bool(causal))
+    return _run(input, mask, check_scale(scale), bool(causal))
 
 
 # ------------------------------------------ Apex's compiled-extension entry points (positional signatures)
