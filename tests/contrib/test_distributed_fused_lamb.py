@@ -192,6 +192,115 @@ def _more_scenarios(rank, world):
     assert torch.equal(opt._fp32_m, opt2._fp32_m)  # the failed load changed nothing
 
 
+def _mixed_params():
+    torch.manual_seed(4)
+    sizes = ((5, torch.float32), (40, torch.bfloat16), (1, torch.float32), (33, torch.float32), (7, torch.bfloat16),
+             (90, torch.float32))
+    return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n).to(dt)) for n, dt in sizes])
+
+
+def _mixed_loss(params, rank, step):
+    return sum(((p.float() * (i + 1 + rank) * (step + 1)).sin().sum() for i, p in enumerate(params)), torch.zeros(()))
+
+
+def _triton_copies(rank, world):
+    """On the Triton path (interpreted on the CPU, compiled on a GPU) the hooks' queued gradients go into the flat
+    buffer, divided by the world size, and the gathered parameters back into the model, each with apex's
+    multi-tensor scale (as upstream copies), bit for bit what torch.mul and copy_ give: fp32 and bf16 parameters
+    in one model (an fp32 buffer), so the write-back casts."""
+    import apex
+    from apex.contrib.optimizers import distributed_fused_lamb as dfl
+
+    calls = []
+    real = dfl.multi_tensor_scale
+    dfl.multi_tensor_scale = lambda *a, **k: (calls.append(len(a[2][0])), real(*a, **k))
+    if torch.empty(0).device.type == "cpu":
+        from apex.testing import prepare_interpreter
+
+        prepare_interpreter()
+    try:
+        with apex.backend("triton"):
+            params = _mixed_params()
+            opt = DistributedFusedLAMB(list(params), lr=0.05, dwu_num_blocks=2, dwu_num_chunks=1)
+            for step in range(3):
+                opt.zero_grad()
+                calls.clear()
+                _mixed_loss(params, rank, step).backward()
+                assert calls, "the queued gradients were not copied by multi_tensor_scale"
+                for i, p in enumerate(opt._model_params):
+                    assert torch.equal(opt._grad_views[i], torch.mul(p.grad, 1.0 / world).to(opt._flat_dtype)), \
+                        (step, i)
+                calls.clear()
+                opt.step()
+                assert calls, "the parameters were not written by multi_tensor_scale"
+                flat = opt._new_params.view(world, opt._layout.pieces, opt._layout.piece).transpose(0, 1).reshape(-1)
+                for p, o in zip(opt._model_params, opt._layout.offsets):
+                    assert torch.equal(p.detach().reshape(-1), flat[o:o + p.numel()].to(p.dtype)), (step, o)
+    finally:
+        dfl.multi_tensor_scale = real
+
+
+def test_two_ranks_triton_copies_are_exact(dist_device):
+    run_distributed(_triton_copies, 2, timeout_s=120, device=dist_device)
+
+
+def _follow_changes(rank, world):
+    """What a step keeps (the views that write the gathered parameters back, the hooks' queue) follows the
+    changes between steps, compared with FusedLAMB on the averaged gradients: a parameter's storage replaced
+    (``param.data = ...``), a parameter without a gradient (its hook never runs: zeros), one whose gradient is
+    assigned after backward (taken by the reduction), and a model of parameters whose dtype is not the
+    buffer's (taken one by one)."""
+    for mixed in (False, True):
+        model = _mixed_params() if mixed else _model()
+        ref = copy.deepcopy(model)
+        kw = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
+        opt = DistributedFusedLAMB(list(model.parameters()), dwu_num_blocks=2, dwu_num_chunks=1, **kw)
+        ps, ref_ps = list(model.parameters()), list(ref.parameters())
+        masters = [torch.nn.Parameter(p.detach().float()) for p in ref_ps]  # (the bf16 parameters' fp32 masters)
+        ref_opt = FusedLAMB(masters, **kw)
+
+        def loss(m_ps, r, step):  # at step 3 the second parameter takes no part
+            return _mixed_loss([p for j, p in enumerate(m_ps) if not (step == 3 and j == 1)], r, step)
+
+        for step in range(5):
+            if step == 2:
+                for m in (ps, ref_ps):
+                    m[0].data = m[0].data.clone()
+                masters[0].data = ref_ps[0].detach().float().clone()
+            opt.zero_grad()
+            (loss(ps, rank, step) if step != 4 else loss(ps, rank, 3)).backward()
+            if step == 4:  # no hook saw it: the reduction takes it
+                ps[1].grad = torch.full_like(ps[1], 0.5)
+            opt.complete_reductions()
+            opt.step()
+            total = [torch.zeros(p.shape, dtype=torch.float32) for p in ref_ps]
+            for r in range(world):
+                for p in ref_ps:
+                    p.grad = None
+                (loss(ref_ps, r, step) if step != 4 else loss(ref_ps, r, 3)).backward()
+                if step == 4:
+                    ref_ps[1].grad = torch.full_like(ref_ps[1], 0.5)
+                for t, p in zip(total, ref_ps):
+                    if p.grad is not None:
+                        t += p.grad.float() / world
+            for w, t in zip(masters, total):
+                w.grad = t.to(w.device)
+            ref_opt.step()
+            with torch.no_grad():
+                for p, w in zip(ref_ps, masters):
+                    p.copy_(w)
+            for dt, tol in ((torch.float32, TOL), (torch.bfloat16, 1e-2)):  # (bf16: its rounding of the master)
+                got = [p.detach().double().reshape(-1) for p in ps if p.dtype == dt]
+                want = [w.detach().to(dt).double().reshape(-1) for p, w in zip(ps, masters) if p.dtype == dt]
+                if got:
+                    err = rel_error(torch.cat(got), torch.cat(want))
+                    assert err <= tol, (mixed, step, dt, err)
+
+
+def test_two_ranks_follow_changes():
+    run_distributed(_follow_changes, 2, timeout_s=60)
+
+
 def _all_scenarios(rank, world):
     _scenarios(rank, world)
     _more_scenarios(rank, world)

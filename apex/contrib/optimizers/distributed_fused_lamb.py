@@ -29,10 +29,12 @@ import math
 import weakref
 from collections import deque
 from itertools import repeat
+from operator import attrgetter, is_
 
 import torch
 import torch.distributed as dist
 
+from apex import _backend
 from apex._kernels._lists import column
 from apex.contrib.optimizers import _dist_lamb_checkpoint
 from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
@@ -44,10 +46,13 @@ from apex.ops._cpu_blocks import Workspace
 from apex.ops.multi_tensor_adam import multi_tensor_adam
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
+from apex.ops.multi_tensor_scale import multi_tensor_scale
 from apex.optimizers._base import _number, check_betas, check_non_negative
 
 _CHUNK = 2048 * 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_dtype = attrgetter("dtype")
+_contiguous = torch.Tensor.is_contiguous
 
 
 class DistributedFusedLAMB(torch.optim.Optimizer):
@@ -211,6 +216,12 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
         self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
         self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self._copy_flag = torch.zeros(1, dtype=torch.int32, device=device)  # the copies' (unread) inf flag
+        # a gradient of the flat buffer's dtype is queued by its hook (torch.mul into another dtype rounds
+        # to the gradient's dtype first: those are taken one by one, as before)
+        self._queueable = [p.dtype == self._flat_dtype for p in params]
+        self._norm_sq = torch.zeros(2 * n, dtype=torch.float32, device=device)
+        self._zero_norm = torch.zeros(1, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
         if self._verbose and dist.get_rank() == 0:
             print(f"DistributedFusedLAMB: {n} parameters, {lay.total} elements padded to {lay.padded}; "
@@ -231,18 +242,72 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             return
         blocks = self._layout.param_blocks[i]
         if self._taken[i]:
+            self._flush_grads()
             if any(self._launched[b] for b in blocks):
                 raise RuntimeError("DistributedFusedLAMB: a second backward in the same step after its gradients "
                                    "were sent; call set_is_accumulation_step(True) for all but the last backward")
             self._take_grad(i, 1.0 / self._world_size)
             return
-        self._take_grad(i, 1.0 / self._world_size)
+        if not (self._queueable[i] and self._queue_grad(i)):
+            self._take_grad(i, 1.0 / self._world_size)
+        self._taken[i] = True
         for b in blocks:
             self._block_pending[b] -= 1
             if self._block_pending[b] == 0:
                 self._launch_block(b)
 
+    def _queue_grad(self, i: int) -> bool:
+        """Queue parameter ``i``'s gradient for :meth:`_flush_grads` (False outside a backward, where nothing
+        would flush it). A hook runs once per parameter per backward, in Python: a copy each cost more than the
+        rest of the hook for small parameters, so the queue is copied in one multi-tensor op when a block is
+        complete, the backward ends or the reduction is finished. As upstream's hook, it queues the gradient
+        tensor the parameter holds now."""
+        if not self._flush_registered:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush_grads)
+            except RuntimeError:
+                return False
+            self._flush_registered = True
+        self._queued.append(i)
+        self._queued_grads.append(self._model_params[i].grad)
+        return True
+
+    def _flush_grads(self) -> None:
+        """Copy the queued gradients, divided by the world size, into the flat buffer: on the Triton path with
+        apex's multi-tensor scale (one launch, as upstream flattens them), else foreach copies; a None
+        gradient leaves zeros, one not contiguous or of another dtype is copied alone. (No grad mode
+        needed: neither the gradients nor the buffer require grad.)"""
+        self._flush_registered = False
+        queued = self._queued
+        if not queued:
+            return
+        grads = self._queued_grads
+        self._queued, self._queued_grads = [], []
+        views = list(map(self._grad_views.__getitem__, queued))
+        scale = 1.0 / self._world_size
+        dtype = self._flat_dtype
+        if (any(map(is_, grads, repeat(None))) or not all(map(_contiguous, grads))
+                or not all(map(is_, map(_dtype, grads), repeat(dtype)))):
+            with torch.no_grad():
+                for g, view in zip(grads, views):
+                    if g is None:
+                        view.zero_()
+                    else:
+                        torch.mul(g, scale, out=view)
+            return
+        if _backend.select_tensor(views[0]) == "triton":
+            # x * scale in fp32 rounded once to the buffer's dtype: torch.mul's result for one dtype
+            multi_tensor_scale(_CHUNK, self._copy_flag, [column(grads, dtype=dtype, device=self._device),
+                                                         column(views, dtype=dtype, device=self._device)], scale)
+            return
+        torch._foreach_copy_(views, grads)
+        if scale != 1.0:
+            torch._foreach_mul_(views, scale)
+
     def _reset_step_state(self) -> None:
+        self._queued: list = []  # parameters whose gradients the hooks queued for _flush_grads
+        self._queued_grads: list = []  # and those gradients
+        self._flush_registered = False
         self._taken = [False] * len(self._model_params)
         self._block_pending = list(self._layout.block_params)
         self._launched = [False] * self._num_blocks
@@ -266,6 +331,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
     def _launch_block(self, b: int) -> None:
         if self._launched[b]:
             return
+        self._flush_grads()
         self._launched[b] = True
         lay = self._layout
         for k in lay.block_pieces(b):
@@ -282,6 +348,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         ``L2_grad_norm`` computed. A no-op on accumulation steps and when already done this step."""
         if self._is_accumulation_step or self._reduced:
             return
+        self._flush_grads()
         if self._clip_after_ar:
             for i, taken in enumerate(self._taken):
                 if not taken:
@@ -357,7 +424,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             clip = norm / scale / max_norm
         torch.div(self._fp16_g, scale * clip, out=self._fp32_g)
         self._fp32_u.zero_()
-        zero_norm = torch.zeros(1, device=self._device)
+        zero_norm = self._zero_norm
         for group, (_, (g, _p, m, v, u)), ws, (g_runs, p_runs, u_runs) in zip(
                 self.param_groups, self._group_frags, self._lamb_workspaces, self._group_runs):
             if not g:
@@ -381,7 +448,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                 torch._foreach_add_(u_runs, p_runs, alpha=wd)
         # trust ratios of whole parameters: the fragments' squared norms summed over the shards
         n = len(self._model_params)
-        sq = torch.zeros(2 * n, dtype=torch.float32, device=self._device)
+        sq = self._norm_sq.zero_()  # (norms[idx] below are copies: the buffer is free again next step)
         if self._frags_pu:  # the fragments of p, then of u
             per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [self._frags_pu], True, validate=False)[1]
             sq.index_add_(0, self._norm_index, per.float().square())
@@ -414,9 +481,16 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             if self._segment_views is None or self._segment_views[0] != key:
                 flat = [p.detach().view(-1) for p in params]
                 segs = self._gather_segments
-                self._segment_views = (key, [flat[i][o:o + n] for i, o, _, n in segs],
-                                       [self._new_params[g:g + n] for _, _, g, n in segs])
-            torch._foreach_copy_(self._segment_views[1], self._segment_views[2])
+                # Columns (addresses read once; the views hold their storage): the Triton path's copy keeps
+                # its device table while the parameters stay where they are
+                self._segment_views = (key, column([flat[i][o:o + n] for i, o, _, n in segs]),
+                                       column([self._new_params[g:g + n] for _, _, g, n in segs]))
+            _, outs, ins = self._segment_views
+            if outs and _backend.select_tensor(self._new_params) == "triton":
+                # Apex's copy (multi_tensor_scale by 1.0): one launch per dtype pair, bit for bit copy_'s cast
+                multi_tensor_scale(_CHUNK, self._copy_flag, [ins, outs], 1.0)
+            else:
+                torch._foreach_copy_(outs, ins)
             return
         # flat order: [piece][rank][slice]
         flat = self._new_params.view(lay.world, lay.pieces, lay.piece).transpose(0, 1).reshape(-1)
