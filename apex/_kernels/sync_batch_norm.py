@@ -267,15 +267,25 @@ def _backward_finish_kernel(ws_ptr, st_ptr, gw_ptr, gb_ptr, C, ROWS, HAS_GW: tl.
 
 def _finish_layout(C: int, rows: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_C) of the per-channel kernels: a tile of at most 2048 partials a program, 32 channels
-    (128-byte rows) a program on a GPU so that wide layers spread over several SMs."""
-    bc = min(next_power_of_2(C), 128 if _INTERP else 32)
-    return max(1, min(next_power_of_2(rows), 2048 // bc)), bc
+    (128-byte rows) a program on a GPU so that wide layers spread over several SMs. Kept per size (a training
+    step asks three times)."""
+    key = (C, rows)
+    hit = _FINISH_LAYOUTS.get(key)
+    if hit is None:
+        if len(_FINISH_LAYOUTS) >= 1024:
+            _FINISH_LAYOUTS.clear()
+        bc = min(next_power_of_2(C), 128 if _INTERP else 32)
+        hit = _FINISH_LAYOUTS[key] = (max(1, min(next_power_of_2(rows), 2048 // bc)), bc)
+    return hit
+
+
+_FINISH_LAYOUTS: dict = {}
 
 
 def _partials(x: torch.Tensor, N: int, C: int, L: int) -> tuple[torch.Tensor, int, int]:
     """The forward's workspace ``[1 + 2P, C]`` after the statistics kernel, ``P``, and ``R = N * L``."""
     R, bc, br, rows, iters = _layout(N, C, L)
-    ws = torch.empty((1 + 2 * rows, C), dtype=torch.float32, device=x.device)
+    ws = torch.empty(1 + 2 * rows, C, dtype=torch.float32, device=x.device)
     _stats_kernel[(cdiv(C, bc), rows)](x, ws, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
     return ws, rows, R
 
@@ -301,7 +311,7 @@ def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, runnin
         _send_row(ws, row, C, rows, R)
         gat, count = gather(row)
         world, mode = gat.shape[0], _MERGE
-    st = torch.empty((4, C), dtype=torch.float32, device=x.device)
+    st = torch.empty(4, C, dtype=torch.float32, device=x.device)
     update = running_mean is not None and momentum > 0
     rm, rv = (running_mean, running_var) if update else (ws, ws)
     _finish_kernel[(cdiv(C, bc),)](ws, gat, weight if weight is not None else ws, bias if bias is not None else ws,
@@ -314,7 +324,7 @@ def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, runnin
 def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
     """``st`` from the running statistics."""
     bp, bc = _finish_layout(C, 1)
-    st = torch.empty((4, C), dtype=torch.float32, device=running_mean.device)
+    st = torch.empty(4, C, dtype=torch.float32, device=running_mean.device)
     _finish_kernel[(cdiv(C, bc),)](st, st, weight if weight is not None else st, bias if bias is not None else st,
                                    running_mean, running_var, st, C, 1, 1.0, 1, 1, 1.0, 0.0, 1.0, eps, MODE=_EVAL,
                                    HAS_W=weight is not None, HAS_B=bias is not None, UPDATE=False,
@@ -338,7 +348,7 @@ def backward_sums(dy, x, ncl: tuple[int, int, int], st, z, fuse_relu: bool, grad
     ``grad_weight = Σ dy' (x - mean) * invstd`` and ``grad_bias = Σ dy'`` into the given tensors."""
     N, C, L = ncl
     R, bc, br, rows, iters = _layout(N, C, L)
-    ws = torch.empty((2 + 2 * rows, C), dtype=torch.float32, device=x.device)
+    ws = torch.empty(2 + 2 * rows, C, dtype=torch.float32, device=x.device)
     _backward_reduce_kernel[(cdiv(C, bc), rows)](dy, x, z if z is not None else x, st, ws, C, L, R, iters,
                                                  HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
     bp, bc = _finish_layout(C, rows)

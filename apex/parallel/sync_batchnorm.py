@@ -88,9 +88,11 @@ def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, 
     return y
 
 
-def _fused_ok(input, weight, bias, running_mean, running_var) -> bool:
-    """Whether the Triton path takes this call (the kernels read contiguous parameters and statistics)."""
-    return bool(input.numel() and ops.backend(input) == "triton" and (weight is None or weight.is_contiguous())
+def _fused_ok(input, weight, bias, running_mean, running_var, backend: str | None = None) -> bool:
+    """Whether the Triton path takes this call (the kernels read contiguous parameters and statistics);
+    ``backend``: ``ops.backend(input)`` when the caller has it."""
+    return bool(input.numel() and (backend or ops.backend(input)) == "triton"
+                and (weight is None or weight.is_contiguous())
                 and (bias is None or bias.is_contiguous())
                 and (running_mean is None or (running_mean.is_contiguous() and running_var.is_contiguous())))
 
@@ -265,9 +267,18 @@ class SyncBatchNorm(_BatchNorm):
         if z is not None and z.shape != input.shape:
             raise ValueError(f"z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}")
         use_batch_stats = self.training or not self.track_running_stats
+        # Parameters and buffers read from their tables (nn.Module.__getattr__ costs ~1 µs a name, and a
+        # training step reads six); anything else put in their place by the ordinary lookup.
+        params, buffers = self._parameters, self._buffers
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        if self.track_running_stats:
+            running_mean = buffers["running_mean"] if "running_mean" in buffers else self.running_mean
+            running_var = buffers["running_var"] if "running_var" in buffers else self.running_var
+        else:
+            running_mean = running_var = None
         if (not use_batch_stats and not channel_last and z is None and not self.fuse_relu):
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False,
-                                0.0, self.eps)
+            return F.batch_norm(input, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
         distributed = False
         if use_batch_stats:
             if dist.is_available() and dist.is_initialized():
@@ -276,13 +287,14 @@ class SyncBatchNorm(_BatchNorm):
                 require_process_group("apex.parallel.SyncBatchNorm with a process_group in training mode")
         factor = 0.0
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        running_mean = self.running_mean if self.track_running_stats else None
-        running_var = self.running_var if self.track_running_stats else None
-        if (use_batch_stats and not distributed and _backend.select(input) == "torch" and input.numel()
+            tracked = buffers["num_batches_tracked"] if "num_batches_tracked" in buffers else self.num_batches_tracked
+            tracked.add_(1)
+            factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
+        # The backend once; the kernels' path is PyTorch's for fp64 (apex.ops.sync_batch_norm.backend).
+        selected = _backend.select_tensor(input)
+        if (selected == "torch" and use_batch_stats and not distributed and input.numel()
                 and input.dim() in (2, 3, 4) and input.dtype in (torch.float32, torch.float64)
-                and (self.weight is None or self.weight.dtype == input.dtype)
+                and (weight is None or weight.dtype == input.dtype)
                 and (z is None or z.dtype == input.dtype)):
             # Nothing to synchronise, on the PyTorch path: PyTorch's batch norm computes the same
             # statistics, running-stat update and gradients in fused passes (torch.nn.SyncBatchNorm falls
@@ -292,14 +304,15 @@ class SyncBatchNorm(_BatchNorm):
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper (which
         # unwraps torch.func's dead wrappers over all 13 arguments, ~5 µs).
         plain = not (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
-        if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, self.weight, self.bias)) \
-                and _fused_ok(input, self.weight, self.bias, running_mean, running_var):
+        be = "torch" if input.dtype == torch.float64 else selected
+        if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, weight, bias)) \
+                and _fused_ok(input, weight, bias, running_mean, running_var, be):
             # Nothing to record: the Triton path's kernels without the Function's context and saved tensors.
-            return _fused_forward(None, input, z, self.weight, self.bias, running_mean, running_var, self.eps,
+            return _fused_forward(None, input, z, weight, bias, running_mean, running_var, self.eps,
                                   use_batch_stats, factor if self.training else 0.0, self.process_group,
                                   channel_last, self.fuse_relu, distributed)
         apply = _sync_bn_apply if plain else SyncBatchnormFunction.apply
-        return apply(input, z, self.weight, self.bias, running_mean, running_var, self.eps, use_batch_stats,
+        return apply(input, z, weight, bias, running_mean, running_var, self.eps, use_batch_stats,
                      factor if self.training else 0.0, self.process_group, channel_last, self.fuse_relu,
                      distributed)
 
