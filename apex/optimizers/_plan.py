@@ -42,6 +42,26 @@ _contiguous = torch.Tensor.is_contiguous
 _device_index = torch.Tensor.get_device
 
 
+_GUARD_BUILDS = 3  # rebuilds of a plan's guard (gradients that fit in another layout) before it is given up
+
+
+def guard(tensors: list):
+    """A C-level check that tensors have exactly the metadata of ``tensors`` now (Python type, dispatch keys,
+    dtype, device, sizes, strides, requires_grad; each a distinct tensor), or None where PyTorch has none.
+
+    It is the check TorchDynamo runs on the tensors a compiled graph takes (``TensorGuards``): one call reads
+    what four passes of Python attribute reads would, in C. It is stricter than what a plan needs (sizes, not
+    numbers of elements; strides even where contiguous), so a gradient it refuses is checked again in Python.
+    """
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        # (both keywords always: the constructor reads them from the keyword dict, which must exist)
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception:  # an older or a stripped build: the Python checks do the work
+        return None
+
+
 class Plan:
     """The step of one parameter group, as built from the group's state by an optimizer.
 
@@ -67,6 +87,13 @@ class Plan:
         self.watched: list = []
         self.gids: tuple = ()  # the ids and addresses of the gradients last checked
         self.gptrs: tuple = ()
+        self.guard = None  # guard() of gradients that fit: a new set with their metadata fits too
+        self.guard_builds = 0
+
+    def checked(self, gs: list) -> None:
+        """Gradients that passed the full checks (or the contiguous copies the checks made of them): the
+        guard of later ones."""
+        self.guard, self.guard_builds = guard(gs), 1
 
     def watch(self, tensor: torch.Tensor) -> None:
         """Hold the plan only while ``tensor`` is not written from outside: call after each own write (a
@@ -82,7 +109,19 @@ class Plan:
         and layout, as the kernels require. Each fact is one C-level pass. Sizes, not shapes, as Apex's
         multi-tensor engine checks: PyTorch's gradient setter and autograd already refuse a gradient of another
         shape, and the number of elements is what decides which memory a kernel touches (a ``torch.Size`` read
-        costs twice an int's)."""
+        costs twice an int's). First, in one C call, whether they have exactly the metadata of gradients that
+        fit earlier (:func:`guard`): the usual new gradients, made by autograd as the last ones were."""
+        held = self.guard
+        if held is not None and held.check(*gs):
+            return True
+        if not self._fits(gs):
+            return False
+        if self.guard_builds < _GUARD_BUILDS:  # they fit in another layout: check the next ones against it
+            self.guard = guard(gs)
+            self.guard_builds += 1
+        return True
+
+    def _fits(self, gs: list) -> bool:
         if tuple(map(_dtype, gs)) != self.dtypes or tuple(map(_numel, gs)) != self.numels:
             return False
         # (an int per tensor: a device index is read without making a torch.device)
@@ -110,11 +149,16 @@ class Plan:
             gptrs = tuple(map(_ptr, gs))  # (a gradient that is now None raises TypeError here)
             if tuple(map(_ptr, self.with_grad)) != self.ptrs:
                 return None
-            gids = tuple(map(id, gs))
-            # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
-            # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
-            # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
-            if (gids != self.gids or gptrs != self.gptrs) and not self.fits(gs):
+            if gptrs == self.gptrs:
+                # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
+                # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
+                # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
+                gids = tuple(map(id, gs))
+                if gids != self.gids and not self.fits(gs):
+                    return None
+            elif self.fits(gs):
+                gids = None  # (new addresses are new tensors: their ids are read when the addresses repeat)
+            else:
                 return None
             self.gids, self.gptrs = gids, gptrs
         except (TypeError, RuntimeError, NotImplementedError):  # None, or sparse: the full checks say which
@@ -151,6 +195,7 @@ def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[
             plan = build(group, checked)
             plans[id(group)] = (group, plan)
             found[gi] = (plan, list(checked.grads), tuple(map(_ptr, checked.grads)))
+            plan.checked(found[gi][1])
         plans["mode"] = (optimizer.state, len(optimizer.state), mode)
     return found
 

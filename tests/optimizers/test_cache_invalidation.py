@@ -87,6 +87,13 @@ def _change_gradient_reshaped(opt, params, keep):
     params[2].grad.data = (torch.randn_like(params[2]) * 3).reshape(5, 3)
 
 
+def _change_gradient_strided(opt, params, keep):
+    # A new gradient of its parameter's dtype and shape, not contiguous: the kernels read it in flat order,
+    # so it must not pass as the contiguous gradients the plan was made with.
+    keep.append(params[2].grad)
+    params[2].grad = (torch.randn(params[2].shape[::-1], dtype=params[2].dtype) * 3).t()
+
+
 def _change_parameter_data(opt, params, keep):
     keep.append(params[1].data)
     params[1].data = params[1].data.clone() + 0.5  # what module.to() and friends do
@@ -141,6 +148,7 @@ CHANGES = {
     "new_gradient_tensor": _change_new_gradient_tensor,
     "gradient_data_swapped": _change_gradient_data,
     "gradient_reshaped": _change_gradient_reshaped,
+    "gradient_strided": _change_gradient_strided,
     "parameter_data_swapped": _change_parameter_data,
     "gradient_set_to_none": _change_gradient_to_none,
     "parameter_list_changed": _change_parameter_list,
@@ -203,6 +211,29 @@ def test_a_gradient_moved_to_another_device_is_refused(triton_device, name):
         before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
         with pytest.raises(RuntimeError):
             opt.step()
+    for p, q in zip(params, before[0]):
+        assert torch.equal(p.detach(), q)
+    for k, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, before[1]["state"][k][key]), key
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_gradient_of_another_dtype_is_refused(backend_name, name):
+    # ``grad.data = t`` takes a tensor of any dtype: a new gradient tensor is checked by the plan's reads, and
+    # the step must fail as the first step's checks fail, changing nothing.
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = make_params(SHAPES, dtype)
+    opt = OPTIMIZERS[name](params)
+    for s in range(3):
+        _set_grads(params, s)
+        opt.step()
+    _set_grads(params, 3)
+    params[1].grad.data = torch.randn(params[1].shape, dtype=torch.float64)
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    with pytest.raises(RuntimeError, match="dtype|float64"):
+        opt.step()
     for p, q in zip(params, before[0]):
         assert torch.equal(p.detach(), q)
     for k, st in opt.state_dict()["state"].items():
