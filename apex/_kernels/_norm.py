@@ -306,12 +306,13 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
     p = _plan(x, m, n, is_rms, False)
+    # The constexprs positionally, in the kernel's order (IS_RMS, HAS_W, HAS_B, HAS_RES, BLOCK_M, BLOCK_N): each
+    # keyword costs the launch a dictionary entry to build and bind (~2,000 instructions a keyword).
     _fwd_kernel[(p.progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
         weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), p.per,
-        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=p.rows, BLOCK_N=p.block_n, num_warps=p.warps)
+        is_rms, weight is not None, bias is not None, residual is not None, p.rows, p.block_n, num_warps=p.warps)
     return y, (None if is_rms else mean), rstd, h
 
 
@@ -341,17 +342,17 @@ def backward(dy: torch.Tensor, v: torch.Tensor, weight, bias, mean, rstd, memory
     has_w, has_b = weight is not None, bias is not None
     dwp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_w else dx
     dbp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_b else dx
+    # Constexprs positionally, as in forward: IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M,
+    # BLOCK_N, W_PER_TILE; then the reduction's HAS_B, BLOCK_P, BLOCK_N.
     _bwd_kernel[(progs,)](
         dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
         dresidual if dresidual is not None else dy, dx, dwp, dbp,
         m, n, dy.stride(0), v.stride(0), dresidual.stride(0) if dresidual is not None else 0, p.per,
         float(eps) if eps is not None else 0.0,
-        IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, MEM_EFF=memory_efficient, HAS_DR=dresidual is not None,
-        ONE_DIRECTION=eps is not None and n <= (1 if is_rms else 2),
-        BLOCK_M=p.rows, BLOCK_N=p.block_n, W_PER_TILE=p.w_per_tile, num_warps=p.warps)
+        is_rms, has_w, has_b, memory_efficient, dresidual is not None, eps is not None and n <= (1 if is_rms else 2),
+        p.rows, p.block_n, p.w_per_tile, num_warps=p.warps)
     if has_w:
-        _reduce_kernel[(p.red_grid,)](dwp, dbp, dw, db if has_b else dw, progs, n,
-                                      HAS_B=has_b, BLOCK_P=p.red_p, BLOCK_N=p.red_n)
+        _reduce_kernel[(p.red_grid,)](dwp, dbp, dw, db if has_b else dw, progs, n, has_b, p.red_p, p.red_n)
     elif has_b:  # bias without weight: reduce the bias partials alone
-        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, HAS_B=False, BLOCK_P=32, BLOCK_N=128)
+        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, False, 32, 128)
     return dx, dw, db

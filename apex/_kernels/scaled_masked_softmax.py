@@ -200,9 +200,10 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
         ms = _mask_strides(m, x.shape)
     else:
         m, ms = x, (0, 0, 0, 0)  # never read
+    # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a
+    # dictionary entry to build and bind.
     _fwd_kernel[(cdiv(n_rows, rows),)](
-        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms,
-        HAS_MASK=mask is not None, CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one,
+        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, bool(causal), rows, block, one,
         num_warps=warps)
     return y
 
@@ -217,6 +218,6 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
         return dx
     rows, block, one, warps = _plan(n_rows, sk, max_block)
     _bwd_kernel[(cdiv(n_rows, rows),)](
-        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(),
-        CAUSAL=bool(causal), ROWS=rows, BLOCK=block, ONE_BLOCK=one, num_warps=warps)
+        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(), bool(causal), rows, block, one,
+        num_warps=warps)  # CAUSAL, ROWS, BLOCK, ONE_BLOCK
     return dx

@@ -282,18 +282,20 @@ def _finish_layout(C: int, rows: int) -> tuple[int, int]:
 _FINISH_LAYOUTS: dict = {}
 
 
+# The launches below pass their constexprs positionally, in each kernel's order (a keyword costs a launch a
+# dictionary entry to build and bind, ~2,000 instructions each).
 def _partials(x: torch.Tensor, N: int, C: int, L: int) -> tuple[torch.Tensor, int, int]:
     """The forward's workspace ``[1 + 2P, C]`` after the statistics kernel, ``P``, and ``R = N * L``."""
     R, bc, br, rows, iters = _layout(N, C, L)
     ws = torch.empty(1 + 2 * rows, C, dtype=torch.float32, device=x.device)
-    _stats_kernel[(cdiv(C, bc), rows)](x, ws, C, L, R, iters, BLOCK_R=br, BLOCK_C=bc)
+    _stats_kernel[(cdiv(C, bc), rows)](x, ws, C, L, R, iters, br, bc)  # BLOCK_R, BLOCK_C
     return ws, rows, R
 
 
 def _send_row(ws, row, C, rows, R) -> None:
     bp, bc = _finish_layout(C, rows)
     _finish_kernel[(cdiv(C, bc),)](ws, ws, ws, ws, ws, ws, row, C, rows, float(R), 1, R, 1.0, 0.0, 1.0, 0.0,
-                                   MODE=_SEND, HAS_W=False, HAS_B=False, UPDATE=False, BLOCK_P=bp, BLOCK_C=bc)
+                                   _SEND, False, False, False, bp, bc)
 
 
 def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, running_mean, running_var, eps: float,
@@ -316,8 +318,8 @@ def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, runnin
     rm, rv = (running_mean, running_var) if update else (ws, ws)
     _finish_kernel[(cdiv(C, bc),)](ws, gat, weight if weight is not None else ws, bias if bias is not None else ws,
                                    rm, rv, st, C, rows, float(R), world, count, 1.0 - momentum, momentum,
-                                   count / (count - 1), eps, MODE=mode, HAS_W=weight is not None,
-                                   HAS_B=bias is not None, UPDATE=update, BLOCK_P=bp, BLOCK_C=bc)
+                                   count / (count - 1), eps, mode, weight is not None, bias is not None, update,
+                                   bp, bc)  # MODE, HAS_W, HAS_B, UPDATE, BLOCK_P, BLOCK_C
     return count, st
 
 
@@ -326,9 +328,8 @@ def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> t
     bp, bc = _finish_layout(C, 1)
     st = torch.empty(4, C, dtype=torch.float32, device=running_mean.device)
     _finish_kernel[(cdiv(C, bc),)](st, st, weight if weight is not None else st, bias if bias is not None else st,
-                                   running_mean, running_var, st, C, 1, 1.0, 1, 1, 1.0, 0.0, 1.0, eps, MODE=_EVAL,
-                                   HAS_W=weight is not None, HAS_B=bias is not None, UPDATE=False,
-                                   BLOCK_P=bp, BLOCK_C=bc)
+                                   running_mean, running_var, st, C, 1, 1.0, 1, 1, 1.0, 0.0, 1.0, eps, _EVAL,
+                                   weight is not None, bias is not None, False, bp, bc)
     return st
 
 
@@ -337,8 +338,8 @@ def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z, f
     N, C, L = ncl
     R, bc, br, rows, iters = _layout(N, C, L)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, st, C, L, R, iters, HAS_Z=z is not None,
-                                         RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+    _forward_kernel[(cdiv(C, bc), rows)](x, z if z is not None else x, y, st, C, L, R, iters, z is not None,
+                                         bool(fuse_relu), br, bc)  # HAS_Z, RELU, BLOCK_R, BLOCK_C
     return y
 
 
@@ -350,12 +351,11 @@ def backward_sums(dy, x, ncl: tuple[int, int, int], st, z, fuse_relu: bool, grad
     R, bc, br, rows, iters = _layout(N, C, L)
     ws = torch.empty(2 + 2 * rows, C, dtype=torch.float32, device=x.device)
     _backward_reduce_kernel[(cdiv(C, bc), rows)](dy, x, z if z is not None else x, st, ws, C, L, R, iters,
-                                                 HAS_Z=z is not None, RELU=bool(fuse_relu), BLOCK_R=br, BLOCK_C=bc)
+                                                 z is not None, bool(fuse_relu), br, bc)
     bp, bc = _finish_layout(C, rows)
     _backward_finish_kernel[(cdiv(C, bc),)](ws, st, grad_weight if grad_weight is not None else ws,
                                             grad_bias if grad_bias is not None else ws, C, rows,
-                                            HAS_GW=grad_weight is not None, HAS_GB=grad_bias is not None,
-                                            BLOCK_P=bp, BLOCK_C=bc)
+                                            grad_weight is not None, grad_bias is not None, bp, bc)
     return ws
 
 
@@ -368,8 +368,7 @@ def backward_elemt_sums(dy, x, ncl: tuple[int, int, int], st, sums, count, z, fu
     dz = torch.empty_like(dx) if need_dz else dx
     _backward_elemt_kernel[(cdiv(C, bc), rows)](
         dy, x, z if z is not None else x, dx, dz, st, sums if sums is not None else st, float(count or 1), C, L, R,
-        iters, HAS_Z=z is not None, RELU=bool(fuse_relu), NEED_DZ=bool(need_dz), USE_SUMS=count is not None,
-        BLOCK_R=br, BLOCK_C=bc)
+        iters, z is not None, bool(fuse_relu), bool(need_dz), count is not None, br, bc)
     return dx, (dz if need_dz else None)
 
 
