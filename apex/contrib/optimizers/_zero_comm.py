@@ -450,20 +450,24 @@ class ZeroCommMixin:
         params = self.__dict__.get("_step_params") or tuple(self.parameters())
         asked = tuple(parts.items())
         key = (asked, tuple(pending[i].params_bucket.data_ptr() for i, _ in asked),
-               tuple(map(len, map(_fragments, buckets))), tuple(map(_ptr, params)))
+               tuple(map(len, map(_fragments, buckets))))
         entry_id = ("buckets", tuple(parts))
         cached = self._param_copy_cache.get(entry_id)
+        # (the addresses are compared as they are read: a tuple of them, built from a map of unknown length,
+        # cost more in reallocations than the reads)
         if (cached is None or cached[0] != key or len(cached[2]) != len(buckets)
                 or not all(map(operator.is_, cached[2], buckets))
                 or cached[3] is not params and (len(cached[3]) != len(params)
-                                                or not all(map(operator.is_, cached[3], params)))):
+                                                or not all(map(operator.is_, cached[3], params)))
+                or not all(map(operator.eq, map(_ptr, params), cached[4]))):
             self._trim_param_copy_cache()
             frags = [f for i, _ in asked for f in buckets[i].fragments if f.param_range[1] > f.param_range[0]]
             plan = self._plan_param_copy(frags, [self.parameter(f) for f in frags],
                                          [pending[f.bucket_id].params_bucket for f in frags],
                                          [parts[f.bucket_id] for f in frags])
             # The entry holds the parameters and buckets, so their ids are not reused while it lives.
-            cached = self._param_copy_cache[entry_id] = (key, plan, tuple(buckets), params)
+            cached = self._param_copy_cache[entry_id] = (key, plan, tuple(buckets), params,
+                                                         [p.data_ptr() for p in params])
         zb._run_copy_plan(cached[1])
 
     def _param_copy(self, params) -> None:

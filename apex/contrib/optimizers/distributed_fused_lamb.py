@@ -29,7 +29,7 @@ import math
 import weakref
 from collections import deque
 from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter, eq, is_
 
 import torch
 import torch.distributed as dist
@@ -350,9 +350,10 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             return
         self._flush_grads()
         if self._clip_after_ar:
-            for i, taken in enumerate(self._taken):
-                if not taken:
-                    self._take_grad(i, 1.0 / self._world_size)
+            if not all(self._taken):  # (after a backward whose hooks took every gradient: one C-level pass)
+                for i, taken in enumerate(self._taken):
+                    if not taken:
+                        self._take_grad(i, 1.0 / self._world_size)
         else:
             # upstream's clip before the reduction: each rank clips its own gradient by its own norm
             for i in range(len(self._taken)):
@@ -477,8 +478,11 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if all(map(torch.Tensor.is_contiguous, params)):
             # gathered: [rank][piece][slice]; each segment is contiguous there and in its parameter. The
             # views are built again only when a parameter's storage changed.
-            key = tuple(map(torch.Tensor.data_ptr, params))
-            if self._segment_views is None or self._segment_views[0] != key:
+            # (addresses compared as they are read: building a tuple of them from a map of unknown length
+            # cost more in reallocations than the reads)
+            if self._segment_views is None or not all(map(eq, map(torch.Tensor.data_ptr, params),
+                                                          self._segment_views[0])):
+                key = [p.data_ptr() for p in params]
                 flat = [p.detach().view(-1) for p in params]
                 segs = self._gather_segments
                 # Columns (addresses read once; the views hold their storage): the Triton path's copy keeps
