@@ -86,3 +86,22 @@ def test_not_a_list():
 def test_unknown_amp_c_name():
     with pytest.raises(AttributeError, match="amp_C"):
         amp_C.multi_tensor_does_not_exist  # noqa: B018
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_repeated_call_checks_what_changed_at_the_same_addresses(op):
+    # A call whose tensors have the addresses and metadata of an earlier call that passed the checks skips
+    # them (apex._kernels._lists.checked): a tensor of another layout or dtype at one of those addresses must
+    # be refused all the same.
+    fn, n = OPS[op]
+    bufs = _lists(n, lambda i, j: torch.ones(4, 4))
+    for _ in range(2):  # (the second call skips the checks)
+        fn(flag(), [list(lst) for lst in bufs])
+    lists = [list(lst) for lst in bufs]
+    lists[0][2] = bufs[0][2].t()
+    with pytest.raises(ValueError, match="contiguous"):
+        fn(flag(), lists)
+    lists = [list(lst) for lst in bufs]
+    lists[0][0] = bufs[0][0].view(torch.int32)
+    with pytest.raises(TypeError, match="dtype"):
+        fn(flag(), lists)

@@ -114,3 +114,14 @@ def test_scale_rejects_a_bad_scale():
         amp_C.multi_tensor_scale(2048, flag(), [ins, ins], torch.ones(2))
     with pytest.raises(TypeError, match="scale"):
         amp_C.multi_tensor_scale(2048, flag(), [ins, ins], "2")
+
+
+def test_a_repeated_call_sees_other_sizes_at_the_same_addresses(backend_name):
+    # A call with the addresses of an earlier call that passed the checks reuses what that call read
+    # (apex._kernels._lists.checked): tensors of another size at those addresses must be read anew.
+    src = torch.arange(1.0, 65.0)
+    dst = torch.zeros(64)
+    for _ in range(2):
+        amp_C.multi_tensor_scale(2048 * 32, flag(), [[src[:16]], [dst[:16]]], 2.0)
+    amp_C.multi_tensor_scale(2048 * 32, flag(), [[src], [dst]], 2.0)
+    assert torch.equal(dst, src * 2)
