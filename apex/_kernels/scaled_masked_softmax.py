@@ -180,6 +180,8 @@ def _mask_strides(mask: torch.Tensor, shape: torch.Size) -> tuple[int, int, int,
     out = [0, 0, 0, 0]
     for i in range(len(msh)):
         if msh[i] != 1 or shape[lead + i] == 1:
+            if msh[i] != shape[lead + i]:  # (expand's error: a 3-D input's mask, say, against its 4-D view)
+                raise RuntimeError(f"mask of shape {list(msh)} does not broadcast to scores of shape {list(shape)}")
             out[lead + i] = mst[i]
     return out[0], out[1], out[2], out[3]
 
