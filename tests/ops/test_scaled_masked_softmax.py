@@ -273,3 +273,14 @@ def test_get_batch_per_block_matches_upstream_formula():
     assert ext.get_batch_per_block(16, 16, 1, 1) == 16
     assert ext.get_batch_per_block(1, 1, 1, 1) == 256
     assert ext.get_batch_per_block(1, 16384, 1, 1) == 4
+
+
+def test_three_dim_input_with_a_three_dim_mask_raises(backend_name):
+    # The scores are read as their 4-D view [b*np, 1, sq, sk]: a mask that broadcasts to the 3-D input but not to
+    # that view is refused on both paths (read through wrong strides it would give wrong probabilities).
+    x = torch.randn(6, 5, 5, requires_grad=True)
+    mask = torch.rand(6, 5, 5) < 0.3
+    with pytest.raises(RuntimeError):
+        S.scaled_masked_softmax(x, mask, 1.0)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        S.scaled_masked_softmax(x, mask, 1.0)
