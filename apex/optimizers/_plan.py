@@ -90,10 +90,11 @@ class Plan:
         self.guard = None  # guard() of gradients that fit: a new set with their metadata fits too
         self.guard_builds = 0
 
-    def checked(self, gs: list) -> None:
-        """Gradients that passed the full checks (or the contiguous copies the checks made of them): the
-        guard of later ones."""
+    def checked(self, gs: list, gptrs: tuple) -> None:
+        """Gradients that passed the full checks (or the contiguous copies the checks made of them), at
+        ``gptrs``: the guard of later ones. (Their ids are not taken: the next step checks its gradients.)"""
         self.guard, self.guard_builds = guard(gs), 1
+        self.gptrs = gptrs  # the tuple the engine's tables were made with: later steps hand it on while it holds
 
     def watch(self, tensor: torch.Tensor) -> None:
         """Hold the plan only while ``tensor`` is not written from outside: call after each own write (a
@@ -150,6 +151,7 @@ class Plan:
             if tuple(map(_ptr, self.with_grad)) != self.ptrs:
                 return None
             if gptrs == self.gptrs:
+                gptrs = self.gptrs  # (the engine's caches compare an address tuple they hold by identity first)
                 # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
                 # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
                 # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
@@ -195,7 +197,7 @@ def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[
             plan = build(group, checked)
             plans[id(group)] = (group, plan)
             found[gi] = (plan, list(checked.grads), tuple(map(_ptr, checked.grads)))
-            plan.checked(found[gi][1])
+            plan.checked(found[gi][1], found[gi][2])
         plans["mode"] = (optimizer.state, len(optimizer.state), mode)
     return found
 
