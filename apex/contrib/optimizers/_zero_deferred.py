@@ -34,7 +34,6 @@ _dtype = attrgetter("dtype")
 _contiguous = torch.Tensor.is_contiguous
 _PARTIAL = zb.GradientStatus.PARTIALLY_FILLED
 _FULL = zb.GradientStatus.FULLY_FILLED
-_flags: dict = {}  # device -> the flag tensor of the gradient copies' multi_tensor_scale
 
 
 class ZeroDeferredGradMixin:
@@ -122,23 +121,23 @@ class ZeroDeferredGradMixin:
                 if (not any(map(is_, grads, repeat(None))) and all(map(_contiguous, grads))
                         and all(map(eq, map(_shape, grads), map(_shape, dsts)))
                         and all(map(is_, map(_dtype, grads), map(_dtype, dsts)))):
-                    _copy_all(dsts, grads)
+                    _copy_all(dsts, grads, self._copy_flags)
                 else:
                     _copy_each(dsts, grads)
                 deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
 
 
-def _copy_all(dsts, grads) -> None:
+def _copy_all(dsts, grads, flags: dict) -> None:
     """``dst.copy_(grad)`` for every pair, all of one dtype: on the Triton path apex's multi-tensor copy (one
     launch, as Apex copies; the gradients' addresses change every step, so its table is built each time),
-    else one ``torch._foreach_copy_``."""
+    else one ``torch._foreach_copy_``. ``flags``: the optimizer's flag tensors of those copies, by device."""
     first = dsts[0]
     if _backend.select_tensor(first) == "triton":
         from apex.ops.multi_tensor_scale import multi_tensor_scale
 
-        flag = _flags.get(first.device)
+        flag = flags.get(first.device)
         if flag is None:  # (what it flags is not read: the reduction's norm finds non-finite gradients)
-            flag = _flags[first.device] = torch.zeros([1], dtype=torch.int32, device=first.device)
+            flag = flags[first.device] = torch.zeros([1], dtype=torch.int32, device=first.device)
         # Columns: the lists were checked above, the engine reads nothing again
         multi_tensor_scale(2048 * 32, flag, [column(grads, dtype=first.dtype, device=first.device),
                                              column(dsts, dtype=first.dtype, device=first.device)], 1.0)

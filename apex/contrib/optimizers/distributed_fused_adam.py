@@ -197,6 +197,7 @@ class DistributedFusedAdam(ZeroCommMixin, ZeroDeferredGradMixin, ZeroStepMixin, 
         self._deferred_plans: dict = {}  # id(param) -> where the hook's fast path queues its gradient
         self._deferred_flush_queued = False  # a flush is registered for the end of the running backward
         self._has_deferred = False  # some bucket may hold queued gradients
+        self._copy_flags: dict = {}  # device -> the (unread) inf flag of the queued gradients' copies
         self._pre_forward_armed = False  # parameters may carry armed pre-forward hooks (overlap_param_sync)
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
         self._grad_norm: torch.Tensor | None = None
