@@ -76,13 +76,13 @@ def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tens
     if progs == 1:  # one program sums and normalises: no reduction or division around the launch
         loss = torch.empty((), device=x.device, dtype=torch.float32)
         _focal_fwd[(1,)](x, labels, grad, loss, num_positives_sum, m, k, int(num_real_classes), float(alpha),
-                         float(gamma), float(smoothing), ROWS=rows, BLOCK_K=block_k, FINISH=True)
+                         float(gamma), float(smoothing), rows, block_k, True)  # ROWS, BLOCK_K, FINISH
         return loss, grad
     parts = torch.empty(progs, device=x.device, dtype=torch.float32) if progs else \
         torch.zeros(1, device=x.device, dtype=torch.float32)
     if progs:  # every program writes its partial sum
         _focal_fwd[(progs,)](x, labels, grad, parts, num_positives_sum, m, k, int(num_real_classes), float(alpha),
-                             float(gamma), float(smoothing), ROWS=rows, BLOCK_K=block_k, FINISH=False)
+                             float(gamma), float(smoothing), rows, block_k, False)  # ROWS, BLOCK_K, FINISH
     loss = parts.sum() / num_positives_sum.reshape(()).float()
     return loss, grad
 
@@ -93,5 +93,5 @@ def backward(grad_loss: torch.Tensor, partial_grad: torch.Tensor, num_positives_
     if n:
         block = 65536 if _INTERP else 1024
         # (the kernel reads both one-element tensors in their own dtypes and rounds them to fp32)
-        _focal_bwd[(cdiv(n, block),)](partial_grad, grad_loss, num_positives_sum, n, BLOCK=block)
+        _focal_bwd[(cdiv(n, block),)](partial_grad, grad_loss, num_positives_sum, n, block)  # BLOCK
     return partial_grad

@@ -112,6 +112,9 @@ def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
 _INTERP = interpreted(_rope_kernel)
 
 
+_ROUNDED = (torch.float16, torch.bfloat16)
+
+
 def _strides2(t: torch.Tensor | None, dims: tuple[int, int]) -> tuple[int, int]:
     return (t.stride(dims[0]), t.stride(dims[1])) if t is not None else (0, 0)
 
@@ -156,7 +159,8 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
     _rope_kernel[grid](x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
                        td if td is not None else ta, cu if cu is not None else ta,
                        B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
-                       MODE=mode, BACKWARD=backward, ROUND=y.dtype in (torch.float16, torch.bfloat16),
-                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                       BLOCK_CU=next_power_of_2(max(n_cu, 2)), num_warps=warps)
+                       # The constexprs positionally (MODE, BACKWARD, ROUND, BLOCK_H, BLOCK_D, BLOCK_CU): each
+                       # keyword costs a launch ~2,000 instructions of dictionary building and binding.
+                       mode, backward, y.dtype in _ROUNDED, BLOCK_H, BLOCK_D, next_power_of_2(max(n_cu, 2)),
+                       num_warps=warps)
     return y

@@ -126,8 +126,10 @@ def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bo
         bh = _block_h(H)
         plan = _PLANS[(B, T, U, H, tile_size)] = ((B * T, cdiv(U, tile_size), cdiv(H, bh)), bh)
     grid, bh = plan
+    # The constexprs positionally (PACKED, RELU, DROPOUT, TILE_U, BLOCK_H): each keyword costs a launch
+    # ~2,000 instructions of dictionary building and binding.
     _joint_fwd[grid](f, g, f_len, g_len, boff, h, mask, T, U, H, 1.0 - dropout_prob, seed,
-                     PACKED=pack_output, RELU=relu, DROPOUT=dropout, TILE_U=tile_size, BLOCK_H=bh)
+                     pack_output, relu, dropout, tile_size, bh)
     return h, (mask if masked else None)
 
 
@@ -142,6 +144,5 @@ def backward(dh, mask, f_len, g_len, batch_offset, T: int, U: int, pack_output: 
     bh = _block_h(H)
     for for_f, L in ((True, T), (False, U)):
         _joint_bwd[(B * L, cdiv(H, bh))](dh, m, f_len, g_len, boff, df, dg, T, U, H, scale,
-                                                PACKED=pack_output, MASKED=mask is not None, FOR_F=for_f,
-                                                BLOCK_H=bh)
+                                         pack_output, mask is not None, for_f, bh)  # PACKED, MASKED, FOR_F, BLOCK_H
     return df, dg
