@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._norm import select
+from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
 
@@ -32,18 +32,22 @@ def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamm
     if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
         got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise RuntimeTypeError(f"cls_targets_at_level must be an int64 tensor, got {got}")
-    if cls_output.dim() < 1 or targets.shape != cls_output.shape[:-1]:
+    shape, tshape = cls_output.shape, targets.shape  # read once (each read builds a torch.Size)
+    # [rows] targets of [rows, K] scores (the usual call) compare one size, without a torch.Size slice.
+    if not (len(shape) == 2 and len(tshape) == 1 and tshape[0] == shape[0]
+            or len(shape) >= 1 and tshape == shape[:-1]):
         raise RuntimeValueError(f"cls_targets_at_level must have shape {list(cls_output.shape[:-1])} (cls_output "
                                 f"without the class dimension), got {list(targets.shape)}")
     if not isinstance(num_positives_sum, torch.Tensor) or num_positives_sum.numel() != 1 or \
             not num_positives_sum.is_floating_point():
         raise RuntimeValueError("num_positives_sum must be a one-element floating-point tensor")
-    dev = cls_output.device
-    if targets.device != dev or num_positives_sum.device != dev:
+    # Devices compared by flags and index: no torch.device objects built unless the check fails.
+    if not (_same_device(targets, cls_output) and _same_device(num_positives_sum, cls_output)):
+        dev = cls_output.device
         name, t = ("cls_targets_at_level", targets) if targets.device != dev else ("num_positives_sum",
                                                                                   num_positives_sum)
         raise RuntimeValueError(f"{name} is on {t.device} but cls_output is on {dev}")
-    k = cls_output.shape[-1]
+    k = shape[-1]
     if isinstance(num_real_classes, bool) or not isinstance(num_real_classes, int) or \
             not 0 < num_real_classes <= k:
         raise RuntimeValueError(f"num_real_classes must be an int in [1, {k}] (cls_output's last dimension), "
@@ -53,10 +57,10 @@ def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamm
     if float(gamma) < 0:
         raise ValueError(f"gamma must be non-negative, got {gamma!r}")
     if targets.numel():
-        # The extremes decide, in one reduction and one host read (a sync on GPUs); the message's first bad
-        # target is looked up only on failure.
-        lo, hi = torch.stack(targets.aminmax()).tolist()
-        if lo < -2 or hi >= num_real_classes:
+        # Targets clamped to [-2, num_real_classes) and compared with themselves: two operators and one host
+        # read (torch.equal; a sync on GPUs) instead of aminmax, a stack and a transfer. The message's first
+        # bad target is looked up only on failure.
+        if not torch.equal(targets.clamp(-2, num_real_classes - 1), targets):
             bad = (targets < -2) | (targets >= num_real_classes)
             first = int(targets.reshape(-1)[bad.reshape(-1)][0])
             raise ValueError(f"cls_targets_at_level must be −2 (ignore), −1 (background) or a class in "

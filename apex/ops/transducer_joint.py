@@ -20,6 +20,7 @@ import torch
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import kept_per_key
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
 
@@ -40,7 +41,8 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
     for name, t in (("f_len", f_len), ("g_len", g_len)):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
-    if B and (f_len.device != g_len.device or not _in_bounds(f_len, g_len, T, g.shape[1])):
+    # (devices compared by flags and index: no torch.device objects built)
+    if B and (not _same_device(f_len, g_len) or not _in_bounds(f_len, g_len, T, g.shape[1])):
         # Something is out of range (or the lengths live apart): both lengths' extremes, for the message, in
         # one host read where they share a device.
         if f_len.device == g_len.device:
