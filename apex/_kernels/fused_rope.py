@@ -116,7 +116,11 @@ _ROUNDED = (torch.float16, torch.bfloat16)
 
 
 def _strides2(t: torch.Tensor | None, dims: tuple[int, int]) -> tuple[int, int]:
-    return (t.stride(dims[0]), t.stride(dims[1])) if t is not None else (0, 0)
+    if t is None:
+        return (0, 0)
+    # One stride() tuple indexed twice: stride(dim) parses its overloads (int or name) on every call.
+    s = t.stride()
+    return (s[dims[0]], s[dims[1]])
 
 
 # (S·B, H, D, itemsize, device index, backward) -> (head block, warps): the launch a shape takes.

@@ -135,7 +135,8 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
     grid, rows, block, warps, stages, _ = _plan(x, m, v, False)
     # The constexprs positionally (ROWS, BLOCK, STAGES, SMOOTH): each keyword costs a launch ~2,000
     # instructions of dictionary building and binding.
-    _xent_fwd[grid](x, labels, losses, lse, m, v, x.stride(0), float(smoothing), int(padding_idx), rows, block,
+    # (stride()[0], not stride(0): the latter parses its int-or-name overloads on every call)
+    _xent_fwd[grid](x, labels, losses, lse, m, v, x.stride()[0], float(smoothing), int(padding_idx), rows, block,
                     stages, smoothing != 0.0, num_warps=warps)
     return losses, lse
 
@@ -148,6 +149,6 @@ def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: tor
     if m == 0 or v == 0:
         return out
     grid, rows, block, warps, _, _ = _plan(x, m, v, True)
-    _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride(0), out.stride(0), grad.stride(0),
+    _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride()[0], out.stride()[0], grad.stride()[0],
                     float(smoothing), int(padding_idx), rows, block, num_warps=warps)  # ROWS, BLOCK
     return out

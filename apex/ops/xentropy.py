@@ -68,7 +68,7 @@ def _check(logits: object, labels: object, smoothing: object, padding_idx: objec
         raise ValueError(f"smoothing must be a float in [0, 1], got {smoothing!r}")
     if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
         raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
-    return logits.shape[-1]
+    return shape[-1]
 
 
 def _check_labels(labels: Tensor, v: int, padding_idx: int | None) -> None:
