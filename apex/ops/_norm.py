@@ -236,6 +236,25 @@ def prepare(input: object, normalized_shape: object, weight: object, bias: objec
     return shape, n, out_dtype, route(input, out_dtype, n, weight, bias)
 
 
+def kernel_backward(dy: torch.Tensor, dr: torch.Tensor | None = None) -> bool:
+    """True when an eager ``_Direct`` backward may launch the kernels on the gradients ``dy`` (and ``dr``, or
+    None) itself: ``apex.ops._dispatch.eager``'s tests on these tensors, inlined (~1.5 µs less a backward), plus
+    no graph being built (a second derivative takes the registered op: its error) and the kernels' dtypes."""
+    return not (torch.is_grad_enabled() or dy.dtype not in _KERNEL_DTYPE_SET or type(dy) not in _PLAIN
+                or dr is not None and (dr.dtype not in _KERNEL_DTYPE_SET or type(dr) not in _PLAIN)
+                or torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+                or _are_functorch_transforms_active() or _get_tracing_state() is not None)
+
+
+def grad_rows(g: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """A gradient as the backward kernel reads it, ``(rows, row stride)``: itself when contiguous (autograd's
+    usual gradient, whatever its shape; no view, no stride query), else :func:`rows_view`'s."""
+    if g.is_contiguous():
+        return g, n
+    g = rows_view(g, n)
+    return g, g.stride(0)
+
+
 def _f32(stat: torch.Tensor) -> torch.Tensor:
     """``stat.float()`` without the call (~0.3 µs) for the Triton forward's statistics, fp32 already."""
     return stat if stat.dtype is torch.float32 else stat.float()

@@ -25,6 +25,8 @@ from apex.ops._norm import (
     KERNEL,
     KERNEL_DTYPES,
     _same_device,
+    grad_rows,
+    kernel_backward,
     prepare,
     rows_view,
     stats_dtype,
@@ -149,7 +151,7 @@ class _Direct(torch.autograd.Function):
         normalized_shape, n, is_rms, memory_efficient, in_dtype, res_dtype, h_dtype = ctx.args
         if grad_y is None:
             grad_y = torch.zeros_like(v, dtype=in_dtype)
-        if torch.is_grad_enabled() or not eager((grad_y, grad_h)):
+        if not kernel_backward(grad_y, grad_h):
             if grad_h is None:
                 grad_h = torch.zeros_like(v, dtype=h_dtype)
             dh, dw, db = _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, list(normalized_shape), is_rms,
@@ -157,11 +159,14 @@ class _Direct(torch.autograd.Function):
         else:
             # No gradient for h (the usual call: only y reaches the loss): the kernel adds none, instead of a
             # zero-filled tensor made and read for it.
-            dh, dw, db = _kernels().backward(rows_view(grad_y, n), rows_view(v, n),
-                                             weight.contiguous() if weight is not None else None,
-                                             bias.contiguous() if bias is not None else None,
-                                             None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
-                                             rows_view(grad_h, n) if grad_h is not None else None, out_like=v)
+            # v (h, or y when memory-efficient) was made contiguous by the forward: its own rows.
+            g, sg = grad_rows(grad_y, n)
+            dr, sdr = grad_rows(grad_h, n) if grad_h is not None else (None, 0)
+            dh, dw, db = _kernels().backward_rows(g, sg, v, n, rstd.numel(), n,
+                                                  weight.contiguous() if weight is not None else None,
+                                                  bias.contiguous() if bias is not None else None,
+                                                  None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
+                                                  dr, sdr, None, v)
         return (dh if dh.dtype == in_dtype else dh.to(in_dtype), dh if dh.dtype == res_dtype else dh.to(res_dtype),
                 dw if weight is not None else None, db if bias is not None else None, None, None, None, None, None,
                 None)

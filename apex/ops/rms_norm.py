@@ -19,14 +19,15 @@ from __future__ import annotations
 import torch
 
 from apex.ops._cpu_norms import row_norms
-from apex.ops._dispatch import custom_op, eager, lazy_module
+from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import (
     DIRECT,
     EXPORT,
     KERNEL,
-    KERNEL_DTYPES,
     _f32,
     check_args,
+    grad_rows,
+    kernel_backward,
     prepare,
     promote,
     rows_view,
@@ -204,24 +205,32 @@ class _Direct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, shape, n, eps, memory_efficient, out_dtype):
-        y, _, rstd, _ = _launchers().forward(input if input.dim() == 2 and input.stride(1) == 1
-                                             else rows_view(input, n),
-                                             weight.contiguous() if weight is not None else None, None,
+        x = input if input.dim() == 2 and input.stride(1) == 1 else rows_view(input, n)
+        y, _, rstd, _ = _launchers().forward(x, weight.contiguous() if weight is not None else None, None,
                                              eps, out_dtype, True, None, None, input)
         ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
-        ctx.args = (shape, n, memory_efficient, input.dtype, eps)
+        # x is input: the backward reads the saved input as its rows (no rows_view to redo there).
+        ctx.args = (shape, n, memory_efficient, input.dtype, eps, x is input)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         v, weight, rstd = ctx.saved_tensors
-        shape, n, memory_efficient, dx_dtype, eps = ctx.args
-        if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
+        shape, n, memory_efficient, dx_dtype, eps, rows = ctx.args
+        if not kernel_backward(dy):
             dx, dw = _bwd_op(dy, rstd, v, weight, list(shape), memory_efficient, dx_dtype, eps)
         else:
-            dx, dw, _ = _launchers().backward(rows_view(dy, n), rows_view(v, n),
-                                              weight.contiguous() if weight is not None else None, None, None,
-                                              rstd, memory_efficient, True, dx_dtype, None, eps, v)
+            g, sg = grad_rows(dy, n)
+            if memory_efficient:  # the output, made contiguous by the forward: its own rows
+                sv = n
+            else:
+                if not rows:
+                    v = rows_view(v, n)
+                sv = v.stride(0)
+            # dx is shaped as dy (the output's shape, the input's).
+            dx, dw, _ = _launchers().backward_rows(g, sg, v, sv, rstd.numel(), n,
+                                                   weight.contiguous() if weight is not None else None, None, None,
+                                                   rstd, memory_efficient, True, dx_dtype, None, 0, eps, dy)
         return dx, dw if weight is not None else None, None, None, None, None, None
 
 

@@ -346,6 +346,29 @@ def test_fused_add_norm(backend_name, kind, dtypes, mem_eff):
         assert_rel_close(g, r, dt, tol=1e-5 if dt == torch.float32 else None)
 
 
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_fused_add_norm_gradient_layouts(backend_name, kind, mem_eff):
+    """Gradients of y and h that are not contiguous (an expanded one, one with a gap between rows) and a
+    contiguous one with an odd size-1 stride, on a 3-D input: the backward reads each at its own row stride."""
+    ns = (40,)
+    x, res = torch.randn(3, 1, 40).requires_grad_(), torch.randn(3, 1, 40).requires_grad_()
+    w, b = (1 + 0.25 * torch.randn(ns)).requires_grad_(), (0.25 * torch.randn(ns)).requires_grad_()
+    leaves = [x, res, w] + ([b] if kind == "layer" else [])
+    for dy, dh in [(torch.randn(1, 1, 40).expand(3, 1, 40), torch.randn(3, 1, 50)[..., :40]),
+                   (torch.randn(3, 1, 50)[..., :40], torch.randn(3, 40).as_strided((3, 1, 40), (40, 7, 1)))]:
+        with _trace(backend_name):
+            y, h = fused_add_rms_norm(x, res, w, ns, 1e-5, mem_eff) if kind == "rms" else \
+                fused_add_layer_norm(x, res, w, b, ns, 1e-5, mem_eff)
+            grads = torch.autograd.grad([y, h], leaves, [dy, dh])
+        l64 = [t.detach().double().requires_grad_() for t in leaves]
+        h64 = l64[0] + l64[1]
+        y64 = _rms64(h64, ns, l64[2], 1e-5) if kind == "rms" else _ln64(h64, ns, l64[2], l64[3], 1e-5)
+        g64 = torch.autograd.grad([y64, h64], l64, [dy.double(), dh.double()])
+        assert grads[0].shape == x.shape
+        assert_rel_close(list(grads), list(g64), torch.float32, tol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_fused_add_norm_output_alone_in_the_loss(backend_name, kind):
     """Only ``y`` reaches the loss (a pre-norm block's usual call): the gradient of ``h`` is None, which the

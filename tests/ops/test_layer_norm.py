@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import apex
 from apex.ops import layer_norm as L
 from apex.testing import assert_rel_close
-from tests.ops._norms import DTYPES, SHAPES, run, trace
+from tests.ops._norms import DTYPES, GRAD_LAYOUTS, SHAPES, grad_like, run, trace
 
 
 def _params(ns, dtype, affine=True):
@@ -97,6 +97,21 @@ def test_layer_norm_non_contiguous(backend_name, layout):
     with trace(backend_name, x, w, b, dy):
         y, grads = run(lambda: L.layer_norm(x, (100,), w, b, 1e-5), x, w, dy, b)
     ref_y, ref_g = _ref(x, (100,), w, b, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5)
+    assert_rel_close(list(grads), list(ref_g), tol=1e-5)
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+def test_layer_norm_gradient_layouts(backend_name, layout, mem_eff):
+    # A 3-D input (saved as is, its rows taken in the backward) and gradients of every layout.
+    x = torch.randn(3, 1, 40, requires_grad=True)
+    w, b = _params((40,), torch.float32)
+    dy = grad_like(layout)
+    with trace(backend_name, x, w, b, dy):
+        y, grads = run(lambda: L.layer_norm(x, (40,), w, b, 1e-5, mem_eff), x, w, dy, b)
+    ref_y, ref_g = _ref(x, (40,), w, b, dy, 1e-5)
+    assert grads[0].shape == x.shape
     assert_rel_close(y, ref_y, tol=1e-5)
     assert_rel_close(list(grads), list(ref_g), tol=1e-5)
 
