@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The distributed tests whose ranks run on the GPU under the switch (all of them through dist_device).
 CONVERTED = {
     "tests/parallel/test_sync_batchnorm_dist.py": 3, "tests/parallel/test_ddp.py": 2,
-    "tests/contrib/test_distributed_fused_adam.py": 2, "tests/contrib/test_distributed_fused_lamb.py": 1,
+    "tests/contrib/test_distributed_fused_adam.py": 3, "tests/contrib/test_distributed_fused_lamb.py": 2,
     "tests/transformer/test_pipeline.py": 1,
 }
 TRANSFORMER = ("tests/transformer/test_layers.py", "tests/transformer/test_mappings.py",
