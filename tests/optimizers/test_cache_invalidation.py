@@ -192,6 +192,16 @@ def test_one_launch_per_dtype_group_after_the_first_step(triton_device, name):
         assert tr.launches == 2, (s, tr.kernels)  # fp32 and bf16, at the first step and with a plan
 
 
+def _assert_unchanged(params, opt, before) -> None:
+    """The parameters and every state tensor equal ``before = (parameter copies, deep-copied state_dict)``."""
+    for p, q in zip(params, before[0]):
+        assert torch.equal(p.detach(), q)
+    for k, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, before[1]["state"][k][key]), key
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_gradient_moved_to_another_device_is_refused(triton_device, name):
     # ``grad.data = t`` takes a tensor of any dense device (``module.cpu()`` relies on it), and a new gradient
@@ -211,12 +221,7 @@ def test_a_gradient_moved_to_another_device_is_refused(triton_device, name):
         before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
         with pytest.raises(RuntimeError):
             opt.step()
-    for p, q in zip(params, before[0]):
-        assert torch.equal(p.detach(), q)
-    for k, st in opt.state_dict()["state"].items():
-        for key, value in st.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, before[1]["state"][k][key]), key
+    _assert_unchanged(params, opt, before)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -234,9 +239,4 @@ def test_a_gradient_of_another_dtype_is_refused(backend_name, name):
     before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
     with pytest.raises(RuntimeError, match="dtype|float64"):
         opt.step()
-    for p, q in zip(params, before[0]):
-        assert torch.equal(p.detach(), q)
-    for k, st in opt.state_dict()["state"].items():
-        for key, value in st.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, before[1]["state"][k][key]), key
+    _assert_unchanged(params, opt, before)
