@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 # Every compatibility module, installed at the top level.
 MODULES = (
     "amp_C",
+    "apex_C",
     "fused_layer_norm_cuda",
     "scaled_upper_triang_masked_softmax_cuda",
     "scaled_masked_softmax_cuda",

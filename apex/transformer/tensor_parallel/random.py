@@ -111,6 +111,16 @@ class _Tracker:
     checkpointed_activations_buffer = None
 
 
+def __getattr__(name: str):
+    # Apex kept these as module globals, and client code reads them by name: the same objects as
+    # ``get_cuda_rng_tracker()`` and the buffer ``init_checkpointed_activations_memory_buffer`` allocates.
+    if name == "_CUDA_RNG_STATE_TRACKER":
+        return _Tracker.tracker
+    if name == "_CHECKPOINTED_ACTIVATIONS_MEMORY_BUFFER":
+        return _Tracker.checkpointed_activations_buffer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     """The process's RNG-states tracker (Megatron's ``get_cuda_rng_tracker``; forks the CPU generator
     where there is no CUDA).
