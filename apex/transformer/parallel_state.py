@@ -12,6 +12,8 @@ All state lives in one :class:`_ParallelState` object; the module-level function
 from __future__ import annotations
 
 import os
+import sys
+import types
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any
@@ -63,6 +65,54 @@ class _ParallelState:
 
 
 _STATE = _ParallelState()
+
+# Apex kept this state in module globals, which client code reads (and some sets) by name, e.g.
+# ``parallel_state._DATA_PARALLEL_GROUP``: each name reads and writes its field of ``_STATE``.
+_APEX_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tensor_group", "_PIPELINE_MODEL_PARALLEL_GROUP": "pipeline_group",
+    "_MODEL_PARALLEL_GROUP": "model_group", "_DATA_PARALLEL_GROUP": "data_group",
+    "_AMAX_REDUCTION_GROUP": "amax_group", "_EMBEDDING_GROUP": "embedding_group",
+    "_POSITION_EMBEDDING_GROUP": "position_embedding_group",
+    "_ENCODER_RELATIVE_POSITION_EMBEDDING_GROUP": "encoder_relative_position_embedding_group",
+    "_DECODER_RELATIVE_POSITION_EMBEDDING_GROUP": "decoder_relative_position_embedding_group",
+    "_EMBEDDING_GLOBAL_RANKS": "embedding_ranks", "_POSITION_EMBEDDING_GLOBAL_RANKS": "position_embedding_ranks",
+    "_ENCODER_RELATIVE_POSITION_EMBEDDING_GLOBAL_RANKS": "encoder_relative_position_embedding_ranks",
+    "_DECODER_RELATIVE_POSITION_EMBEDDING_GLOBAL_RANKS": "decoder_relative_position_embedding_ranks",
+    "_PIPELINE_GLOBAL_RANKS": "pipeline_ranks",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "virtual_pipeline_rank",
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "virtual_pipeline_world_size",
+    "_PIPELINE_MODEL_PARALLEL_SPLIT_RANK": "pipeline_split_rank",
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": "mpu_tensor_world_size",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "mpu_pipeline_world_size",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": "mpu_tensor_rank", "_MPU_PIPELINE_MODEL_PARALLEL_RANK": "mpu_pipeline_rank",
+}
+
+
+def __getattr__(name: str) -> Any:
+    field = _APEX_GLOBALS.get(name)
+    if field is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_STATE, field)
+
+
+class _Module(types.ModuleType):
+    """Routes assignments to Apex's global names into ``_STATE`` (a plain module attribute would shadow it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        field = _APEX_GLOBALS.get(name)
+        if field is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(_STATE, field, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _APEX_GLOBALS:  # monkeypatch's undo of a name the module never held
+            setattr(_STATE, _APEX_GLOBALS[name], None)
+        else:
+            super().__delattr__(name)
+
+
+sys.modules[__name__].__class__ = _Module
 
 
 def _require(value: Any, what: str) -> Any:

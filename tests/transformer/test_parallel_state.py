@@ -165,6 +165,31 @@ def check_bad_input_changes_nothing(rank, world):
     assert ps.get_tensor_model_parallel_world_size() == world
 
 
+def check_apex_module_globals(rank, world):
+    """Apex's module globals (``_DATA_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``, ...) read the live state,
+    and assigning one changes what the getters answer, as it did in Apex."""
+    assert ps._TENSOR_MODEL_PARALLEL_GROUP is None and ps._PIPELINE_GLOBAL_RANKS is None
+    ps.initialize_model_parallel(2, world // 2)
+    try:
+        assert ps._TENSOR_MODEL_PARALLEL_GROUP is ps.get_tensor_model_parallel_group()
+        assert ps._DATA_PARALLEL_GROUP is ps.get_data_parallel_group()
+        assert ps._PIPELINE_MODEL_PARALLEL_GROUP is ps.get_pipeline_model_parallel_group()
+        assert ps._MODEL_PARALLEL_GROUP is ps.get_model_parallel_group()
+        assert ps._PIPELINE_GLOBAL_RANKS == dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        assert ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None and ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK is None
+        ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = 8
+        ps._MPU_TENSOR_MODEL_PARALLEL_RANK = 5
+        ps._PIPELINE_MODEL_PARALLEL_SPLIT_RANK = 1
+        assert ps.get_tensor_model_parallel_world_size() == 8 and ps.get_tensor_model_parallel_rank() == 5
+        assert ps.get_pipeline_model_parallel_split_rank() == 1
+        assert "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE" not in vars(ps)  # no shadowing module attribute
+    finally:
+        ps.destroy_model_parallel()
+    assert ps._TENSOR_MODEL_PARALLEL_GROUP is None and ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None
+    with pytest.raises(AttributeError):
+        ps._NOT_AN_APEX_GLOBAL  # noqa: B018
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("check", _dist.checks_of(sys.modules[__name__]))
 def test_distributed(check, world_size):
@@ -183,3 +208,4 @@ def test_stalled_rank_times_out(tmp_path):
     elapsed, outcome = stalled_outcome(tmp_path)
     assert "timed out" in outcome.lower() or "timeout" in outcome.lower(), outcome
     assert elapsed < 15.0  # the group's 6 s timeout, not torch's 30-minute default
+
