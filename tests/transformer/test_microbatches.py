@@ -130,6 +130,31 @@ def test_model_helpers():
     assert abs(norm - float(m.bias.detach().double().norm())) <= 1e-6 * norm
 
 
+
+def test_print_params_min_max_norm(capsys):
+    from apex.transformer.tensor_parallel import set_tensor_model_parallel_attributes
+
+    m = torch.nn.Linear(3, 2)
+    set_tensor_model_parallel_attributes(m.weight, True, 0, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    class Wrapper:  # Megatron's optimizer wrapper keeps the torch optimizer in .optimizer
+        optimizer = opt
+
+    for o in (Wrapper(), opt):
+        utils.print_params_min_max_norm(o, 7)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert lines[0] == "iteration, rank, index, tensor-model-parallel, min, max, norm"
+        for i, (line, p) in enumerate(zip(lines[1:], (m.weight, m.bias)), start=1):
+            it, rank, index, tp, lo, hi, norm = (f.strip() for f in line.split(","))
+            assert (int(it), int(rank), int(index), int(tp)) == (7, 0, i, int(p is m.weight))
+            d = p.detach().double()
+            assert float(lo) == pytest.approx(float(d.min()), rel=1e-6)
+            assert float(hi) == pytest.approx(float(d.max()), rel=1e-6)
+            assert float(norm) == pytest.approx(float(d.norm()), rel=1e-6)
+        assert len(lines) == 3
+
+
 def test_timers():
     from apex.transformer.pipeline_parallel._timers import _Timers
 

@@ -19,6 +19,10 @@ from apex.transformer.tensor_parallel.layers import param_is_not_tensor_parallel
 _GLOBAL_NUM_MICROBATCHES_CALCULATOR: NumMicroBatchesCalculator | None = None
 _GLOBAL_AUTORESUME = None
 _GLOBAL_TIMERS: _Timers | None = None
+# Declared by Apex (from Megatron-LM) and never set by it; kept for code that reads them.
+_GLOBAL_ARGS = None
+_GLOBAL_TOKENIZER = None
+_GLOBAL_TENSORBOARD_WRITER = None
 
 Shape = list[int] | torch.Size
 
@@ -219,6 +223,23 @@ def report_memory(name: str) -> None:
     )
     if parallel_state.get_data_parallel_rank() == 0:
         print(f"[Rank {torch.distributed.get_rank()}] {string}", flush=True)
+
+
+def print_params_min_max_norm(optimizer, iteration: int) -> None:
+    """Print the minimum, maximum and norm of every parameter of ``optimizer`` (Megatron's wrapper, whose
+    ``.optimizer`` holds the param groups, or a plain ``torch.optim.Optimizer``), one line per parameter:
+    iteration, rank, index, whether it is tensor-model-parallel, min, max, norm."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm\n"]
+    index = 0
+    for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+        for param in group["params"]:
+            index += 1
+            data = param.detach()
+            tp = int(getattr(param, "tensor_model_parallel", False))
+            lines.append(f"{iteration:7d}, {rank:4d}, {index:4d}, {tp:2d}, "
+                         f"{data.min():.6E}, {data.max():.6E}, {torch.linalg.norm(data):.6E}\n")
+    print("".join(lines), flush=True)
 
 
 def get_ltor_masks_and_position_ids(
