@@ -19,11 +19,39 @@ import torch.nn.functional as F
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
+import apex.normalization._registered_ops as _registered
 from apex.ops._norm import as_shape, autocast_args
 from apex.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
 from apex.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
 
 Tensor = torch.Tensor
+
+# Apex's global: the ``fused_layer_norm_cuda`` module once a module or op has imported it, None before.
+fused_layer_norm_cuda = None
+
+
+def supports_custom_op() -> bool:
+    """Whether this PyTorch has ``torch.library.custom_op`` (2.4 and later), which Apex's registered ops need."""
+    return hasattr(torch.library, "custom_op")
+
+
+# Apex's eight registered ops (apex::fused_layer_norm_affine_fwd, ...) and their fake implementations.
+fused_layer_norm_affine_bwd = _registered.fused_layer_norm_affine_bwd
+fused_layer_norm_affine_bwd_fake = _registered.fused_layer_norm_affine_bwd_fake
+fused_layer_norm_affine_fwd = _registered.fused_layer_norm_affine_fwd
+fused_layer_norm_affine_fwd_fake = _registered.fused_layer_norm_affine_fwd_fake
+fused_layer_norm_bwd = _registered.fused_layer_norm_bwd
+fused_layer_norm_bwd_fake = _registered.fused_layer_norm_bwd_fake
+fused_layer_norm_fwd = _registered.fused_layer_norm_fwd
+fused_layer_norm_fwd_fake = _registered.fused_layer_norm_fwd_fake
+fused_rms_norm_affine_bwd = _registered.fused_rms_norm_affine_bwd
+fused_rms_norm_affine_bwd_fake = _registered.fused_rms_norm_affine_bwd_fake
+fused_rms_norm_affine_fwd = _registered.fused_rms_norm_affine_fwd
+fused_rms_norm_affine_fwd_fake = _registered.fused_rms_norm_affine_fwd_fake
+fused_rms_norm_bwd = _registered.fused_rms_norm_bwd
+fused_rms_norm_bwd_fake = _registered.fused_rms_norm_bwd_fake
+fused_rms_norm_fwd = _registered.fused_rms_norm_fwd
+fused_rms_norm_fwd_fake = _registered.fused_rms_norm_fwd_fake
 
 
 def _autocast_call(fn, input, *args):
