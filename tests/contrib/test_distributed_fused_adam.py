@@ -739,8 +739,52 @@ def test_one_rank_triton_write_back_is_exact(dist_device):
     run_distributed(_triton_write_back, 1, timeout_s=120, device=dist_device)
 
 
+def _step_wrapper(rank, world):
+    """step() goes through torch.optim's wrapper (step hooks, the profiler's ``Optimizer.step#...`` range) only
+    while a hook or a profiler is there: a plain step opens no range (entering one cost about as much as the
+    Python of a 100-parameter step); with hooks, both run once a step and a pre hook's new keyword arguments
+    reach step; under a profiler the range is recorded. The values still equal FusedAdam's."""
+    from torch.autograd.profiler import record_function
+
+    from apex.optimizers import FusedAdam
+
+    model, ref = _model(), _model()
+    opt = _dfa(model)
+    ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    entered, calls = [], []
+    real_enter = record_function.__enter__
+    record_function.__enter__ = lambda self: (entered.append(self.name), real_enter(self))[1]
+    try:
+        for step in range(4):
+            if step == 1:
+                pre = opt.register_step_pre_hook(lambda o, a, k: (calls.append("pre"), (a, {**k, "closure": None}))[1])
+                post = opt.register_step_post_hook(lambda o, a, k: calls.append(("post", k["closure"])))
+            if step == 2:
+                pre.remove()
+                post.remove()
+            opt.zero_grad()
+            _loss(model, *_data(step, 0, rank)).backward()
+            entered.clear()
+            if step == 3:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    opt.step()
+                names = {e.name for e in prof.events()}
+                assert "Optimizer.step#DistributedFusedAdam.step" in names, sorted(names)[:20]
+            else:
+                opt.step(closure=(lambda: None) if step == 1 else None)
+            if step in (0, 2):
+                assert entered == [], entered
+            _ref_step(ref, ref_opt, world, step, 1)
+        assert calls == ["pre", ("post", None)], calls
+    finally:
+        record_function.__enter__ = real_enter
+    assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                     tol=1e-6, name="steps through and around torch.optim's wrapper")
+
+
 def _one_rank(rank, world):
     _one_rank_keeps_plans(rank, world)
+    _step_wrapper(rank, world)
     _plans_follow_changes(rank, world)
     _deferred_grad_copy(rank, world)  # the hooks' fast path is taken on one rank too
     _master_in_gather_buffer(rank, world)
