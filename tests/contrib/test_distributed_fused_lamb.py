@@ -301,6 +301,60 @@ def test_two_ranks_follow_changes():
     run_distributed(_follow_changes, 2, timeout_s=60)
 
 
+def _step_wrapper(rank, world):
+    """step() goes through torch.optim's wrapper (step hooks, the profiler's ``Optimizer.step#...`` range) only
+    while a hook or a profiler is there: a plain step opens no range; with hooks, both run once a step and a
+    pre hook's new keyword arguments reach step; under a profiler the range is recorded. A step that
+    overflows is still skipped (its one host read of the norm finds it not finite) and the values equal
+    FusedLAMB's."""
+    from torch.autograd.profiler import record_function
+
+    kw = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, max_grad_norm=1.0)
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedLAMB(_groups(model), **kw)
+    ref_opt = FusedLAMB(_groups(ref), **kw)
+    entered, calls = [], []
+    real_enter = record_function.__enter__
+    record_function.__enter__ = lambda self: (entered.append(self.name), real_enter(self))[1]
+    try:
+        for s in range(5):
+            if s == 1:
+                pre = opt.register_step_pre_hook(lambda o, a, k: (calls.append("pre"), (a, {**k, "closure": None}))[1])
+                post = opt.register_step_post_hook(lambda o, a, k: calls.append(("post", k["closure"])))
+            if s == 2:
+                pre.remove()
+                post.remove()
+            opt.zero_grad()
+            loss = _loss(model, *_batch(rank, s))
+            (loss * float("nan") if s == 4 else loss).backward()
+            entered.clear()
+            if s == 3:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    opt.step()
+                names = {e.name for e in prof.events()}
+                assert "Optimizer.step#DistributedFusedLAMB.step" in names, sorted(names)[:20]
+            else:
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.step(closure=(lambda: None) if s == 1 else None)
+            if s in (0, 2, 4):
+                assert entered == [], entered
+            if s == 4:
+                assert opt.has_overflow
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                continue
+            assert not opt.has_overflow
+            _reference_step(ref, ref_opt, world, s)
+            _close(model, ref, f"step {s}")
+        assert calls == ["pre", ("post", None)], calls
+    finally:
+        record_function.__enter__ = real_enter
+
+
+def test_one_rank_step_wrapper_hooks_profiler_overflow():
+    run_distributed(_step_wrapper, 1, timeout_s=60)
+
+
 def _all_scenarios(rank, world):
     _scenarios(rank, world)
     _more_scenarios(rank, world)

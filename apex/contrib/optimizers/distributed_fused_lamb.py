@@ -47,7 +47,7 @@ from apex.ops.multi_tensor_adam import multi_tensor_adam
 from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
 from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
 from apex.ops.multi_tensor_scale import multi_tensor_scale
-from apex.optimizers._base import _number, check_betas, check_non_negative
+from apex.optimizers._base import _number, check_betas, check_non_negative, fused_step
 
 _CHUNK = 2048 * 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -215,6 +215,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                                 + [t for _, views in self._group_frags for t in views[4]])
         idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
         self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
+        # each group's places of its update norms (after the n parameter norms): kept, not added every step
+        self._group_u_index = [gidx + n for gidx, _ in self._group_frags]
         self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
         self._copy_flag = torch.zeros(1, dtype=torch.int32, device=device)  # the copies' (unread) inf flag
         # a gradient of the flat buffer's dtype is queued by its hook (torch.mul into another dtype rounds
@@ -385,7 +387,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         s = self._global_scale
         return 1.0 if s is None else _number(s, "global_scale")
 
-    @torch.no_grad()
+    @fused_step  # (no_grad; torch.optim's hooks and profiler range only while there is one: see _zero_step)
     def step(self, closure=None, grad_scaler=None):
         """One LAMB step (see the module docstring); ``grad_scaler``: a ``torch.amp.GradScaler`` whose scale is
         used when ``set_global_scale`` was not called and which is told whether the step overflowed."""
@@ -402,10 +404,16 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         else:
             scale = self._scale_value()
         norm = self._L2_grad_norm
-        finite = torch.isfinite(norm).to(torch.int32)
-        if not self._clip_after_ar:  # local norms differ: skip everywhere if any rank overflowed
+        if self._clip_after_ar:
+            # every rank holds the same norm: its one host read also tells whether it is finite (no
+            # isfinite / cast / item ops, and one device sync a step instead of two)
+            norm_value = float(norm)
+            self._has_overflow = not math.isfinite(norm_value)
+        else:  # local norms differ: skip everywhere if any rank overflowed
+            finite = torch.isfinite(norm).to(torch.int32)
             _all_reduce(finite, op=dist.ReduceOp.MIN)
-        self._has_overflow = not bool(finite.item())
+            self._has_overflow = not bool(finite.item())
+            norm_value = None if self._has_overflow else float(norm)
         self._overflow_buf.fill_(int(self._has_overflow))
         if grad_scaler is not None:
             state = grad_scaler._per_optimizer_states[id(self)]
@@ -413,7 +421,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                 (1,), float(self._has_overflow), device=self._device)
         if not self._has_overflow:
             self._step += 1
-            self._update(scale, float(norm))
+            self._update(scale, norm_value)
             self._gather_params()
         self._reset_step_state()
         return loss
@@ -448,18 +456,17 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             if self._adam_w_mode and wd != 0:
                 torch._foreach_add_(u_runs, p_runs, alpha=wd)
         # trust ratios of whole parameters: the fragments' squared norms summed over the shards
-        n = len(self._model_params)
         sq = self._norm_sq.zero_()  # (norms[idx] below are copies: the buffer is free again next step)
         if self._frags_pu:  # the fragments of p, then of u
             per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [self._frags_pu], True, validate=False)[1]
             sq.index_add_(0, self._norm_index, per.float().square())
         _all_reduce(sq, group=self._rs_pg)
         norms = sq.sqrt_()
-        for group, (idx, (_, p, _, _, u)) in zip(self.param_groups, self._group_frags):
+        for group, (idx, (_, p, _, _, u)), u_idx in zip(self.param_groups, self._group_frags, self._group_u_index):
             if not p:
                 continue
             lr = group["lr"] if self._lr is None else _number(self._lr, "_lr")
-            multi_tensor_lamb_stage2_cuda(_CHUNK, self._overflow_buf, [p, u], norms[idx], norms[n + idx], lr,
+            multi_tensor_lamb_stage2_cuda(_CHUNK, self._overflow_buf, [p, u], norms[idx], norms[u_idx], lr,
                                           group["weight_decay"], self._use_nvlamb, validate=False)
 
     def _gather_params(self) -> None:
