@@ -14,8 +14,9 @@ Activation codes (Apex's ``mlp_cuda`` numbering, GELU added): 0 none, 1 ReLU, 2 
 the tanh approximation (cuBLASLt's). Derivatives: ReLU and sigmoid from the activation's output
 (``y > 0``, ``y(1 − y)``), GELU from its input.
 
-Operands may have any strides (transposed views need no copy). fp16/bf16 operands go to ``tl.dot`` as they
-are (fp32 accumulation); fp32 operands use ``input_precision="ieee"`` unless the caller allows tf32. Under
+``A`` and ``B`` may have any strides (transposed views need no copy); ``C`` and the saved tensors
+``AuxA``/``AuxC`` are contiguous, their strides implied by their shapes. fp16/bf16 operands go to ``tl.dot``
+as they are (fp32 accumulation); fp32 operands use ``input_precision="ieee"`` unless the caller allows tf32. Under
 the Triton interpreter bf16 operands are upcast to fp32 before the dot (the interpreter's bf16 dot is
 wrong) and one fixed tile configuration, sized to the problem, is used.
 """
@@ -64,12 +65,13 @@ def _dact(aux, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K,
-                 s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_xm, s_xk, s_ym, s_yn,
-                 PRO_A: tl.constexpr, DACT_A: tl.constexpr, PRO_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EPI_ACT: tl.constexpr, DACT_C: tl.constexpr, ROWSUM: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K, s_am, s_ak, s_bk, s_bn,
+                 PRO_A: tl.constexpr, DACT_A: tl.constexpr, AUX_T: tl.constexpr, PRO_B: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EPI_ACT: tl.constexpr, DACT_C: tl.constexpr, ROWSUM: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # C, AuxC ([M, N]) and AuxA are contiguous: their strides are implied (N, 1; AuxA [M, K] row-major, or
+    # [K, M] where AUX_T), not arguments (fewer arguments, a cheaper launch).
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -102,7 +104,10 @@ def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K,
             if PRO_A != 0:
                 af = _act(af, PRO_A)
             if DACT_A != 0:
-                x = tl.load(AuxA + rm64[:, None] * s_xm + kk64[None, :] * s_xk, mask=a_mask, other=0.0)
+                if AUX_T:
+                    x = tl.load(AuxA + rm64[:, None] + kk64[None, :] * M, mask=a_mask, other=0.0)
+                else:
+                    x = tl.load(AuxA + rm64[:, None] * K + kk64[None, :], mask=a_mask, other=0.0)
                 af = af * _dact(x.to(tl.float32), DACT_A)
             af = tl.where(a_mask, af, 0.0)
             if ROWSUM:
@@ -124,9 +129,9 @@ def _gemm_kernel(A, B, C, Bias, AuxA, AuxC, DB, M, N, K,
     if EPI_ACT != 0:
         acc = _act(acc, EPI_ACT)
     if DACT_C != 0:
-        y = tl.load(AuxC + rm64[:, None] * s_ym + rn64[None, :] * s_yn, mask=c_mask, other=0.0)
+        y = tl.load(AuxC + rm64[:, None] * N + rn64[None, :], mask=c_mask, other=0.0)
         acc = acc * _dact(y.to(tl.float32), DACT_C)
-    tl.store(C + rm64[:, None] * s_cm + rn64[None, :] * s_cn, acc.to(C.dtype.element_ty), mask=c_mask)
+    tl.store(C + rm64[:, None] * N + rn64[None, :], acc.to(C.dtype.element_ty), mask=c_mask)
     if ROWSUM:
         if pid_n == 0:  # every column block computed the same sums; one writes them
             tl.store(DB + rm, rsum.to(DB.dtype.element_ty), mask=m_mask)
@@ -136,7 +141,8 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
-_PLANS = _tuning.plan_cache()  # (m, n, k, dtype) -> (config, grid, tf32 allowed, bf16 upcast)
+# (m, n, k, dtype) -> (launcher of the grid, constexprs ieee, constexprs tf32 allowed, num_warps, num_stages)
+_PLANS = _tuning.plan_cache()
 
 
 def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
@@ -162,10 +168,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
          trans_b: bool = False) -> torch.Tensor:
     """``C = epilogue(prologue(a) @ prologue(b))`` (see the module docstring); one launch.
 
-    ``a`` is ``[M, K]`` and ``b`` ``[K, N]``, any strides; ``aux_a`` has ``a``'s shape, ``aux_c`` and the
-    result ``C`` (contiguous, ``out_dtype``) are ``[M, N]``; ``rowsum`` (``[M]``, written) receives the row
-    sums of the prologued ``a``. ``trans_a``: ``a`` and ``aux_a`` are given as ``[K, M]``; ``trans_b``: ``b``
-    as ``[N, K]``.
+    ``a`` is ``[M, K]`` and ``b`` ``[K, N]``, any strides; ``aux_a`` (needed with ``dact_a``) has ``a``'s
+    shape, ``aux_c`` (needed with ``dact_c``) and the result ``C`` (contiguous, ``out_dtype``) are ``[M, N]``
+    (the aux operands are read contiguous: a strided one is copied first); ``rowsum`` (``[M]``, written)
+    receives the row sums of the prologued ``a``. ``trans_a``: ``a`` and ``aux_a`` are given as ``[K, M]``;
+    ``trans_b``: ``b`` as ``[N, K]``.
     """
     # trans_a / trans_b: a (and aux_a) given as [K, M], b as [N, K] (a weight): their strides are swapped
     # here instead of a transposed view made by the caller (an operator call each). Each fact read once.
@@ -187,31 +194,42 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     c = a.new_empty(m, n) if out_dtype is None else a.new_empty(m, n, dtype=out_dtype)
     if m == 0 or n == 0:
         return c
-    key = (m, n, k, dt)
-    planned = _PLANS.get(key)
-    if planned is None:  # (the target query behind _config costs a few µs: once per shape and dtype)
-        cfg = _config(m, n, k, dt)
-        # tf32 only for fp32 operands on a GPU (the interpreter computes in ieee); the interpreter's bf16 dot
-        # needs fp32 operands.
-        planned = _PLANS[key] = (cfg, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),),
-                                 dt == torch.float32 and not _INTERP, _INTERP and dt == torch.bfloat16)
-    cfg, grid, tf32_ok, upcast = planned
-    if aux_a is None:
-        xa, sxa0, sxa1 = a, sa0, sa1
-    elif trans_a:
-        xa = aux_a
-        sxa1, sxa0 = aux_a.stride()
+    plan = _PLANS.get((m, n, k, dt))
+    if plan is None:
+        plan = _plan(m, n, k, dt)
+    launch, ieee, tf32, warps, stages = plan
+    # The aux operands are read at the strides their contiguous layout implies (see the kernel); absent, a
+    # pointer the kernel does not read. AUX_T only where AuxA is read (no second compile of one kernel).
+    if dact_a:
+        if not aux_a.is_contiguous():
+            aux_a = aux_a.contiguous()
+        aux_t = trans_a
     else:
-        xa = aux_a
-        sxa0, sxa1 = aux_a.stride()
-    if aux_c is None:  # c is contiguous [m, n]
-        yc, syc0, syc1 = c, n, 1
+        aux_a, aux_t = a, False
+    if dact_c:
+        if not aux_c.is_contiguous():
+            aux_c = aux_c.contiguous()
     else:
-        yc = aux_c
-        syc0, syc1 = aux_c.stride()
-    _gemm_kernel[grid](
-        a, b, c, c if bias is None else bias, xa, yc, c if rowsum is None else rowsum, m, n, k,
-        sa0, sa1, sb0, sb1, n, 1, sxa0, sxa1, syc0, syc1,
-        PRO_A=pro_a, DACT_A=dact_a, PRO_B=pro_b, HAS_BIAS=bias is not None, EPI_ACT=epi_act, DACT_C=dact_c,
-        ROWSUM=rowsum is not None, UPCAST=upcast, PRECISION="tf32" if allow_tf32 and tf32_ok else "ieee", **cfg)
+        aux_c = c
+    # The constexprs positionally (PRO_A, DACT_A, AUX_T, PRO_B, HAS_BIAS, EPI_ACT, DACT_C, ROWSUM, then the
+    # plan's UPCAST, PRECISION, BM, BN, BK, GROUP_M): each keyword costs a launch ~2,000 instructions of
+    # dictionary building and binding.
+    launch(a, b, c, c if bias is None else bias, aux_a, aux_c, c if rowsum is None else rowsum, m, n, k,
+           sa0, sa1, sb0, sb1, pro_a, dact_a, aux_t, pro_b, bias is not None, epi_act, dact_c,
+           rowsum is not None, *(tf32 if allow_tf32 else ieee), num_warps=warps, num_stages=stages)
     return c
+
+
+def _plan(m: int, n: int, k: int, dt: torch.dtype) -> tuple:
+    # (the target query behind _config costs a few µs: once per shape and dtype)
+    cfg = _config(m, n, k, dt)
+    # tf32 only for fp32 operands on a GPU (the interpreter computes in ieee); the interpreter's bf16 dot needs
+    # fp32 operands.
+    upcast = _INTERP and dt == torch.bfloat16
+    tail = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"])
+    ieee = (upcast, "ieee", *tail)
+    tf32 = (upcast, "tf32", *tail) if dt == torch.float32 and not _INTERP else ieee
+    # The grid's launcher (kernel[grid] builds it anew at every call) kept with the plan.
+    plan = _PLANS[(m, n, k, dt)] = (_gemm_kernel[(cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)], ieee, tf32,
+                                    cfg["num_warps"], cfg["num_stages"])
+    return plan
