@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import _C
 
+from apex._errors import RuntimeValueError
+
 Tensor = torch.Tensor
 _MODULE = "apex.normalization.fused_layer_norm"
 
@@ -43,6 +45,15 @@ def _stats(input: Tensor, normalized_shape: list[int]) -> Tensor:
         rows *= s
     dtype = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
     return torch.empty([rows], dtype=dtype, device=input.device)
+
+
+def _check_bwd(grad_output: Tensor, mean: Tensor | None, input_or_output: Tensor, memory_efficient: bool) -> None:
+    # Apex's extension rejects these with TORCH_CHECK (a RuntimeError); the class here is also a ValueError.
+    if grad_output.shape != input_or_output.shape:
+        raise RuntimeValueError(f"grad_output has shape {list(grad_output.shape)}, expected input_or_output's "
+                                f"{list(input_or_output.shape)}")
+    if mean is None and not memory_efficient:
+        raise RuntimeValueError("mean is required unless memory_efficient=True")
 
 
 # ---------------------------------------------------------------------------------------- op kernels
@@ -71,6 +82,7 @@ def _fused_layer_norm_affine_bwd_kernel(grad_output: Tensor, mean: Tensor, invva
     """``apex::fused_layer_norm_affine_bwd``: ``(grad_input, grad_weight, grad_bias)`` from the forward's
     statistics and its input, or with ``memory_efficient=True`` its output (``mean`` is then unused and may be
     None)."""
+    _check_bwd(grad_output, mean, input_or_output, memory_efficient)
     grad_input, grad_weight, grad_bias = _ext().backward_affine(
         grad_output.contiguous(), mean, invvar, input_or_output.contiguous(), normalized_shape, weight, bias, eps,
         memory_efficient)
@@ -102,6 +114,7 @@ def fused_layer_norm_fwd_fake(input: Tensor, normalized_shape: list[int], eps: f
 def _fused_layer_norm_bwd_kernel(grad_output: Tensor, mean: Tensor, invvar: Tensor, input_or_output: Tensor,
                          normalized_shape: list[int], eps: float, memory_efficient: bool = False) -> Tensor:
     """``apex::fused_layer_norm_bwd``: ``grad_input`` of :func:`fused_layer_norm_fwd`."""
+    _check_bwd(grad_output, mean, input_or_output, memory_efficient)
     return _ext().backward(grad_output.contiguous(), mean, invvar, input_or_output.contiguous(), normalized_shape,
                           eps, memory_efficient)
 
@@ -131,6 +144,7 @@ def _fused_rms_norm_affine_bwd_kernel(grad_output: Tensor, invvar: Tensor, input
                               memory_efficient: bool = False) -> tuple[Tensor, Tensor]:
     """``apex::fused_rms_norm_affine_bwd``: ``(grad_input, grad_weight)`` from ``invvar`` and the forward's
     input (or, with ``memory_efficient=True``, its output)."""
+    _check_bwd(grad_output, invvar, input_or_output, memory_efficient)
     grad_input, grad_weight = _ext().rms_backward_affine(grad_output.contiguous(), invvar, input_or_output.contiguous(),
                                                          normalized_shape, weight, eps, memory_efficient)
     return grad_input, grad_weight
@@ -159,6 +173,7 @@ def fused_rms_norm_fwd_fake(input: Tensor, normalized_shape: list[int], eps: flo
 def _fused_rms_norm_bwd_kernel(grad_output: Tensor, invvar: Tensor, input_or_output: Tensor,
                                normalized_shape: list[int], eps: float, memory_efficient: bool = False) -> Tensor:
     """``apex::fused_rms_norm_bwd``: ``grad_input`` of :func:`fused_rms_norm_fwd`."""
+    _check_bwd(grad_output, invvar, input_or_output, memory_efficient)
     return _ext().rms_backward(grad_output.contiguous(), invvar, input_or_output.contiguous(), normalized_shape, eps,
                                memory_efficient)
 
