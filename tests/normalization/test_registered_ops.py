@@ -125,6 +125,23 @@ def test_fwd_op_gradients_of_every_input(backend_name, device, kind, dtype, memo
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_input(backend_name, device, kind):
+    """A transposed input (Apex's ops make it contiguous first): values and gradients as for a copy."""
+    x = torch.randn(48, 3, 5, device=device).permute(1, 2, 0).reshape(3, 5, 2, 24).requires_grad_()
+    assert not x.is_contiguous()
+    w, b = _params(kind, torch.float32, device, requires_grad=True)
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = _fwd(kind, x, w, b)[0]
+    assert y.is_contiguous()
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = _ref(kind, *(*leaves64, None, None)[:3])[0]
+    assert_rel_close(y, y_ref)
+    g = torch.randn(SHAPE, device=device)
+    assert_rel_close(list(torch.autograd.grad(y, leaves, g)), list(torch.autograd.grad(y_ref, leaves64, g.double())),
+                     torch.float32, name="grads")
+
+
 @pytest.mark.parametrize("memory_efficient", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 def test_bwd_ops_called_directly(backend_name, device, kind, memory_efficient):
