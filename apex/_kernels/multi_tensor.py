@@ -50,8 +50,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-@dataclass(frozen=True)
-class TensorTable:
+@dataclass(slots=True)
+class TensorTable:  # (read-only by convention: a frozen dataclass costs an object.__setattr__ per field)
     ptrs: torch.Tensor          # int64 [n_lists * n_tensors]
     sizes: torch.Tensor         # int64 [n_tensors]
     chunk_tensor: torch.Tensor  # int32 [n_chunks]
@@ -109,7 +109,6 @@ class _LRU:
 # tensors themselves (which may be freed: a hit is valid for any tensors at those places and sizes).
 _tables = _LRU()
 _layouts = _LRU()
-_col_ptrs = _LRU(256)
 _groupings = _LRU()
 _indices = _LRU()
 _ranges: dict = {}
@@ -120,12 +119,14 @@ def _next_pow2(n: int) -> int:
 
 
 def _upload(values, device: torch.device) -> torch.Tensor:
-    """An int64 device tensor of ``values`` (ints); on a GPU through pinned memory without blocking the host
-    (a pageable copy waits for the GPU to drain, and is not allowed while a CUDA graph is being captured)."""
+    """An int64 device tensor of ``values`` (ints, or an ``array("q")`` never written again); on a GPU through
+    pinned memory without blocking the host (a pageable copy waits for the GPU to drain, and is not allowed
+    while a CUDA graph is being captured)."""
     # (through an array: torch.tensor of a list of ints costs twice as much per element; the tensor keeps the
-    # array alive and is its only user, so it needs no copy of its own)
-    host = torch.frombuffer(array("q", values), dtype=torch.int64) if len(values) else \
-        torch.zeros(0, dtype=torch.int64)
+    # array alive, and nothing writes either, so it needs no copy of its own)
+    if type(values) is not array:
+        values = array("q", values)
+    host = torch.frombuffer(values, dtype=torch.int64) if len(values) else torch.zeros(0, dtype=torch.int64)
     if device.type == "cpu":
         return host
     try:
@@ -182,8 +183,13 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
             a is c.ptrs or a == c.ptrs for a, c in zip(cached[1], cols)):
         return cached[2]
     lay = _layout(first.numels, device)
-    parts = [_ptrs_on(c, device) for c in cols]  # only a list whose addresses are new is uploaded
-    result = TensorTable(ptrs=torch.cat(parts) if len(parts) > 1 else parts[0], sizes=lay.sizes,
+    # One upload of every list's addresses, joined on the host from each Column's array (made once per
+    # Column: a step whose gradients moved converts only theirs; joining arrays is a copy of bytes), rather
+    # than a cached device tensor per list joined by torch.cat: an op and a tensor more per new table.
+    host = _host_ptrs(first)
+    for c in cols[1:]:
+        host = host + _host_ptrs(c)
+    result = TensorTable(ptrs=_upload(host, device), sizes=lay.sizes,
                          chunk_tensor=lay.chunk_tensor, chunk_start=lay.chunk_start,
                          chunk_first=lay.chunk_first, n_tensors=len(first), n_chunks=lay.n_chunks,
                          chunk=lay.chunk, block=lay.block, dtypes=tuple(TORCH_TO_TL[d] for d in dtypes),
@@ -192,16 +198,12 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
     return result
 
 
-def _ptrs_on(col, device: torch.device) -> torch.Tensor:
-    """The addresses of a Column's tensors as a device tensor (cached: a step whose gradients moved uploads
-    theirs and reuses those of the parameters and states)."""
-    key = (device, col.key)
-    cached = _col_ptrs.get(key)
-    if cached is not None and (cached[0] is col.ptrs or cached[0] == col.ptrs):
-        return cached[1]
-    dev = _upload(col.ptrs, device)
-    _col_ptrs.put(key, (col.ptrs, dev))
-    return dev
+def _host_ptrs(col) -> array:
+    """A Column's addresses as an int64 host array, kept on the Column (its facts never change)."""
+    host = col.__dict__.get("host_ptrs")
+    if host is None:
+        host = col.host_ptrs = array("q", col.ptrs)
+    return host
 
 
 def _all_indices(n: int) -> list[int]:
