@@ -31,10 +31,12 @@ into the output.
 from __future__ import annotations
 
 import torch
+from torch._C import _any_requires_grad, _are_functorch_transforms_active, _is_tracing
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex._backend import select_tensor
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE, custom_op, lazy_module
 from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
@@ -251,6 +253,13 @@ def rope_apply(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: 
     """The rotation (or its transpose when ``backward``) without autograd; arguments already checked."""
     if mode == THD:
         _check_cu_values(cu_seqlens, t.size(0), ta.size(0))
+    return _rotated(t, ta, tb, tc, td, cu_seqlens, mode, img_w, backward, transpose_output)
+
+
+def _rotated(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None,
+             cu_seqlens: Tensor | None, mode: int, img_w: int, backward: bool, transpose_output: bool) -> Tensor:
+    """:func:`rope_apply` with ``cu_seqlens``' values already checked (the forward checked them, and the
+    backward's saved tables and offsets are version-checked by autograd: no second host read)."""
     y = _alloc(t, mode, transpose_output)
     # fp64 stays on the PyTorch path: the kernel computes in fp32.
     # The op's function runs on real tensors (torch.compile records the op, not this code): the eager select.
@@ -264,7 +273,7 @@ def rope_apply(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: 
             y4 = y.unsqueeze(1) if mode == THD else y
             r = ta.shape[3]
             dims = (0, 3)  # [rows, 1, 1, R]
-        kernels.rope(x4, y4, mode, backward, r, ta, tb, tc, td, cu=cu_seqlens, img_w=img_w, dims=dims)
+        kernels.rope(x4, y4, mode, backward, r, ta, tb, tc, td, cu_seqlens, img_w, dims)
         return y
     return _torch_path(t, y, ta, tb, tc, td, cu_seqlens, mode, img_w, backward)
 
@@ -297,32 +306,75 @@ def _backward(ctx, grad):
 _rope_op.register_autograd(_backward, setup_context=_setup)
 
 
+class _Direct(torch.autograd.Function):
+    """The eager call with a gradient on plain tensors: what ``_rope_op``'s eager call does through its
+    function, setup and backward op, without those layers. The backward rotates the gradient itself, and takes
+    ``_rope_op`` wherever the registered op is needed: a graph for a second derivative, a dispatch mode, a
+    ``torch.func`` transform or a tensor subclass."""
+
+    @staticmethod
+    def forward(ctx, t, ta, tb, tc, td, cu, mode, img_w, transpose_output):
+        ctx.save_for_backward(ta, tb, tc, td, cu)
+        ctx.args = (mode, img_w, transpose_output)
+        return _rotated(t, ta, tb, tc, td, cu, mode, img_w, False, transpose_output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ta, tb, tc, td, cu = ctx.saved_tensors
+        mode, img_w, transpose_output = ctx.args
+        if (torch.is_grad_enabled() or type(grad) not in _PLAIN or torch.compiler.is_compiling()
+                or torch.compiler.is_exporting() or _dispatch_modes() or _are_functorch_transforms_active()
+                or _is_tracing()):
+            dt = _rope_op(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
+        else:
+            dt = _rotated(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
+        return dt, None, None, None, None, None, None, None, None
+
+
+_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+
+def _run(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None, cu: Tensor | None,
+         mode: int, img_w: int, transpose_output: bool) -> Tensor:
+    """A checked call: the registered op while compiling, exporting or tracing, under a dispatch mode or a
+    ``torch.func`` transform, or for a tensor subclass (each sees it as before); otherwise :class:`_Direct`
+    when a gradient is needed, or the rotation alone (the custom op's eager call without its layers)."""
+    if (torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+            or _are_functorch_transforms_active() or _is_tracing() or type(t) not in _PLAIN
+            or type(ta) not in _PLAIN or type(tb) not in _PLAIN_OR_NONE or type(tc) not in _PLAIN_OR_NONE
+            or type(td) not in _PLAIN_OR_NONE or type(cu) not in _PLAIN_OR_NONE):
+        return _rope_op(t, ta, tb, tc, td, cu, mode, img_w, False, transpose_output)
+    if mode == THD:
+        _check_cu_values(cu, t.size(0), ta.size(0))
+    if torch.is_grad_enabled() and _any_requires_grad(t, ta, tb, tc, td):
+        return _direct(t, ta, tb, tc, td, cu, mode, img_w, transpose_output)
+    return _rotated(t, ta, tb, tc, td, cu, mode, img_w, False, transpose_output)
+
+
 # ------------------------------------------------------------------------------------- autograd entry
 def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with fp32 angles ``freqs`` ``[s, 1, 1, R]``, ``R ≤ d`` even."""
     check_sbhd(t, freqs)
-    return _rope_op(t, freqs, None, None, None, None, SBHD, 1, False,
-                                     bool(transpose_output_memory))
+    return _run(t, freqs, None, None, None, None, SBHD, 1, bool(transpose_output_memory))
 
 
 def fused_rope_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with precomputed ``cos_``/``sin_`` ``[s, 1, 1, R]`` (fp32 or ``t``'s dtype)."""
     check_cached(t, cos_, sin_)
-    return _rope_op(t, cos_, sin_, None, None, None, CACHED, 1, False,
-                                     bool(transpose_output_memory))
+    return _run(t, cos_, sin_, None, None, None, CACHED, 1, bool(transpose_output_memory))
 
 
 def fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
     """RoPE on packed sequences ``t`` ``[t, h, d]``; ``cu_seqlens`` ``[n + 1]`` non-decreasing."""
     check_thd(t, cu_seqlens, freqs)
-    return _rope_op(t, freqs, None, None, None, cu_seqlens, THD, 1, False, False)
+    return _run(t, freqs, None, None, None, cu_seqlens, THD, 1, False)
 
 
 def fused_rope_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
                   sin_w: Tensor) -> Tensor:
     """2-D RoPE on ``t`` ``[b, img_h·img_w, h, d]`` with tables ``[1, ≥img_h (≥img_w), 1, d/2]``."""
     check_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)
-    return _rope_op(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, int(img_w), False, False)
+    return _run(t, cos_h, sin_h, cos_w, sin_w, None, IMG2D, int(img_w), False)
 
 
 # ------------------------------------------- Apex's ``fused_rotary_positional_embedding`` entry points

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import apex
 from apex.ops import fused_rope as R
 from apex.testing import TritonTrace, assert_rel_close
+from tests import _device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -362,3 +363,92 @@ def test_rope_half_error_is_near_the_once_rounded_formula(backend_name, dtype):
         once = rotation(x.float(), freqs, transpose).to(dtype)
         err, err_once = (float((v.detach().double() - exact).norm() / exact.norm()) for v in (ours, once))
         assert err <= 2 * err_once, f"{name}: {err:.3e} > 2 x {err_once:.3e} (the fp32 formula rounded once)"
+
+
+# ------------------------------------------------------------------------------- eager path and tracers
+NEEDS_PLAIN_TENSORS = pytest.mark.skipif(
+    _device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops under a dispatch mode, which "
+    "takes the registered op by design")
+
+
+def _custom_op_calls(monkeypatch) -> list:
+    """Every call of an apex custom op's Python entry (``CustomOp.__call__``) from now on."""
+    from apex.ops._dispatch import CustomOp
+
+    calls: list = []
+    call = CustomOp.__call__
+
+    def counted(self, *args):
+        calls.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(CustomOp, "__call__", counted)
+    return calls
+
+
+def _layout_call(layout, dev):
+    s, b, h, d = 6, 2, 3, 16
+    if layout == "thd":
+        t = torch.randn(12, h, d, device=dev, requires_grad=True)
+        cu, freqs = torch.tensor([0, 5, 12], device=dev, dtype=torch.int32), torch.randn(7, 1, 1, d, device=dev)
+        return t, (lambda: R.fused_rope_thd(t, cu, freqs)), (t, freqs, None, None, None, cu, R.THD, 1, False, False)
+    t = torch.randn(s, b, h, d, device=dev, requires_grad=True)
+    if layout == "cached":
+        f = torch.randn(s, 1, 1, d, device=dev)
+        cos, sin = f.cos(), f.sin()
+        return t, (lambda: R.fused_rope_cached(t, cos, sin, True)), (t, cos, sin, None, None, None, R.CACHED, 1,
+                                                                     False, True)
+    freqs = torch.randn(s, 1, 1, 12, device=dev)
+    return t, (lambda: R.fused_rope(t, freqs)), (t, freqs, None, None, None, None, R.SBHD, 1, False, False)
+
+
+@NEEDS_PLAIN_TENSORS
+@pytest.mark.parametrize("layout", ["sbhd", "cached", "thd"])
+def test_rope_eager_forward_and_backward_rotate_without_the_custom_op(triton_device, monkeypatch, layout):
+    """In eager mode on plain tensors neither the forward nor the backward goes through the custom op's entry
+    (its checks and autograd layers cost more host time than the launch): the same values, bit for bit, as
+    the registered op ``torch.ops.apex.fused_rope`` differentiated by torch.library's autograd."""
+    t, call, op_args = _layout_call(layout, triton_device)
+    with apex.backend("triton"):
+        ref = torch.ops.apex.fused_rope(*op_args)
+        dy = torch.randn_like(ref)
+        (ref_dt,) = torch.autograd.grad(ref, t, dy)
+        calls = _custom_op_calls(monkeypatch)
+        y = call()
+        (dt,) = torch.autograd.grad(y, t, dy)
+        with torch.no_grad():
+            y_nograd = call()
+    assert calls == [], f"{len(calls)} custom-op calls in an eager forward + backward"
+    assert y.stride() == ref.stride()
+    for got, want in ((y, ref), (dt, ref_dt), (y_nograd, ref)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_rope_backward_under_a_dispatch_mode_and_second_derivative(triton_device):
+    """A forward run eagerly whose backward runs under a dispatch mode: the mode sees the registered op, with
+    the same gradient. A backward that builds a graph takes the registered op too: the rotation is linear, so
+    for ``loss = Σ y²`` the gradient is ``2·t`` (the rotation is orthogonal: the halves share their angles) and
+    the derivative of its sum ``2``."""
+    t = torch.randn(6, 2, 3, 16, device=triton_device, requires_grad=True)
+    freqs = torch.randn(6, 1, 1, 8, device=triton_device).repeat(1, 1, 1, 2)
+    with apex.backend("triton"):
+        expected = torch.autograd.grad(R.fused_rope(t, freqs).square().sum(), t)
+        loss = R.fused_rope(t, freqs).square().sum()
+        with _Recorder() as rec:
+            got = torch.autograd.grad(loss, t)
+        (g,) = torch.autograd.grad(R.fused_rope(t, freqs).square().sum(), t, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), t)
+    assert "apex::fused_rope" in rec.ops, rec.ops
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert_rel_close(g, 2 * t.detach(), tol=1e-5)
+    assert_rel_close(gg, torch.full_like(gg, 2.0), tol=1e-5)
