@@ -84,21 +84,25 @@ def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, N]`` view; returns contiguous ``[M, N]``."""
     M, N = x.shape
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    # new_empty takes x's device (and usually its dtype): no arguments to parse for them.
+    y = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
         bm, bn, grid = _tiles(M, N)
-        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
-                          HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
+        sx = x.stride()  # one tuple: stride(dim) parses its int-or-name overloads on every call
+        # The constexprs positionally (HAS_BIAS, BLOCK_M, BLOCK_N): each keyword costs a launch ~2,000
+        # instructions of dictionary building and binding.
+        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, sx[0], sx[1], bias is not None, bm, bn)
     return y
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     M, N = x.shape
-    dx = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    dx = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
         bm, bn, grid = _tiles(M, N)
-        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
-                          x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
+        sd, sx = dy.stride(), x.stride()
+        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, sd[0], sd[1], sx[0], sx[1],
+                          bias is not None, bm, bn)  # HAS_BIAS, BLOCK_M, BLOCK_N
     return dx
 
 
@@ -106,10 +110,10 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
                             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sum, bias dtype), in one launch."""
     M, N = x.shape
-    dx = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    db = torch.empty(N, dtype=bias.dtype, device=x.device)
+    dx = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
+    db = bias.new_empty(N)
     if N:
         bm, bn, grid = column_tiles(M, N)
-        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                             BLOCK_M=bm, BLOCK_N=bn)
+        sd, sx = dy.stride(), x.stride()
+        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, sd[0], sd[1], sx[0], sx[1], bm, bn)  # BLOCK_M, BLOCK_N
     return dx, db

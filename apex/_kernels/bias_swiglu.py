@@ -121,23 +121,28 @@ def _plan(op: str, x: torch.Tensor, M: int, N: int) -> tuple[dict, tuple[int, in
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, 2N]`` view; returns ``[M, N]``."""
     M, N = x.shape[0], x.shape[1] // 2
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)  # integers: a tuple costs ~1 µs more to parse
+    # Integers (a tuple costs ~1 µs more to parse); new_empty takes x's device (and usually its dtype): no
+    # arguments to parse for them.
+    y = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
         cfg, grid = _plan("bias_swiglu.fwd", x, M, N)
-        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, x.stride(0), x.stride(1),
-                          HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
+        sx = x.stride()  # one tuple: stride(dim) parses its int-or-name overloads on every call
+        # The constexprs positionally (HAS_BIAS, BLOCK_M, BLOCK_N): each keyword costs a launch ~2,000
+        # instructions of dictionary building and binding.
+        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, sx[0], sx[1], bias is not None, cfg["rows"],
+                          cfg["cols"], num_warps=cfg["warps"])
     return y
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``dy`` ``[M, N]`` and ``x`` ``[M, 2N]`` 2-D views; returns ``dx`` ``[M, 2N]``."""
     M, N = x.shape[0], x.shape[1] // 2
-    dx = torch.empty(M, 2 * N, dtype=out_dtype, device=x.device)
+    dx = x.new_empty(M, 2 * N) if out_dtype is x.dtype else x.new_empty(M, 2 * N, dtype=out_dtype)
     if M * N:
         cfg, grid = _plan("bias_swiglu.bwd", x, M, N)
-        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, dy.stride(0), dy.stride(1),
-                          x.stride(0), x.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg["rows"],
-                          BLOCK_N=cfg["cols"], num_warps=cfg["warps"])
+        sd, sx = dy.stride(), x.stride()
+        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, sd[0], sd[1], sx[0], sx[1],
+                          bias is not None, cfg["rows"], cfg["cols"], num_warps=cfg["warps"])  # HAS_BIAS, BLOCK_M/N
     return dx
 
 
@@ -168,26 +173,26 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sums, one rounding to the bias dtype),
     in one launch (two where the rows are split: a fixed-order sum of the chunks' fp32 partials)."""
     M, N = x.shape[0], x.shape[1] // 2
-    dev = x.device
-    dx = torch.empty(M, 2 * N, dtype=out_dtype, device=dev)
-    db = torch.empty(2 * N, dtype=bias.dtype, device=dev)
+    dx = x.new_empty(M, 2 * N) if out_dtype is x.dtype else x.new_empty(M, 2 * N, dtype=out_dtype)
+    db = bias.new_empty(2 * N)
     if N:
         key = ("bias_swiglu.bwd_db", M, N, x.element_size(), x.get_device())
         plan = _PLANS.get(key)
         if plan is None:
+            dev = x.device
             cfg = _tuning.pick(key[0], dev, key[3], (M, N), _db_formula(M, N, dev))
             per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
             plan = _PLANS[key] = (cfg, per, cdiv(max(M, 1), per))
         else:
             _tuning.last[key[0]] = plan[0]
         cfg, per, splits = plan
-        part = torch.empty(splits, 2 * N, dtype=torch.float32, device=dev) if splits > 1 else db
+        part = x.new_empty(splits, 2 * N, dtype=torch.float32) if splits > 1 else db
+        sd, sx = dy.stride(), x.stride()
         _bwd_db_kernel[(cdiv(N, cfg["cols"]), splits)](
-            dy, x, bias, dx, db, part, M, N, per, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-            BLOCK_M=cfg["rows"], BLOCK_N=cfg["cols"], STAGES=cfg["stages"], SPLIT=splits > 1,
+            dy, x, bias, dx, db, part, M, N, per, sd[0], sd[1], sx[0], sx[1],
+            cfg["rows"], cfg["cols"], cfg["stages"], splits > 1,  # BLOCK_M, BLOCK_N, STAGES, SPLIT
             num_warps=cfg["warps"])
         if splits > 1:
             # The norms' fixed-order column sum of fp32 partial rows, one rounding to the bias dtype.
-            _norm._reduce_kernel[(cdiv(2 * N, 128),)](part, part, db, db, splits, 2 * N, HAS_B=False,
-                                                              BLOCK_P=32, BLOCK_N=128)
+            _norm._reduce_kernel[(cdiv(2 * N, 128),)](part, part, db, db, splits, 2 * N, False, 32, 128)
     return dx, db

@@ -81,10 +81,11 @@ def _backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -
 
 # ------------------------------------------------------------------------------------------ custom ops
 # The ops run the unchecked forms (see bias_swiglu's).
-_fwd_op = register_bias_act_ops("bias_gelu", _forward, _backward, _backward_with_bias_grad, lambda shape: shape)
+_run = register_bias_act_ops("bias_gelu", _forward, _backward, _backward_with_bias_grad, lambda shape: shape)
+_fwd_op = _run.op
 
 
 def bias_gelu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable tanh-approximate GELU of ``input + bias``."""
     check_args(input, bias, glu=False)
-    return _fwd_op(input, bias)
+    return _run(input, bias)

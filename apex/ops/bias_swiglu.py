@@ -18,9 +18,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._C import _any_requires_grad, _are_functorch_transforms_active, _is_tracing
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex._backend import select_tensor
-from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE, custom_op, lazy_module
 from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
@@ -167,7 +169,10 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
                           out_shape: Callable) -> Callable:
     """The custom ops ``apex::<name>_fwd``, ``_bwd`` and ``_bwd_dbias`` over a bias + activation's dispatch
     functions, with fake implementations (``torch.compile``) and the autograd formula, which takes the bias
-    gradient from the backward's own launch when the bias needs one. Returns the forward op."""
+    gradient from the backward's own launch when the bias needs one. Returns the function a checked call
+    takes: the forward op while compiling, exporting or tracing, under a dispatch mode or ``torch.func``
+    transform, or for a tensor subclass; otherwise the dispatch functions themselves, inside one plain
+    ``autograd.Function`` when a gradient is needed (the custom op's eager call without its layers)."""
 
     @custom_op(f"apex::{name}_fwd")
     def fwd(input: Tensor, bias: Tensor | None) -> Tensor:
@@ -203,20 +208,53 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
         return bwd(grad, input, bias), None
 
     fwd.register_autograd(autograd_backward, setup_context=setup)
-    return fwd
+
+    class Direct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, bias):
+            ctx.save_for_backward(input, bias)
+            return forward(input, bias)
+
+        @staticmethod
+        def backward(ctx, grad):
+            # The backward ops wherever the registered op is needed: a graph for a second derivative (their
+            # error), a dispatch mode, a torch.func transform, a tensor subclass.
+            if (torch.is_grad_enabled() or type(grad) not in _PLAIN or torch.compiler.is_compiling()
+                    or torch.compiler.is_exporting() or _dispatch_modes() or _are_functorch_transforms_active()
+                    or _is_tracing()):
+                return autograd_backward(ctx, grad)
+            input, bias = ctx.saved_tensors
+            if bias is not None and ctx.needs_input_grad[1]:
+                return backward_with_bias_grad(grad, input, bias)
+            return backward(grad, input, bias), None
+
+    direct = super(torch.autograd.Function, Direct).apply  # the C++ apply, as apex.ops._dispatch's
+
+    def run(input: Tensor, bias: Tensor | None) -> Tensor:
+        if (torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+                or _are_functorch_transforms_active() or _is_tracing() or type(input) not in _PLAIN
+                or type(bias) not in _PLAIN_OR_NONE):
+            return fwd(input, bias)
+        if torch.is_grad_enabled() and _any_requires_grad(input, bias):
+            return direct(input, bias)
+        return forward(input, bias)
+
+    run.op = fwd  # type: ignore[attr-defined]
+    return run
 
 
 # The ops run the unchecked forms: their one caller, bias_swiglu, checked the arguments (and torch.compile
 # records them after that check); the backward's tensors are the forward's.
-_fwd_op = register_bias_act_ops("bias_swiglu", _forward, _backward, _backward_with_bias_grad,
-                                lambda shape: (*shape[:-1], shape[-1] // 2))
+_run = register_bias_act_ops("bias_swiglu", _forward, _backward, _backward_with_bias_grad,
+                             lambda shape: (*shape[:-1], shape[-1] // 2))
+_fwd_op = _run.op
 
 
 # ------------------------------------------------------------------------------------- autograd entry
 def bias_swiglu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable ``silu(x₁ + b₁)·(x₂ + b₂)`` over the halves of ``input``'s last dim."""
     check_args(input, bias)
-    return _fwd_op(input, bias)
+    return _run(input, bias)
 
 
 def swiglu(input: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import apex
 from apex.ops import bias_swiglu as S
 from apex.testing import TritonTrace, assert_rel_close
+from tests import _device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -138,3 +139,49 @@ def test_bias_swiglu_bias_grad_in_the_same_launch(triton_device):
     x64, b64 = _leaf(x, torch.float64), _leaf(b, torch.float64)
     rx, rb = torch.autograd.grad(_ref(x64, b64), (x64, b64), dy.double())
     assert_rel_close([dx, db], [rx, rb], tol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ eager path
+@pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops under a "
+                    "dispatch mode, which takes the registered op by design")
+@pytest.mark.parametrize("op", ["bias_swiglu", "bias_gelu"])
+@pytest.mark.parametrize("bias_grad", [True, False, None], ids=["dbias", "no-dbias", "no-bias"])
+def test_eager_forward_and_backward_skip_the_custom_ops(triton_device, monkeypatch, op, bias_grad):
+    """In eager mode on plain tensors the forward and the backward launch the kernels without the custom ops'
+    entries (their layers cost more host time than the launch): the same values, bit for bit, as the
+    registered ops differentiated by torch.library's autograd. A backward under a dispatch mode still sees
+    the registered backward op."""
+    from apex.ops import bias_gelu as G
+    from apex.ops._dispatch import CustomOp
+
+    mod = S if op == "bias_swiglu" else G
+    x = torch.randn(4, 16, device=triton_device, requires_grad=True)
+    b = torch.randn(16, device=triton_device, requires_grad=bool(bias_grad)) if bias_grad is not None else None
+    leaves = (x, b) if bias_grad else (x,)
+    calls: list = []
+    call = CustomOp.__call__
+    with apex.backend("triton"):
+        ref = getattr(torch.ops.apex, f"{op}_fwd")(x, b)
+        dy = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, leaves, dy)
+        monkeypatch.setattr(CustomOp, "__call__", lambda self, *args: calls.append(self) or call(self, *args))
+        y = getattr(mod, op)(x, b)
+        grads = torch.autograd.grad(y, leaves, dy)
+        assert calls == [], f"{len(calls)} custom-op calls in an eager forward + backward"
+        loss = getattr(mod, op)(x, b)
+        with _Recorder() as rec:
+            mode_grads = torch.autograd.grad(loss, leaves, dy)
+    assert f"apex::{op}_bwd{'_dbias' if bias_grad else ''}" in rec.ops, rec.ops
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grads, ref_grads, rtol=0, atol=0)
+    torch.testing.assert_close(mode_grads, ref_grads, rtol=0, atol=0)
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
