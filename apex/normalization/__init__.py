@@ -1,4 +1,8 @@
-"""Fused LayerNorm and RMSNorm (Apex's ``apex.normalization``), plus residual-add fusions."""
+"""Fused LayerNorm and RMSNorm (Apex's ``apex.normalization``), plus residual-add fusions.
+
+``apex.normalization.fused_layer_norm`` is the submodule, as in Apex (its functional ``fused_layer_norm``
+lives there), so ``apex.normalization.fused_layer_norm.FusedLayerNorm`` and the module's registered ops resolve.
+"""
 
 from apex.normalization.fused_layer_norm import (
     FusedLayerNorm,
@@ -11,7 +15,6 @@ from apex.normalization.fused_layer_norm import (
     FusedRMSNormFunction,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
-    fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
     fused_rms_norm_affine,
@@ -34,7 +37,6 @@ __all__ = [
     "MixedFusedRMSNorm",
     "fused_add_layer_norm",
     "fused_add_rms_norm",
-    "fused_layer_norm",
     "fused_layer_norm_affine",
     "fused_rms_norm",
     "fused_rms_norm_affine",

@@ -23,7 +23,6 @@ from apex.normalization import (
     MixedFusedRMSNorm,
     fused_add_layer_norm,
     fused_add_rms_norm,
-    fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
     fused_rms_norm_affine,
@@ -31,6 +30,7 @@ from apex.normalization import (
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
 )
+from apex.normalization.fused_layer_norm import fused_layer_norm
 from apex.testing import TritonTrace, assert_rel_close
 
 
@@ -437,3 +437,16 @@ def test_bf16_layer_norm_on_cpu_is_correctly_rounded():
     assert ((y.double() - ideal).abs() <= ulp).all()
     y_plain = FusedLayerNorm([32, 16], elementwise_affine=False).to(torch.bfloat16)(xb)
     assert torch.equal(y_plain, torch.nn.functional.layer_norm(xb.double(), [32, 16]).to(torch.bfloat16))
+
+
+def test_fused_layer_norm_names_the_submodule_as_in_apex():
+    """Apex's package exports only the modules' classes, so ``apex.normalization.fused_layer_norm`` is the
+    submodule (client code reaches its classes, functions and registered ops through it)."""
+    import types
+
+    import apex.normalization
+
+    sub = apex.normalization.fused_layer_norm
+    assert isinstance(sub, types.ModuleType)
+    assert sub.FusedLayerNorm is apex.normalization.FusedLayerNorm
+    assert callable(sub.fused_layer_norm) and callable(sub.fused_rms_norm_affine_fwd)
