@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 import torch
 import triton
@@ -112,6 +112,7 @@ _layouts = _LRU()
 _groupings = _LRU()
 _indices = _LRU()
 _ranges: dict = {}
+_col_dtype, _col_key, _col_ptrs = attrgetter("dtype"), attrgetter("key"), attrgetter("ptrs")
 
 
 def _next_pow2(n: int) -> int:
@@ -175,12 +176,16 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
     cols = columns(tensor_lists)
     first = cols[0]
     device = first.device if first.device is not None else first[0].device
-    dtypes = tuple(c.dtype if c.dtype is not None else c[0].dtype for c in cols)
+    # (C-level passes over the lists, no generators: a step's hit is this and the LRU lookup)
+    dtypes = tuple(map(_col_dtype, cols))
+    if None in dtypes:
+        dtypes = tuple(c.dtype if c.dtype is not None else c[0].dtype for c in cols)
     # (the sizes are compared on a hit, not hashed: an optimizer hands the same sizes tuple every step)
-    key = (device, dtypes, len(first), tuple(c.key for c in cols))
+    key = (device, dtypes, len(first), tuple(map(_col_key, cols)))
     cached = _tables.get(key)
-    if cached is not None and (cached[0] is first.numels or cached[0] == first.numels) and all(
-            a is c.ptrs or a == c.ptrs for a, c in zip(cached[1], cols)):
+    # (tuples compare their items by identity first: the address tuples an optimizer hands again cost nothing)
+    if cached is not None and (cached[0] is first.numels or cached[0] == first.numels) and \
+            cached[1] == tuple(map(_col_ptrs, cols)):
         return cached[2]
     lay = _layout(first.numels, device)
     # One upload of every list's addresses, joined on the host from each Column's array (made once per
