@@ -20,12 +20,12 @@ from __future__ import annotations
 import numbers
 
 import torch
-from torch._C import _are_functorch_transforms_active, _get_tracing_state
+from torch._C import _are_functorch_transforms_active, _is_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import _PLAIN, custom_op, eager, lazy_module
+from apex.ops._dispatch import _PLAIN, custom_op, lazy_module
 from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
@@ -274,7 +274,10 @@ class _Direct(torch.autograd.Function):
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         scale, causal, dx_dtype = ctx.args
-        if torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or not eager((dy,)):
+        # apex.ops._dispatch.eager's tests on dy, inlined (asked on every backward).
+        if (torch.is_grad_enabled() or dy.dtype not in KERNEL_DTYPES or type(dy) not in _PLAIN
+                or torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+                or _are_functorch_transforms_active() or _is_tracing()):
             return _bwd_op(dy, y, scale, causal, dx_dtype), None, None, None
         if y.dim() == 4:
             return _kernels().backward(dy, y, scale, causal, dx_dtype), None, None, None
@@ -285,19 +288,14 @@ class _Direct(torch.autograd.Function):
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
 
 
-def _eager_kernel(input: Tensor, mask: Tensor | None) -> bool:
-    """True when a call on checked ``input`` and ``mask`` runs the Triton kernels eagerly on plain tensors
-    (not compiling, exporting or tracing, no dispatch mode or torch.func transform, no tensor subclass)."""
-    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
-                or _are_functorch_transforms_active() or _get_tracing_state() is not None) \
-        and type(input) in _PLAIN and (mask is None or type(mask) in _PLAIN) \
-        and input.dtype in KERNEL_DTYPES and _backend.select_tensor(input) == "triton"
-
-
 def _run(input: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
     # The registered op, except in eager mode on plain tensors with the kernels: there the plain Function (a
-    # gradient needed) or the launcher alone (the custom op's eager call without its wrapper).
-    if _eager_kernel(input, mask):
+    # gradient needed) or the launcher alone (the custom op's eager call without its wrapper). Eager mode: not
+    # compiling, exporting or tracing, no dispatch mode or torch.func transform, no tensor subclass.
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+            or _are_functorch_transforms_active() or _is_tracing() or type(input) not in _PLAIN
+            or mask is not None and type(mask) not in _PLAIN or input.dtype not in KERNEL_DTYPES
+            or _backend.select_tensor(input) != "triton"):
         if torch.is_grad_enabled() and input.requires_grad:
             return _direct(input, mask, scale, causal)
         y = _kernels().forward(input if input.dim() == 4 else input.unsqueeze(1), mask, scale, causal)
