@@ -127,9 +127,9 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
     """``(losses, lse)`` in fp32 for a ``[M, V]`` view with unit column stride. A row whose label lies
     outside ``[0, V)`` and is not ``padding_idx`` gets a NaN loss (no host-side check)."""
     m, v = x.shape
-    dev = x.device
-    losses = torch.empty(m, device=dev, dtype=torch.float32)
-    lse = torch.empty(m, device=dev, dtype=torch.float32)
+    # new_empty: the device from x, no device argument to parse (~0.3 µs each).
+    losses = x.new_empty(m, dtype=torch.float32)
+    lse = x.new_empty(m, dtype=torch.float32)
     if m == 0:
         return losses, lse
     grid, rows, block, warps, stages, _ = _plan(x, m, v, False)

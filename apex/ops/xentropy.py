@@ -31,6 +31,7 @@ get ``lse``, a ``gather`` and a row sum; backward ``exp(x − lse)`` and two in-
 from __future__ import annotations
 
 import torch
+from torch._C import _any_requires_grad, _are_functorch_transforms_active
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
@@ -113,7 +114,7 @@ def softmax_cross_entropy_forward(logits: Tensor, labels: Tensor, smoothing: flo
     lab = labels if flat else labels.reshape(-1)
     if select(logits) == "triton" and logits.dtype != torch.float64:
         kernels = _kernels()
-        if x.stride(-1) != 1:
+        if x.stride()[1] != 1:  # (one tuple: stride(-1) parses its int-or-name overloads on every call)
             x = x.contiguous()
         losses, lse = kernels.forward(x, lab.contiguous(), float(smoothing), _pad(padding_idx))
     else:
@@ -171,7 +172,7 @@ def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
         if inplace:
             out = x
         else:
-            if x.stride(-1) != 1:
+            if x.stride()[1] != 1:
                 x = x.contiguous()
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if s.dtype != torch.float32:
@@ -214,11 +215,25 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
     """``SoftmaxCrossEntropyLoss.apply(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False,
     inplace_backward=False)`` → per-row losses (fp32 for half/float logits)."""
 
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        """``Function.apply``, entered through its C++ form outside ``torch.func`` transforms (the Python
+        wrapper binds defaults and unwraps ``torch.func``'s dead wrappers, ~4 µs a call); with nothing to
+        differentiate the forward runs alone, without the Function's context and saved tensors.
+        ``torch.compile`` traces the Function itself (Dynamo takes ``apply`` of an autograd Function without
+        calling this)."""
+        if kwargs or not 2 <= len(args) <= 6 or _are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return _py_apply(cls, *args, **kwargs)
+        logits = args[0]
+        if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and _any_requires_grad(logits):
+            return _c_apply(*args)
+        smoothing, padding_idx, _, inplace_backward = args[2:] + (0.0, 0, False, False)[len(args) - 2:]
+        _check_inplace(logits, inplace_backward)
+        return softmax_cross_entropy_forward(logits, args[1], smoothing, padding_idx)[0]
+
     @staticmethod
     def forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
-        if inplace_backward and logits.is_leaf and logits.requires_grad:
-            raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad: "
-                             "pass the output of a layer, or inplace_backward=False")
+        _check_inplace(logits, inplace_backward)
         losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
         ctx.save_for_backward(logits, lse, labels)
         ctx.smoothing = float(smoothing)
@@ -234,6 +249,18 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         # The forward checked logits and labels; the saved tensors are those.
         dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
         return dx, None, None, None, None, None
+
+
+# Function.apply's Python wrapper (a plain function: Dynamo, inlining the override above after a graph break,
+# cannot resolve super() there) and the C++ Function.apply it ends in.
+_py_apply = torch.autograd.Function.apply.__func__
+_c_apply = super(torch.autograd.Function, SoftmaxCrossEntropyLoss).apply
+
+
+def _check_inplace(logits: object, inplace_backward: object) -> None:
+    if inplace_backward and isinstance(logits, torch.Tensor) and logits.is_leaf and logits.requires_grad:
+        raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad: "
+                         "pass the output of a layer, or inplace_backward=False")
 
 
 def softmax_cross_entropy(logits: Tensor, labels: Tensor, smoothing: float = 0.0, padding_idx: int | None = 0,

@@ -254,3 +254,29 @@ def test_xentropy_random_shapes(backend_name, m, v, smoothing):
         losses, dx = _run(x, lab, smoothing, 0, dy)
     ref_l, ref_dx = _ref(x, lab, smoothing, 0, dy)
     assert_rel_close([losses, dx], [ref_l, ref_dx], tol=1e-5)
+
+
+def test_xentropy_apply_without_a_gradient_runs_the_forward_alone(backend_name, monkeypatch):
+    """``SoftmaxCrossEntropyLoss.apply`` with nothing to differentiate (``no_grad``, logits without grad)
+    computes the losses without the Function's context and saved tensors: the same losses, no grad_fn; with a
+    gradient it goes through the Function (its forward and backward), a leaf's in-place backward still
+    refused."""
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    x, lab = _inputs(8, 40, torch.float32)
+    x.requires_grad_()
+    ref = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False)
+    assert ref.grad_fn is not None
+    ran: list = []
+    forward = SoftmaxCrossEntropyLoss.forward
+    monkeypatch.setattr(SoftmaxCrossEntropyLoss, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
+    with torch.no_grad():
+        got = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1)
+        with pytest.raises(ValueError, match="inplace_backward"):
+            SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False, True)
+    got2 = SoftmaxCrossEntropyLoss.apply(x.detach(), lab, 0.1, 0)
+    assert ran == [] and got.grad_fn is None and got2.grad_fn is None
+    torch.testing.assert_close(got, ref.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got2, ref.detach(), rtol=0, atol=0)
+    SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False).sum().backward()
+    assert ran == [1] and x.grad is not None
