@@ -137,7 +137,11 @@ class FusedDense(nn.Module):
         _init_linear(self.weight, self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight, bias = _registered(self, ("weight", "bias"))
+        params = self._parameters  # as _registered, inline (a call and a comprehension less)
+        try:
+            weight, bias = params["weight"], params["bias"]
+        except KeyError:
+            weight, bias = self.weight, self.bias
         if bias is not None:
             return apply_chain(FusedDenseFunc, (), (input, weight, bias), *_ONE, _ACT_NONE)
         return apply_chain(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)

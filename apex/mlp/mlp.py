@@ -61,6 +61,12 @@ def _names(n: int, bias: bool) -> tuple[str, ...]:
     return tuple(f"weight_{i}" for i in range(n)) + (tuple(f"bias_{i}" for i in range(n)) if bias else ())
 
 
+@kept_per_key
+def _module_plan(n: int, bias: bool, activation: int) -> tuple:
+    """An MLP module's parameter names and :func:`_layout`, in one lookup per call."""
+    return _names(n, bias), _layout(n, bias, activation)
+
+
 class MLP(nn.Module):
     """Multi-layer perceptron with fused GEMM + bias + activation layers.
 
@@ -109,13 +115,17 @@ class MLP(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The parameters read from _parameters (nn.Module.__getattr__ costs ~1 µs a parameter, every call);
         # anything else (a parametrization's property, say) by the ordinary lookup.
-        names = _names(self.num_layers, bool(self.bias))
-        params = self._parameters
+        # mlp_function's work for the module's own arguments: its layout and names in one lookup, the
+        # activation checked (an attribute a caller may have changed), no re-count of the tensors.
+        bias, activation = self.bias, self.activation
+        if activation not in (0, 1, 2):
+            raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
+        names, layout = _module_plan(self.num_layers, bool(bias), int(activation))
         try:
-            args = (input, *[params[name] for name in names])
+            args = (input, *map(self._parameters.__getitem__, names))
         except KeyError:
             args = (input, *self.weights, *self.biases)
-        return mlp_function(self.bias, self.activation, *args)
+        return apply_chain(MlpFunction, (bias, activation), args, *layout)
 
     def extra_repr(self) -> str:
         return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

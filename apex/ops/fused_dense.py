@@ -45,8 +45,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def check_chain(input: Tensor, weights, biases, acts) -> None:
-    """Validate a chain; raise ``TypeError``/``ValueError`` naming the offending argument."""
+def check_chain(input: Tensor, weights, biases, acts, compiling: bool | None = None) -> None:
+    """Validate a chain; raise ``TypeError``/``ValueError`` naming the offending argument. ``compiling``:
+    ``torch.compiler.is_compiling()`` where the caller has read it already (a query of 1-2k instructions)."""
     # A dtype Apex's fused_dense_cuda / mlp_cuda did not take (AT_DISPATCH, then data_ptr<scalar_t> of every
     # weight and bias) was its RuntimeError: those errors are also one.
     if not isinstance(input, Tensor):
@@ -89,7 +90,8 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
         features = out_f
     # A chain's codes are the same every call: checked once. Not while torch.compile traces: the graph would
     # guard on the set, which the next eager call changes (a second graph for the same code).
-    compiling = torch.compiler.is_compiling()
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
     if not compiling and acts in _CHECKED_ACTS:
         return
     if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
@@ -101,11 +103,12 @@ def check_chain(input: Tensor, weights, biases, acts) -> None:
 _CHECKED_ACTS: set = set()
 
 
-def _use_triton(x: Tensor, *_: Tensor) -> bool:
-    """Whether a chain on input ``x`` runs the Triton path (the input decides, as ``select`` would)."""
+def _use_triton(x: Tensor, *_: Tensor, compiling: bool | None = None) -> bool:
+    """Whether a chain on input ``x`` runs the Triton path (the input decides, as ``select`` would);
+    ``compiling`` as for :func:`check_chain`."""
     if x.dtype == torch.float64:
         return False
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         # Under torch.compile the backend context cannot be read; CPU tensors take the PyTorch path (which
         # the compiler traces), GPU tensors Triton, as "auto" would choose.
         return x.is_cuda
@@ -127,9 +130,9 @@ def chain_forward(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list
     return _forward_torch(x2, weights, biases, acts)
 
 
-def _forward_triton(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list]:
+def _forward_triton(x2: Tensor, weights, biases, acts, compiling: bool = True) -> tuple[Tensor, list]:
     """The Triton chain: one GEMM launch a layer; returns the output and every layer's stored output."""
-    gemm, tf32 = _K().gemm, _tf32()
+    gemm, tf32 = _gemm(compiling), _allow_tf32()
     outs = []
     inp, pro = x2, NONE
     for i, w in enumerate(weights):
@@ -178,12 +181,19 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _tf32() -> bool:
-    # What torch.backends.cuda.matmul.allow_tf32 returns, without its module __getattr__ (~1.3 µs a call).
-    return bool(_allow_tf32())
-
-
+# What torch.backends.cuda.matmul.allow_tf32 returns, without its module __getattr__ (~1.3 µs a call).
 _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
+_LOADED: list = []  # the kernels' module, once an eager call has loaded it
+
+
+def _gemm(compiling: bool):
+    """``_K().gemm``; where the caller knows it is not tracing, without ``_K``'s tracing query (the list is not
+    read while tracing: the graph would guard on it, which a later eager call fills)."""
+    if compiling:
+        return _K().gemm
+    if not _LOADED:
+        _LOADED.append(_K())
+    return _LOADED[0].gemm
 
 
 # -------------------------------------------------------------------------------------------- backward
@@ -218,7 +228,7 @@ def chain_backward(dy2: Tensor, x2: Tensor, weights, has_bias: bool, outs, pres,
 
 
 def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
-    gemm, tf32 = _K().gemm, _tf32()
+    gemm, tf32 = _K().gemm, _allow_tf32()
     n = len(weights)
     dws: list = [None] * n
     dbs: list = [None] * n
@@ -250,13 +260,14 @@ def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
 def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
     """Run a chain's forward inside an autograd ``Function.forward`` and save what its backward needs."""
     n = len(acts)
+    compiling = torch.compiler.is_compiling()  # read once
     # Rows already: no view in or out. Not while tracing: torch 2.11's torch.compile computed a wrong
     # output for a Function returning the very tensor it saved (seen on the GPU machine; a view is fine).
-    two_d = input.dim() == 2 and not torch.compiler.is_compiling()
+    two_d = input.dim() == 2 and not compiling
     x2 = input if two_d else input.reshape(-1, input.shape[-1])
     weights = params[:n]
-    if _use_triton(x2) and acts[-1] != GELU:  # (chain_forward's choice, made here once)
-        out, outs = _forward_triton(x2, weights, params[n:] if has_bias else None, acts)
+    if acts[-1] != GELU and _use_triton(x2, compiling=compiling):  # (chain_forward's choice, made here once)
+        out, outs = _forward_triton(x2, weights, params[n:] if has_bias else None, acts, compiling)
         # The top layer's output only where its activation's derivative needs it; no GELU pre-activations.
         ctx.save_for_backward(x2, *weights, *outs[:-1], out if acts[-1] != NONE else None)
         ctx.chain = (acts, has_bias, True, None if two_d else input.shape, None)
@@ -331,17 +342,22 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
         dev = x.device.type if isinstance(x, Tensor) else "cpu"
         if torch.is_autocast_enabled(dev):
             args, dev = autocast_args(*args)
-            check_chain(args[0], args[weights], args[biases], acts)
+            check_chain(args[0], args[weights], args[biases], acts, compiling)
             with torch.autocast(dev, enabled=False):
                 return fn.apply(*lead, *args)
     ws, bs = args[weights], args[biases]
-    check_chain(x, ws, bs, acts)
+    check_chain(x, ws, bs, acts, compiling)
     if compiling or _functorch_active():
         return fn.apply(*lead, *args)
     if not (torch.is_grad_enabled() and _any_requires_grad(*args)):
-        # Nothing to record: the chain itself, without the Function's context and saved tensors.
+        # Nothing to record: the chain itself, without the Function's context and saved tensors
+        # (chain_forward's choice, eager: no tracing queries).
         two_d = x.dim() == 2
-        out = chain_forward(x if two_d else x.reshape(-1, x.shape[-1]), ws, bs, acts)[0]
+        x2 = x if two_d else x.reshape(-1, x.shape[-1])
+        if acts[-1] != GELU and _use_triton(x2, compiling=False):
+            out = _forward_triton(x2, ws, bs, acts, False)[0]
+        else:
+            out = _forward_torch(x2, ws, bs, acts)[0]
         return out if two_d else out.view(*x.shape[:-1], out.shape[-1])
     apply = _CPP_APPLY.get(fn)
     if apply is None:
