@@ -18,7 +18,7 @@ LAYERS = [
     {"apex.ops"},
     {"apex.optimizers", "apex.normalization", "apex.multi_tensor_apply", "apex.fp16_utils", "apex.mlp",
      "apex.fused_dense", "apex.RNN"},
-    {"apex.amp", "apex.parallel", "apex.transformer"},
+    {"apex.amp", "apex.parallel", "apex.transformer", "apex.distributed_testing"},
     {"apex.contrib"},
 ]
 

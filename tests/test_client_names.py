@@ -39,3 +39,27 @@ def test_rng_tracker_global_is_the_tracker_the_functions_use():
 def test_amp_version_module():
     version = importlib.import_module("apex.amp.__version__")
     assert version.VERSION == (0, 1, 0) and version.__version__ == "0.1.0"
+
+
+def test_distributed_testing_is_apex_newer_home_of_the_test_bases():
+    import apex.distributed_testing as dt
+    from apex.distributed_testing import _ucc_util, distributed_test_base
+    from apex.transformer import _ucc_util as tp_ucc
+    from apex.transformer.testing import distributed_test_base as tp_base
+
+    for name in ("DistributedTestBase", "NcclDistributedTestBase", "UccDistributedTestBase"):
+        assert getattr(dt, name) is getattr(tp_base, name) is getattr(distributed_test_base, name)
+    assert distributed_test_base.HAS_TORCH_UCC_COMPAT_NVIDIA_DRIVER == tp_base.HAS_TORCH_UCC_COMPAT_NVIDIA_DRIVER
+    assert _ucc_util.HAS_UCC == tp_ucc.HAS_UCC
+
+
+def test_clip_grad_module_path():
+    from apex.contrib.clip_grad import clip_grad as module
+    from apex.contrib.clip_grad import clip_grad_norm_
+
+    assert module.clip_grad_norm_ is clip_grad_norm_
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    total = module.clip_grad_norm_([p], max_norm=1.0)
+    assert abs(float(total) - 6.0) < 1e-6
+    assert abs(float(p.grad.norm()) - 1.0) < 1e-5

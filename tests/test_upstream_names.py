@@ -45,10 +45,6 @@ OMISSIONS: dict[str, dict[str, str]] = {
         "*": "Apex's multi-stream CUDA scheduling for Inductor (patch_graph_lowering) is not ported; the "
              "torchsched backend uses Inductor's default scheduling",
     },
-    "apex.distributed_testing": {
-        "*": "newer Apex's home of the distributed test bases (after e13873de); they are at e13873de's place, "
-             "apex.transformer.testing.distributed_test_base",
-    },
 }
 
 

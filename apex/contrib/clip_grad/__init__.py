@@ -1,5 +1,5 @@
 """``from apex.contrib.clip_grad import clip_grad_norm_``, as in Apex."""
 
-from apex.ops.clip_grad_norm import clip_grad_norm_
+from apex.contrib.clip_grad.clip_grad import clip_grad_norm_
 
 __all__ = ["clip_grad_norm_"]
