@@ -790,5 +790,23 @@ def _one_rank(rank, world):
     _master_in_gather_buffer(rank, world)
 
 
+def test_no_grad_enters_no_context_when_grad_mode_is_off(monkeypatch):
+    """The step's helpers (the Adam launch, the deferred gradient copy, the last bucket's cut, the shard cast)
+    run with grad mode off: they switch it off themselves only when it is on, and then the caller's mode is
+    restored (torch.no_grad's decorator entered a new context on every call)."""
+    from apex.contrib.optimizers._zero_buckets import no_grad
+
+    entered = []
+    real = torch.no_grad.__enter__
+    monkeypatch.setattr(torch.no_grad, "__enter__", lambda self: (entered.append(1), real(self))[1])
+    seen = []
+    f = no_grad(lambda x: seen.append(torch.is_grad_enabled()) or x)
+    with torch.no_grad():
+        entered.clear()
+        assert f(3) == 3
+        assert entered == [] and seen == [False]
+    assert f(4) == 4 and seen == [False, False] and entered == [1] and torch.is_grad_enabled()
+
+
 def test_one_rank_keeps_its_buffers_plans_and_fast_paths(dist_device):
     run_distributed(_one_rank, 1, timeout_s=60, device=dist_device)

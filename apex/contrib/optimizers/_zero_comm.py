@@ -301,7 +301,7 @@ class ZeroCommMixin:
             if gb.grads_shard is None:
                 gb.grads_shard = torch.zeros([sb.shard_size], dtype=sb.grad_sync_dtype, device=self.device)
 
-    @torch.no_grad()
+    @zb.no_grad
     def _shrink_last_buckets(self) -> None:
         """Fit the last bucket of each dtype triple to its contents, once, before its first reduction.
 

@@ -98,7 +98,7 @@ class ZeroDeferredGradMixin:
         self._deferred_plans[id(param)] = (param, frag.bucket_id, cached[1], cached[2], cached[3],
                                            self.state["buckets"][frag.bucket_id], cached[2].numel())
 
-    @torch.no_grad()
+    @zb.no_grad
     def _flush_deferred_grads(self, buckets=None) -> None:
         """Copy the queued gradients of ``buckets`` (default: all) into place and drop them from the
         parameters. A gradient removed meanwhile leaves zeros (its fragment counts as written)."""

@@ -222,7 +222,7 @@ class ZeroStepMixin:
                 runs.append([f.param_group_id, f.shard_range[0], f.shard_range[1]])
         return [(g, slice(a, b), None) for g, a, b in runs]
 
-    @torch.no_grad()
+    @zb.no_grad
     def _check_params_shard_dtypes(self, params_buckets: dict) -> None:
         """Cast each updated local shard to its bucket's ``param_sync_dtype`` (an integer dtype receives the
         most significant bytes of the float values, as in Apex)."""
