@@ -41,7 +41,9 @@ _any_requires_grad = torch._C._any_requires_grad
 
 ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
 NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# A set: a dtype's membership by its hash (a tuple compares it with each entry in turn, ~1 µs a call).
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_F64 = torch.float64
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -106,7 +108,7 @@ _CHECKED_ACTS: set = set()
 def _use_triton(x: Tensor, *_: Tensor, compiling: bool | None = None) -> bool:
     """Whether a chain on input ``x`` runs the Triton path (the input decides, as ``select`` would);
     ``compiling`` as for :func:`check_chain`."""
-    if x.dtype == torch.float64:
+    if x.dtype is _F64:  # (dtypes are singletons: no rich comparison)
         return False
     if torch.compiler.is_compiling() if compiling is None else compiling:
         # Under torch.compile the backend context cannot be read; CPU tensors take the PyTorch path (which
