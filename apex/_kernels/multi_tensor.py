@@ -283,26 +283,36 @@ def index_on(idx: list[int], device: torch.device) -> torch.Tensor:
     return dev
 
 
-def launch(kernel, tab: TensorTable, *args, **meta) -> None:
+def launch(kernel, tab: TensorTable, *args, options: tuple = (), **meta) -> None:
     """Launch ``kernel`` with one program per chunk of ``tab``.
 
     The kernel's parameters are, in order: ``ptrs, sizes, chunk_tensor, chunk_start, n_tensors``, then
-    ``*args``, then one ``tl.constexpr`` dtype per list, then the keyword constexprs of ``**meta``, then
-    ``CHUNK`` and ``BLOCK``.
+    ``*args``, then one ``tl.constexpr`` dtype per list, then the op's constexprs ``options``, then ``CHUNK``
+    and ``BLOCK``, all passed by position: each keyword costs a Triton launch about 2,000 instructions of
+    dictionary building and binding. Keyword constexprs (``**meta``) are still accepted, for kernels that
+    name theirs (``CHUNK`` and ``BLOCK`` are then passed by name too).
     """
-    kernel[(tab.n_chunks,)](
-        tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-        *args, *tab.dtypes, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
-    )
+    if meta:
+        kernel[(tab.n_chunks,)](
+            tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+            *args, *tab.dtypes, *options, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
+        )
+        return
+    kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                            *args, *tab.dtypes, *options, tab.chunk, tab.block)
 
 
-def launch_with_dtypes(kernel, tab: TensorTable, dtypes: tuple, *args, **meta) -> None:
+def launch_with_dtypes(kernel, tab: TensorTable, dtypes: tuple, *args, options: tuple = (), **meta) -> None:
     """Like :func:`launch`, with the dtype constexprs given explicitly (for kernels whose number of
     dtype parameters differs from the table's number of lists)."""
-    kernel[(tab.n_chunks,)](
-        tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-        *args, *dtypes, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
-    )
+    if meta:
+        kernel[(tab.n_chunks,)](
+            tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+            *args, *dtypes, *options, CHUNK=tab.chunk, BLOCK=tab.block, **meta,
+        )
+        return
+    kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                            *args, *dtypes, *options, tab.chunk, tab.block)
 
 
 @triton.jit

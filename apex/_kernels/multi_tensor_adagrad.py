@@ -16,7 +16,7 @@ from apex._kernels._rounding import cast
 @triton.jit
 def _adagrad_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, lr, eps, weight_decay,
                     G_DT: tl.constexpr, P_DT: tl.constexpr, H_DT: tl.constexpr,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
+                    MODE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
@@ -40,4 +40,4 @@ def _adagrad_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, lr, eps, 
 
 def adagrad(lists, lr: float, eps: float, mode: int, weight_decay: float) -> None:
     for _, sub in mt.group(lists):
-        mt.launch(_adagrad_kernel, mt.table(sub), float(lr), float(eps), float(weight_decay), MODE=int(mode))
+        mt.launch(_adagrad_kernel, mt.table(sub), float(lr), float(eps), float(weight_decay), options=(int(mode),))

@@ -30,9 +30,8 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                  lr_value, bc1_value, bc2_value, beta1, beta2, one_m_b1, one_m_b2, beta1_lo, beta2_lo,
                  eps, weight_decay,
                  G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                 W_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 MODE: tl.constexpr, CAPTURABLE: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                 HAS_MASTER: tl.constexpr):
+                 W_DT: tl.constexpr, MODE: tl.constexpr, CAPTURABLE: tl.constexpr,
+                 BIAS_CORRECTION: tl.constexpr, HAS_MASTER: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
@@ -103,6 +102,5 @@ def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps,
                   inv_t if capturable else dummy,
                   float(lr), float(bc1), float(bc2), b1_hi, b2_hi, 1.0 - float(beta1), 1.0 - float(beta2),
                   float(beta1) - b1_hi, float(beta2) - b2_hi, float(eps),
-                  float(weight_decay), MODE=int(mode), CAPTURABLE=bool(capturable),
-                  BIAS_CORRECTION=bool(bias_correction), HAS_MASTER=has_master)
-
+                  float(weight_decay),
+                  options=(int(mode), bool(capturable), bool(bias_correction), has_master))

@@ -33,4 +33,4 @@ def _axpby_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, 
 def axpby(noop_flag: torch.Tensor, xs: list, ys: list, outs: list, a: float, b: float, arg_to_check: int) -> None:
     for _, sub in mt.group([xs, ys, outs]):
         mt.launch(_axpby_kernel, mt.table(sub), noop_flag, float(a), float(b),
-                  CHECK_X=arg_to_check in (-1, 0), CHECK_Y=arg_to_check in (-1, 1))
+                  options=(arg_to_check in (-1, 0), arg_to_check in (-1, 1)))

@@ -121,8 +121,7 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
         mt.launch_with_dtypes(
             _partials_kernel, tab, (in_dt, out_dt), partials, offset, noop_flag,
             inv_scale if inv_scale is not None else dummy, float(out_scale),
-            HAS_INV_SCALE=inv_scale is not None, WRITE_OUT=outputs is not None, MAX_NORM=max_norm,
-            SKIP_IF_FLAGGED=skip_if_flagged)
+            options=(inv_scale is not None, outputs is not None, max_norm, skip_if_flagged))
         offset += tab.n_chunks
     n = len(inputs)
     want_per_tensor = per_tensor or blend_into is not None
@@ -133,8 +132,8 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
     _finalize_kernel[(1,)](
         partials, n_partials, bounds, last_at, n, total,
         per if want_per_tensor else total, per if blend_into is not None else total, float(alpha), float(beta),
-        PER_TENSOR=want_per_tensor, MAX_NORM=max_norm, BLEND=blend_into is not None,
-        BLOCK=min(1024, next_power_of_2(max(n_partials, 1))))
+        want_per_tensor, max_norm, blend_into is not None,  # PER_TENSOR, MAX_NORM, BLEND, BLOCK by position
+        min(1024, next_power_of_2(max(n_partials, 1))))
     return total, per
 
 
@@ -194,12 +193,10 @@ def total_of_tables(noop_flag: torch.Tensor, tables: list, *, skip_if_flagged: b
     for tab in tables:
         in_dt = tab.dtypes[0]
         mt.launch_with_dtypes(_partials_kernel, tab, (in_dt, in_dt), partials, offset, noop_flag, partials, 1.0,
-                              HAS_INV_SCALE=False, WRITE_OUT=False, MAX_NORM=False,
-                              SKIP_IF_FLAGGED=skip_if_flagged)
+                              options=(False, False, False, skip_if_flagged))
         offset += tab.n_chunks
     _finalize_kernel[(1,)](partials, n_partials, partials, 0, 0, total, total, total, 1.0, 1.0,
-                           PER_TENSOR=False, MAX_NORM=False, BLEND=False,
-                           BLOCK=min(1024, next_power_of_2(max(n_partials, 1))))
+                           False, False, False, min(1024, next_power_of_2(max(n_partials, 1))))
     return total
 
 

@@ -210,9 +210,9 @@ def lamb_on(noop_flag: torch.Tensor, tabs: list, *, has_out: bool, lr, beta1: fl
         bc1, bc2 = 1.0 - beta1 ** int(step), 1.0 - beta2 ** int(step)
     betas = _betas64(beta1, beta2, device) if step_ptr is not None else grad_norm
     trust = bool(use_nvlamb) or weight_decay != 0.0
-    common = dict(SKIP=bool(skip_on_noop), MAXN_PTR=maxn_ptr is not None, LR_PTR=lr_ptr is not None,
-                  STEP_PTR=step_ptr is not None, BIAS_CORR=bool(bias_correction), ADAM_W=bool(adam_w),
-                  HAS_OUT=bool(has_out))
+    # (constexprs by position, in the kernels' order)
+    adam_w, has_out, skip = bool(adam_w), bool(has_out), bool(skip_on_noop)
+    ptrs = (maxn_ptr is not None, lr_ptr is not None, step_ptr is not None, bool(bias_correction))
     maxn_arg = maxn_ptr if maxn_ptr is not None else grad_norm
     lr_arg = lr_ptr if lr_ptr is not None else grad_norm
     step_arg = step_ptr if step_ptr is not None else noop_flag
@@ -222,13 +222,13 @@ def lamb_on(noop_flag: torch.Tensor, tabs: list, *, has_out: bool, lr, beta1: fl
         mt.launch(_moments_kernel, tab, partials, tab.n_chunks, noop_flag, grad_norm, maxn_f, maxn_arg,
                   inv_scale if inv_scale is not None else grad_norm, lr_f, lr_arg, bc1, bc2, step_arg, betas,
                   float(beta1), float(beta2), float(beta3), 1.0 - float(beta2), eps, decay,
-                  NEED_P=trust or decay != 0.0, TRUST=trust, HAS_SCALE=inv_scale is not None, **common)
+                  options=(adam_w, trust or decay != 0.0, trust, has_out, skip, inv_scale is not None) + ptrs)
         if not trust:
             continue
         norms = _buffer(scratch, "norms", 2 * tab.n_tensors, device)
         reduce_rows(partials, tab, norms, 2)
         mt.launch(_apply_kernel, tab, norms, noop_flag, grad_norm, maxn_f, maxn_arg, lr_f, lr_arg, bc1, bc2,
-                  step_arg, betas, eps, decay, **common)
+                  step_arg, betas, eps, decay, options=(adam_w, has_out, skip) + ptrs)
 
 
 def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> torch.Tensor:
@@ -308,4 +308,4 @@ def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float,
         else:  # this group's tensors' norms, in order (gathered with an index uploaded once)
             at = mt.index_on(idx, p_norms.device)
             pn, un = p_norms.index_select(0, at), u_norms.index_select(0, at)
-        mt.launch(_stage2_kernel, mt.table(subs), pn, un, float(lr), TRUST=bool(trust))
+        mt.launch(_stage2_kernel, mt.table(subs), pn, un, float(lr), options=(bool(trust),))

@@ -72,7 +72,8 @@ def blend_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, norms: torch.Tenso
     for the gradients in list 0 of ``tab`` (the update's table of one (device, dtype) group, every tensor
     non-empty: new gradients cost one table for both launches)."""
     partials = torch.empty(tab.n_chunks, dtype=torch.float32, device=tab.ptrs.device)
-    mt.launch_with_dtypes(_norm_partials_kernel, tab, tab.dtypes[:1], partials, noop_flag, MAX=bool(max_norm))
+    mt.launch_with_dtypes(_norm_partials_kernel, tab, tab.dtypes[:1], partials, noop_flag,
+                          options=(bool(max_norm),))
     reduce_rows(partials, tab, norms, 1, use_max=bool(max_norm), blend=(alpha, beta))
 
 
@@ -81,4 +82,4 @@ def update(tab: mt.TensorTable, norms: torch.Tensor, *, lr: float, beta1: float,
     """The NovoGrad update of one (device, dtype) group (``tab``: its table of ``[g, p, m]``) with its
     running norms ``norms``."""
     mt.launch(_update_kernel, tab, norms, float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
-              float(eps), float(weight_decay), REG_INSIDE=bool(reg_inside_moment))
+              float(eps), float(weight_decay), options=(bool(reg_inside_moment),))

@@ -32,4 +32,4 @@ def scale(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float | t
     is_ptr = isinstance(scale, torch.Tensor)
     for _, (ins, outs) in mt.group([inputs, outputs]):
         mt.launch(_scale_kernel, mt.table([ins, outs]), noop_flag, scale if is_ptr else float(scale),
-                  SCALE_IS_PTR=is_ptr)
+                  options=(is_ptr,))

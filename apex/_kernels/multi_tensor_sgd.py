@@ -33,9 +33,9 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                 noop_flag, grad_norms, param_norms,
                 lr, wd, momentum, one_m_dampening, scale, trust_coefficient, eps,
                 G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
-                WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr, ROUND: tl.constexpr):
+                WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr, ROUND: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
     n = n * (tl.load(noop_flag) == 0).to(n.dtype)  # Apex skips the whole update when the flag is set
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
@@ -115,5 +115,5 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
                   # 1 - dampening in double: from an fp32 dampening of 0.9 it would be 2.4e-7 off
                   float(lr), float(wd), float(momentum), 1.0 - float(dampening), float(scale),
                   float(trust_coefficient), float(eps),
-                  HAS_MOMENTUM=momentum != 0, FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
-                  WD_AFTER=bool(wd_after_momentum), HAS_COPY=has_copy, LARS=bool(lars), ROUND=rounded)
+                  options=(momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy,
+                           bool(lars), rounded))
