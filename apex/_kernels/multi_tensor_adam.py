@@ -90,17 +90,41 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", float(x)))[0]
 
 
+def tables(lists) -> list:
+    """The tables of Adam's launches over ``lists`` (``[g, p, m, v]`` or with masters), one per (device, dtypes)
+    group: what :func:`run` launches over. An optimizer keeps them while its tensors' addresses repeat."""
+    full = lists if len(lists) == 5 else lists + [lists[1]]
+    return [mt.table(sub) for _, sub in mt.group(full)]
+
+
+_betas: dict = {}
+
+
+def _beta_args(beta1: float, beta2: float) -> tuple:
+    """(beta1, beta2 in fp32, 1 - each in double, the fp32 roundings' remainders): fixed while the betas are."""
+    got = _betas.get((beta1, beta2))
+    if got is None:
+        if len(_betas) > 64:
+            _betas.clear()
+        b1_hi, b2_hi = _f32(beta1), _f32(beta2)
+        got = _betas[(beta1, beta2)] = (b1_hi, b2_hi, 1.0 - beta1, 1.0 - beta2, beta1 - b1_hi, beta2 - b2_hi)
+    return got
+
+
+def run(tabs: list, has_master: bool, noop_flag, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps,
+        weight_decay, mode, bias_correction, *, capturable: bool) -> None:
+    """One Adam launch per table of :func:`tables` (``has_master``: their lists had a master list)."""
+    dummy = noop_flag
+    args = (noop_flag, lr_t if capturable else dummy, step_t if capturable else dummy,
+            inv_t if capturable else dummy, float(lr), float(bc1), float(bc2),
+            *_beta_args(float(beta1), float(beta2)), float(eps), float(weight_decay))
+    options = (int(mode), bool(capturable), bool(bias_correction), bool(has_master))
+    for tab in tabs:  # (mt.launch's launch, inline)
+        _adam_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                                      *args, *tab.dtypes, *options, tab.chunk, tab.block)
+
+
 def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,
          bias_correction, *, capturable: bool) -> None:
-    has_master = len(lists) == 5
-    full = lists if has_master else lists + [lists[1]]
-    dummy = noop_flag
-    b1_hi, b2_hi = _f32(beta1), _f32(beta2)
-    for _, sub in mt.group(full):
-        mt.launch(_adam_kernel, mt.table(sub), noop_flag,
-                  lr_t if capturable else dummy, step_t if capturable else dummy,
-                  inv_t if capturable else dummy,
-                  float(lr), float(bc1), float(bc2), b1_hi, b2_hi, 1.0 - float(beta1), 1.0 - float(beta2),
-                  float(beta1) - b1_hi, float(beta2) - b2_hi, float(eps),
-                  float(weight_decay),
-                  options=(int(mode), bool(capturable), bool(bias_correction), has_master))
+    run(tables(lists), len(lists) == 5, noop_flag, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps,
+        weight_decay, mode, bias_correction, capturable=capturable)

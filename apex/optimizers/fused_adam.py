@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from apex import _backend
+from apex.ops import multi_tensor_adam as _ops
 from apex.optimizers._base import (
     FusedOptimizerBase,
     _number,
@@ -14,6 +16,19 @@ from apex.optimizers._base import (
     trusted,
 )
 from apex.optimizers._plan import Bucket, Plan, take
+
+# apex's own ops, which the step may bypass for their kernels' launches (an op swapped in is always called)
+_OWN_OPS = (_ops.multi_tensor_adam, _ops.multi_tensor_adam_capturable, _ops.multi_tensor_adam_capturable_master)
+_KERNELS: list = []
+
+
+def _kernels():
+    """apex._kernels.multi_tensor_adam, imported at the first step that launches (it imports triton)."""
+    if not _KERNELS:
+        from apex._kernels import multi_tensor_adam
+
+        _KERNELS.append(multi_tensor_adam)
+    return _KERNELS[0]
 
 
 class FusedAdam(FusedOptimizerBase):
@@ -168,7 +183,7 @@ class FusedAdam(FusedOptimizerBase):
 
         ``grads``, ``output_params``, ``scale`` and ``grad_norms`` are Apex's deprecated arguments and raise.
         """
-        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+        if grads is not None or output_params is not None or scale is not None or grad_norms is not None:
             raise RuntimeError("FusedAdam has been updated.  Simply initialize it identically to "
                                "torch.optim.Adam, and call step() with no arguments.")
         loss = self._run_closure(closure)
@@ -261,13 +276,45 @@ class FusedAdam(FusedOptimizerBase):
             plan.step_host += 1.0
             self._bump_group_step(group)
         for b in plan.buckets:
-            lists = [b.grads(gs, gptrs)] + b.lists
             if self.capturable:
                 op = self.multi_tensor_adam_capturable_master if b.master else self.multi_tensor_adam_capturable
-                op(2048 * 32, noop, lists, group["lr"], beta1, beta2, group["eps"], b.step, self.adam_w_mode,
-                   bias_correction, group["weight_decay"], inv_scale, **trusted(op))
+                tabs = self._launch_tables(b, op, gs, gptrs)
+                if tabs is not None:
+                    lr, step, inv = (_ops._scalar(group["lr"], device, "lr"), _ops._scalar(b.step, device, "step"),
+                                     _ops._scalar(inv_scale, device, "inv_scale"))
+                    _kernels().run(tabs, b.master, noop, lr, step, inv, 0.0, 1.0, 1.0, beta1, beta2,
+                                      group["eps"], group["weight_decay"], self.adam_w_mode, bias_correction,
+                                      capturable=True)
+                    continue
+                op(2048 * 32, noop, [b.grads(gs, gptrs)] + b.lists, group["lr"], beta1, beta2, group["eps"],
+                   b.step, self.adam_w_mode, bias_correction, group["weight_decay"], inv_scale, **trusted(op))
             else:
                 b.step += 1
-                self.multi_tensor_adam(2048 * 32, self._overflow_buf(device), lists, group["lr"], beta1,
-                                       beta2, group["eps"], int(b.step), self.adam_w_mode, bias_correction,
-                                       group["weight_decay"], **trusted(self.multi_tensor_adam))
+                op = self.multi_tensor_adam
+                tabs = self._launch_tables(b, op, gs, gptrs)
+                if tabs is not None:
+                    beta1, beta2 = float(beta1), float(beta2)
+                    bc1, bc2 = _ops._bias_corrections(beta1, beta2, int(b.step), bias_correction)
+                    _kernels().run(tabs, b.master, self._overflow_buf(device), None, None, None,
+                                      float(group["lr"]), bc1, bc2, beta1, beta2, group["eps"],
+                                      group["weight_decay"], self.adam_w_mode, bias_correction, capturable=False)
+                    continue
+                op(2048 * 32, self._overflow_buf(device), [b.grads(gs, gptrs)] + b.lists, group["lr"], beta1,
+                   beta2, group["eps"], int(b.step), self.adam_w_mode, bias_correction, group["weight_decay"],
+                   **trusted(op))
+
+    def _launch_tables(self, b: Bucket, op, gs: list, gptrs: tuple) -> list | None:
+        """The tables of the bucket's Adam launches when the step may launch them itself, or None (then the op
+        is called). It may when ``op`` is apex's own and the Triton backend is selected (asked at every step):
+        the op would check nothing the plan has not (its lists are the plan's, of one device and dtype each)
+        and launch these tables with this step's hyper-parameters. The tables are held while the step's
+        gradient addresses are the tuple they were made with (the plan hands that same tuple on while the
+        addresses repeat); otherwise the engine's cache gives them."""
+        if op not in _OWN_OPS or _backend.select_device(b.device.type) != "triton":
+            return None
+        held = b.__dict__.get("tables")
+        if held is not None and held[0] is gptrs:
+            return held[1]
+        tabs = _kernels().tables([b.grads(gs, gptrs)] + b.lists)
+        b.tables = (gptrs, tabs)
+        return tabs

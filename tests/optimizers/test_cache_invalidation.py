@@ -240,3 +240,138 @@ def test_a_gradient_of_another_dtype_is_refused(backend_name, name):
     with pytest.raises(RuntimeError, match="dtype|float64"):
         opt.step()
     _assert_unchanged(params, opt, before)
+
+
+# -- FusedAdam's direct launches ---------------------------------------------------------------------------
+# With apex's own op on the Triton backend, FusedAdam launches its kernel itself, holding each launch's tables
+# while the gradients' addresses repeat (gradients written in place). What it holds must never stand in for
+# what a step reads: the hyper-parameters of param_groups, a gradient at a new address, the backend, the op.
+ADAMS = ("FusedAdam", "FusedAdam-capturable-master")
+
+
+def _fill_grads(params, step):
+    for p, g in zip(params, grads_for_step(params, step)):
+        p.grad.copy_(g)  # the same gradient tensors, written in place: their addresses repeat
+
+
+def _hyper_lr(opt, params, keep):
+    group = opt.param_groups[0]
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(0.05)  # (as an lr scheduler sets a capturable optimizer's lr)
+    else:
+        group["lr"] = 0.05
+
+
+def _hyper_lr_tensor_replaced(opt, params, keep):
+    group = opt.param_groups[0]
+    keep.append(group["lr"])
+    group["lr"] = torch.full_like(group["lr"], 0.03) if isinstance(group["lr"], torch.Tensor) else 0.03
+
+
+def _hyper_betas_eps_weight_decay(opt, params, keep):
+    opt.param_groups[0].update(betas=(0.8, 0.99), eps=1e-3, weight_decay=0.2)
+
+
+def _hyper_no_bias_correction(opt, params, keep):
+    opt.param_groups[0]["bias_correction"] = False
+
+
+def _adam_mode_switched(opt, params, keep):
+    opt.adam_w_mode = 0
+
+
+FAST_CHANGES = {
+    "lr": _hyper_lr,
+    "lr_replaced": _hyper_lr_tensor_replaced,
+    "betas_eps_weight_decay": _hyper_betas_eps_weight_decay,
+    "bias_correction_off": _hyper_no_bias_correction,
+    "adam_mode": _adam_mode_switched,
+    "new_gradient_tensor": _change_new_gradient_tensor,  # same shape, another address
+    "gradient_data_swapped": _change_gradient_data,
+    "parameter_data_swapped": _change_parameter_data,
+}
+
+
+def _adam_steps_in_place(name, steps=3):
+    params = make_params(SHAPES) + make_params(SHAPES, torch.bfloat16, seed=3)
+    opt = OPTIMIZERS[name](params)
+    _set_grads(params, 0)
+    for s in range(steps):  # the first step plans; the next ones launch with the tables they hold
+        _fill_grads(params, s)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("change", FAST_CHANGES)
+@pytest.mark.parametrize("name", ADAMS)
+def test_fused_adam_direct_launch_sees_a_change(backend_name, name, change):
+    params, opt = _adam_steps_in_place(name)
+    keep: list = []
+    _fill_grads(params, 3)
+    FAST_CHANGES[change](opt, params, keep)
+    _step_both_and_compare(opt)
+    _fill_grads(params, 4)
+    _step_both_and_compare(opt)  # and at the step after it, with what the changed step held
+
+
+@pytest.mark.parametrize("name", ADAMS)
+def test_fused_adam_launches_itself_at_a_repeated_step(triton_device, name, monkeypatch):
+    # The op layers (checks, backend choice, grouping, table lookup) are skipped for apex's own op; the launch
+    # per (dtype) group stays one.
+    pytest.importorskip("triton")
+    import apex.ops.multi_tensor_adam as ops
+
+    calls = []
+    real = ops._adam
+    monkeypatch.setattr(ops, "_adam", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with apex.backend("triton"):
+        params, opt = _adam_steps_in_place(name)
+        for s in range(3, 5):
+            _fill_grads(params, s)
+            with TritonTrace(bounds=False) as tr:
+                opt.step()
+            assert tr.launches == 2, tr.kernels
+    assert calls == []
+    with apex.backend("torch"):
+        _fill_grads(params, 5)
+        opt.step()
+    assert len(calls) == 2  # the PyTorch path goes through the op, per group
+
+
+@pytest.mark.parametrize("name", ADAMS)
+def test_fused_adam_backend_switched_between_steps(triton_device, name):
+    pytest.importorskip("triton")
+    with apex.backend("triton"):
+        params, opt = _adam_steps_in_place(name)
+    for backend, s in (("torch", 3), ("triton", 4), ("torch", 5)):
+        _fill_grads(params, s)
+        twin = _fresh_twin(opt)
+        with apex.backend(backend), TritonTrace(bounds=False) as tr:
+            opt.step()
+            twin.step()
+        assert tr.launches == (0 if backend == "torch" else 4), (backend, tr.kernels)
+        for p, tp in zip(params, twin.param_groups[0]["params"]):
+            assert torch.equal(p.detach(), tp.detach())
+
+
+@pytest.mark.parametrize("name", ADAMS)
+def test_fused_adam_op_swapped_between_steps_is_called(backend_name, name):
+    params, opt = _adam_steps_in_place(name)
+    attr = "multi_tensor_adam_capturable_master" if "capturable" in name else "multi_tensor_adam"
+    real, seen = getattr(opt, attr), []
+
+    def swapped(*args, **kwargs):
+        seen.append(len(args[2][0]))
+        return real(*args, **kwargs)
+
+    _fill_grads(params, 3)
+    twin = _fresh_twin(opt)
+    setattr(opt, attr, swapped)
+    opt.step()
+    twin.step()
+    for p, tp in zip(params, twin.param_groups[0]["params"]):
+        assert torch.equal(p.detach(), tp.detach())
+    if "capturable" in name:  # (its fp32 parameters have no master: they go through the plain capturable op)
+        assert seen == [3]
+    else:
+        assert seen == [3, 3]
