@@ -25,16 +25,19 @@ logits-sized buffer at the peak of the backward. The logits must not be used aft
 
 Paths: CUDA/ROCm tensors run ``apex._kernels.xentropy`` (forward: one read of the logits with an online
 log-sum-exp; backward: one read, one write); CPU tensors run PyTorch operators (``log_softmax`` in fp32 to
-get ``lse``, a ``gather`` and a row sum; backward ``exp(x − lse)`` and two in-place updates).
+get ``lse``, a ``gather`` and a row sum; backward ``exp(x − lse)`` and two in-place updates). Both paths are
+registered as the ``apex::softmax_xentropy_fwd`` / ``_bwd`` custom ops (fake implementations, autograd), which
+``torch.compile``, export, dispatch modes and ``torch.func`` see; eager calls on plain tensors skip them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch._C import _any_requires_grad, _are_functorch_transforms_active
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import lazy_module
+from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
@@ -210,20 +213,109 @@ def _backward_torch(g, x, lab, lse, smoothing, padding_idx, inplace):
     return x.copy_(p) if inplace else p.to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------ custom ops
+# What torch.compile (fullgraph=True included), export, dispatch modes and torch.func see: one opaque op each
+# way, with fake implementations, instead of the launcher (which Dynamo cannot trace). Eager calls on plain
+# tensors skip them (SoftmaxCrossEntropyLoss.apply).
+@custom_op("apex::softmax_xentropy_fwd")
+def _fwd_op(logits: Tensor, labels: Tensor, smoothing: float, padding_idx: int | None) -> tuple[Tensor, Tensor]:
+    losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
+    return losses, lse
+
+
+@_fwd_op.register_fake
+def _(logits, labels, smoothing, padding_idx):
+    lead, ct = logits.shape[:-1], _compute_dtype(logits.dtype)  # losses and lse in the arithmetic dtype
+    return logits.new_empty(lead, dtype=ct), logits.new_empty(lead, dtype=ct)
+
+
+@custom_op("apex::softmax_xentropy_bwd")
+def _bwd_op(grad_loss: Tensor, logits: Tensor, lse: Tensor, labels: Tensor, smoothing: float,
+            padding_idx: int | None) -> Tensor:
+    # Never in place (a custom op may not return its input), and contiguous as the fake says.
+    return _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, False).contiguous()
+
+
+@_bwd_op.register_fake
+def _(grad_loss, logits, lse, labels, smoothing, padding_idx):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    logits, labels, smoothing, padding_idx = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, output[1], labels)
+    ctx.smoothing, ctx.padding_idx = smoothing, padding_idx
+
+
+def _op_backward(ctx, grad_loss, _grad_lse):
+    logits, lse, labels = ctx.saved_tensors
+    return _bwd_op(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx), None, None, None
+
+
+_fwd_op.register_autograd(_op_backward, setup_context=_setup)
+
+
+def _bind(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
+    """``apply``'s arguments, defaults filled in (Python's own TypeError for a wrong call)."""
+    return logits, labels, smoothing, padding_idx, half_to_float, inplace_backward
+
+
+_bind.__qualname__ = "SoftmaxCrossEntropyLoss.apply"  # the name a wrong call's TypeError shows
+
+
+class _FuncLoss(torch.autograd.Function):
+    """The registered ops inside a Function that ``torch.func`` transforms accept (a separate
+    ``setup_context``; the custom op's own autograd has none, which the transforms refuse)."""
+
+    @staticmethod
+    def forward(logits, labels, smoothing, padding_idx):
+        return _fwd_op(logits, labels, smoothing, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        # The transforms run the backward with grad on; the backward op has no derivative of its own (first
+        # order only, as the eager Function).
+        with torch.no_grad():
+            return _op_backward(ctx, grad_loss, _grad_lse)
+
+
+def _op_loss(logits, labels, smoothing, padding_idx, half_to_float, inplace_backward):
+    """The losses through the registered op (dispatch modes, export, a call Dynamo did not take as the
+    Function's), differentiated by its registered autograd, or inside ``torch.func`` transforms by
+    :class:`_FuncLoss`. ``inplace_backward`` is checked, then has no effect: the op's backward writes a new
+    tensor."""
+    _check_inplace(logits, inplace_backward)
+    _check(logits, labels, smoothing, padding_idx)
+    if _are_functorch_transforms_active():
+        return _FuncLoss.apply(logits, labels, float(smoothing), padding_idx)[0]
+    return _fwd_op(logits, labels, float(smoothing), padding_idx)[0]
+
+
 # --------------------------------------------------------------------------------------------- autograd
 class SoftmaxCrossEntropyLoss(torch.autograd.Function):
     """``SoftmaxCrossEntropyLoss.apply(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False,
-    inplace_backward=False)`` → per-row losses (fp32 for half/float logits)."""
+    inplace_backward=False)`` → per-row losses (fp32 for half/float logits).
+
+    ``torch.compile`` traces this Function's ``forward`` and ``backward``, which call the registered ops
+    (``apex::softmax_xentropy_fwd`` / ``_bwd``): one graph, the ops opaque in it. Eager calls take
+    :class:`_EagerLoss`, which launches the kernels without the ops' dispatcher layers."""
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        """``Function.apply``, entered through its C++ form outside ``torch.func`` transforms (the Python
-        wrapper binds defaults and unwraps ``torch.func``'s dead wrappers, ~4 µs a call); with nothing to
-        differentiate the forward runs alone, without the Function's context and saved tensors.
-        ``torch.compile`` traces the Function itself (Dynamo takes ``apply`` of an autograd Function without
-        calling this)."""
-        if kwargs or not 2 <= len(args) <= 6 or _are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return _py_apply(cls, *args, **kwargs)
+        """``Function.apply``: outside ``torch.func`` transforms and dispatch modes, :class:`_EagerLoss`'s
+        through its C++ form (the Python wrapper binds defaults and unwraps ``torch.func``'s dead wrappers,
+        ~4 µs a call); with nothing to differentiate the forward runs alone, without the Function's context
+        and saved tensors. Under a transform or mode, the registered op. ``torch.compile`` traces the
+        Function itself (Dynamo takes ``apply`` of an autograd Function without calling this)."""
+        if kwargs or not 2 <= len(args) <= 6:
+            args = _bind(*args, **kwargs)
+        if _are_functorch_transforms_active() or _dispatch_modes() or torch.compiler.is_compiling():
+            return _op_loss(*_bind(*args))
         logits = args[0]
         if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and _any_requires_grad(logits):
             return _c_apply(*args)
@@ -234,27 +326,44 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
         _check_inplace(logits, inplace_backward)
-        losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
+        _check(logits, labels, smoothing, padding_idx)
+        losses, lse = _fwd_op(logits, labels, float(smoothing), padding_idx)
         ctx.save_for_backward(logits, lse, labels)
         ctx.smoothing = float(smoothing)
         ctx.padding_idx = padding_idx
-        ctx.inplace = bool(inplace_backward)
         return losses
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse, labels = ctx.saved_tensors
-        if grad_loss.shape != lse.shape:
-            raise RuntimeValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
-        # The forward checked logits and labels; the saved tensors are those.
-        dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
-        return dx, None, None, None, None, None
+        return _bwd_op(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx), None, None, None, None, None
 
 
-# Function.apply's Python wrapper (a plain function: Dynamo, inlining the override above after a graph break,
-# cannot resolve super() there) and the C++ Function.apply it ends in.
-_py_apply = torch.autograd.Function.apply.__func__
-_c_apply = super(torch.autograd.Function, SoftmaxCrossEntropyLoss).apply
+def _eager_forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
+    _check_inplace(logits, inplace_backward)
+    losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
+    ctx.save_for_backward(logits, lse, labels)
+    ctx.smoothing = float(smoothing)
+    ctx.padding_idx = padding_idx
+    ctx.inplace = bool(inplace_backward)
+    return losses
+
+
+def _eager_backward(ctx, grad_loss):
+    logits, lse, labels = ctx.saved_tensors
+    if grad_loss.shape != lse.shape:
+        raise RuntimeValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
+    # The forward checked logits and labels; the saved tensors are those.
+    dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
+    return dx, None, None, None, None, None
+
+
+# The eager Function: the kernels launched directly. Named as the public class, so that its graph nodes read
+# SoftmaxCrossEntropyLossBackward as before.
+_EagerLoss = type("SoftmaxCrossEntropyLoss", (torch.autograd.Function,), {
+    "__module__": __name__, "__qualname__": "_EagerLoss",
+    "forward": staticmethod(_eager_forward), "backward": staticmethod(_eager_backward)})
+_c_apply = super(torch.autograd.Function, _EagerLoss).apply  # the C++ Function.apply
 
 
 def _check_inplace(logits: object, inplace_backward: object) -> None:

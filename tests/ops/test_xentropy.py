@@ -268,8 +268,8 @@ def test_xentropy_apply_without_a_gradient_runs_the_forward_alone(backend_name, 
     ref = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False)
     assert ref.grad_fn is not None
     ran: list = []
-    forward = SoftmaxCrossEntropyLoss.forward
-    monkeypatch.setattr(SoftmaxCrossEntropyLoss, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
+    forward = X._EagerLoss.forward  # the Function an eager call with a gradient takes
+    monkeypatch.setattr(X._EagerLoss, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
     with torch.no_grad():
         got = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1)
         with pytest.raises(ValueError, match="inplace_backward"):
@@ -280,3 +280,109 @@ def test_xentropy_apply_without_a_gradient_runs_the_forward_alone(backend_name, 
     torch.testing.assert_close(got2, ref.detach(), rtol=0, atol=0)
     SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False).sum().backward()
     assert ran == [1] and x.grad is not None
+
+
+# ------------------------------------------------------------------ torch.compile, dispatch modes, torch.func
+def _compile_inputs(dev, shape=(8, 40)):
+    x = (torch.randn(*shape, device=dev) * 3).requires_grad_()
+    lab = torch.randint(0, shape[-1], shape[:-1], device=dev)
+    lab.view(-1)[::3] = 0  # padding rows
+    dy = torch.randn(shape[:-1], device=dev)
+    return x, lab, dy
+
+
+@pytest.mark.parametrize("shape", [(8, 40), (2, 4, 40)], ids=str)
+def test_xentropy_compile_fullgraph_matches_eager(backend_name, device, shape):
+    """torch.compile(fullgraph=True) of the loss and its backward: one graph holding the registered forward and
+    backward ops (the launcher is never traced), eager's losses and gradients, and no recompile for a second
+    step on new values of the same shapes."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    torch._dynamo.reset()
+    graphs: list = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)  # the fake implementations meet AOTAutograd
+
+    def step(x, lab, dy):
+        return (SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False) * dy).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=record)
+    for _ in range(2):
+        x, lab, dy = _compile_inputs(device, shape)
+        out = compiled(x, lab, dy)
+        (dx,) = torch.autograd.grad(out, x)
+        ref = step(x, lab, dy)
+        (ref_dx,) = torch.autograd.grad(ref, x)
+        assert_rel_close(out, ref, tol=1e-6, name="loss")
+        assert_rel_close(dx, ref_dx, tol=1e-6, name="dx")
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two steps of the same shapes"
+    targets = {str(n.target) for m in graphs[0].modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function"}
+    assert any("softmax_xentropy_fwd" in t for t in targets), targets
+    assert any("softmax_xentropy_bwd" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("padding_idx", [0, None])
+@pytest.mark.parametrize("shape", [(6, 33), (2, 3, 17)], ids=str)
+def test_xentropy_opcheck(padding_idx, shape):
+    """Schema, fake implementations (output shapes, dtypes, strides), autograd registration and AOT dispatch
+    (dynamic shapes) of both registered ops, on the CPU."""
+    import apex
+
+    x = torch.randn(*shape, requires_grad=True)
+    lab = torch.randint(0, shape[-1], shape[:-1])
+    g = torch.randn(shape[:-1])
+    with apex.backend("torch"):
+        _, lse = torch.ops.apex.softmax_xentropy_fwd(x.detach(), lab, 0.1, padding_idx)
+        for op, args in ((torch.ops.apex.softmax_xentropy_fwd.default, (x, lab, 0.1, padding_idx)),
+                         (torch.ops.apex.softmax_xentropy_bwd.default, (g, x.detach(), lse, lab, 0.1, padding_idx))):
+            result = torch.library.opcheck(op, args)
+            assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode (as make_fx, FakeTensorMode or a debugging mode): it must see apex's ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_xentropy_dispatch_modes_see_the_registered_ops(backend_name, device):
+    """Under a dispatch mode the loss and its backward are the registered ops, with eager's values bit for bit;
+    under FakeTensorMode the call gives Apex's output (fp32 losses of the rows' shape) without running a
+    kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    x, lab, dy = _compile_inputs(device)
+    ref = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False)
+    (ref_dx,) = torch.autograd.grad(ref, x, dy)
+    with _Recorder() as rec:
+        got = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False)
+        (dx,) = torch.autograd.grad(got, x, dy)
+    assert {"apex::softmax_xentropy_fwd", "apex::softmax_xentropy_bwd"} <= rec.ops, rec.ops
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = SoftmaxCrossEntropyLoss.apply(x.detach().half(), lab, 0.1, 0, True)
+    assert fake.shape == lab.shape and fake.dtype == torch.float32
+
+
+def test_xentropy_torch_func_grad(backend_name, device):
+    """torch.func.grad differentiates the loss (through the registered op's autograd) to eager's gradient."""
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    x, lab, dy = _compile_inputs(device)
+    (ref_dx,) = torch.autograd.grad(SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False), x, dy)
+    dx = torch.func.grad(lambda t: (SoftmaxCrossEntropyLoss.apply(t, lab, 0.1, 0, False) * dy).sum())(x.detach())
+    assert_rel_close(dx, ref_dx, tol=1e-6, name="dx")
