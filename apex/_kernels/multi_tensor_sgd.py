@@ -117,3 +117,23 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
                   float(trust_coefficient), float(eps),
                   options=(momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy,
                            bool(lars), rounded))
+
+
+def tables(lists) -> list:
+    """The tables of the SGD launches over ``lists`` (``[g, w, momenta]`` or with model copies), one per
+    (device, dtypes) group: what :func:`run` launches over. An optimizer keeps them while its tensors'
+    addresses repeat."""
+    full = lists if len(lists) == 4 else lists + [lists[1]]
+    return [mt.table(sub) for _, sub in mt.group(full)]
+
+
+def run(tabs: list, has_copy: bool, noop_flag, *, lr, wd, momentum, dampening, nesterov, first_run,
+        wd_after_momentum, scale) -> None:
+    """:func:`sgd` without LARS over the :func:`tables` of its lists (``has_copy``: they had model copies)."""
+    args = (noop_flag, noop_flag, noop_flag, float(lr), float(wd), float(momentum), 1.0 - float(dampening),
+            float(scale), 0.0, 0.0)
+    flags = (momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy, False)
+    for tab in tabs:
+        rounded = not has_copy and tab.dtypes[1] != tl.float32  # (as sgd: fp16/bf16 weights without masters)
+        _sgd_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                                     *args, *tab.dtypes, *flags, rounded, tab.chunk, tab.block)

@@ -6,8 +6,21 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
+from apex import _backend
+from apex.ops import multi_tensor_sgd as _ops
 from apex.optimizers._base import FusedOptimizerBase, check_sgd_hyperparameters, fused_step, group_by, trusted
 from apex.optimizers._plan import Bucket, Plan, take
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """apex._kernels.multi_tensor_sgd, imported at the first step that launches (it imports triton)."""
+    if not _KERNELS:
+        from apex._kernels import multi_tensor_sgd
+
+        _KERNELS.append(multi_tensor_sgd)
+    return _KERNELS[0]
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -141,11 +154,31 @@ class FusedSGD(FusedOptimizerBase):
             return
         op = self.multi_tensor_sgd
         for b in plan.buckets:
+            tabs = self._launch_tables(b, op, gs, gptrs)
+            if tabs is not None:  # apex's op on the Triton backend: its launch, directly
+                _kernels().run(tabs, False, self._overflow_buf(b.device), lr=group["lr"], wd=group["weight_decay"],
+                               momentum=float(group["momentum"]), dampening=group["dampening"],
+                               nesterov=group["nesterov"], first_run=b.first_run,
+                               wd_after_momentum=self.wd_after_momentum, scale=scale)
+                continue
             op(2048 * 32, self._overflow_buf(b.device), [b.grads(gs, gptrs)] + b.lists, group["weight_decay"],
                group["momentum"], group["dampening"], group["lr"], group["nesterov"], b.first_run,
                self.wd_after_momentum, scale, **trusted(op))
         if any(b.first_run for b in plan.buckets):
             self._plans.pop(id(group), None)  # the buffers exist now: the next step plans one bucket per dtype
+
+    def _launch_tables(self, b: Bucket, op, gs: list, gptrs: tuple) -> list | None:
+        """The tables of the bucket's launch when the step may launch it itself, or None (then the op is
+        called): as ``FusedAdam._launch_tables``, for apex's own op on the Triton backend (asked every step);
+        held while the step's gradient addresses are the tuple they were made with."""
+        if op is not _ops.multi_tensor_sgd or _backend.select_device(b.device.type) != "triton":
+            return None
+        held = b.__dict__.get("tables")
+        if held is not None and held[0] is gptrs:
+            return held[1]
+        tabs = _kernels().tables([b.grads(gs, gptrs)] + b.lists)
+        b.tables = (gptrs, tabs)
+        return tabs
 
     def _launch(self, group, launch, scale: float) -> None:
         """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket (amp O2's lists, and

@@ -242,11 +242,13 @@ def test_a_gradient_of_another_dtype_is_refused(backend_name, name):
     _assert_unchanged(params, opt, before)
 
 
-# -- FusedAdam's direct launches ---------------------------------------------------------------------------
-# With apex's own op on the Triton backend, FusedAdam launches its kernel itself, holding each launch's tables
-# while the gradients' addresses repeat (gradients written in place). What it holds must never stand in for
-# what a step reads: the hyper-parameters of param_groups, a gradient at a new address, the backend, the op.
+# -- FusedAdam's and FusedSGD's direct launches --------------------------------------------------------------
+# With apex's own op on the Triton backend, FusedAdam and FusedSGD launch their kernel themselves, holding
+# each launch's tables while the gradients' addresses repeat (gradients written in place). What they hold must
+# never stand in for what a step reads: the hyper-parameters of param_groups, a gradient at a new address,
+# the backend, the op.
 ADAMS = ("FusedAdam", "FusedAdam-capturable-master")
+DIRECT = ADAMS + ("FusedSGD",)
 
 
 def _fill_grads(params, step):
@@ -280,16 +282,29 @@ def _adam_mode_switched(opt, params, keep):
     opt.adam_w_mode = 0
 
 
+def _sgd_hyper(opt, params, keep):
+    opt.param_groups[0].update(momentum=0.5, dampening=0.25, weight_decay=0.2)
+
+
+def _sgd_nesterov(opt, params, keep):
+    opt.param_groups[0].update(dampening=0.0, nesterov=True)
+
+
 FAST_CHANGES = {
     "lr": _hyper_lr,
     "lr_replaced": _hyper_lr_tensor_replaced,
     "betas_eps_weight_decay": _hyper_betas_eps_weight_decay,
     "bias_correction_off": _hyper_no_bias_correction,
     "adam_mode": _adam_mode_switched,
+    "sgd_momentum_dampening_weight_decay": _sgd_hyper,
+    "sgd_nesterov": _sgd_nesterov,
     "new_gradient_tensor": _change_new_gradient_tensor,  # same shape, another address
     "gradient_data_swapped": _change_gradient_data,
     "parameter_data_swapped": _change_parameter_data,
 }
+
+
+SHARED_CHANGES = ("lr", "lr_replaced", "new_gradient_tensor", "gradient_data_swapped", "parameter_data_swapped")
 
 
 def _adam_steps_in_place(name, steps=3):
@@ -303,8 +318,10 @@ def _adam_steps_in_place(name, steps=3):
 
 
 @pytest.mark.parametrize("change", FAST_CHANGES)
-@pytest.mark.parametrize("name", ADAMS)
-def test_fused_adam_direct_launch_sees_a_change(backend_name, name, change):
+@pytest.mark.parametrize("name", DIRECT)
+def test_direct_launch_sees_a_change(backend_name, name, change):
+    if change.startswith("sgd") != (name == "FusedSGD") and change not in SHARED_CHANGES:
+        pytest.skip("another optimizer's option")
     params, opt = _adam_steps_in_place(name)
     keep: list = []
     _fill_grads(params, 3)
@@ -314,16 +331,18 @@ def test_fused_adam_direct_launch_sees_a_change(backend_name, name, change):
     _step_both_and_compare(opt)  # and at the step after it, with what the changed step held
 
 
-@pytest.mark.parametrize("name", ADAMS)
-def test_fused_adam_launches_itself_at_a_repeated_step(triton_device, name, monkeypatch):
+@pytest.mark.parametrize("name", DIRECT)
+def test_launches_itself_at_a_repeated_step(triton_device, name, monkeypatch):
     # The op layers (checks, backend choice, grouping, table lookup) are skipped for apex's own op; the launch
     # per (dtype) group stays one.
     pytest.importorskip("triton")
+    import apex._kernels.multi_tensor_sgd as sgd_kernels
     import apex.ops.multi_tensor_adam as ops
 
     calls = []
-    real = ops._adam
-    monkeypatch.setattr(ops, "_adam", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    where, attr = (sgd_kernels, "sgd") if name == "FusedSGD" else (ops, "_adam")  # (the op's Triton path)
+    real = getattr(where, attr)
+    monkeypatch.setattr(where, attr, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     with apex.backend("triton"):
         params, opt = _adam_steps_in_place(name)
         for s in range(3, 5):
@@ -332,14 +351,17 @@ def test_fused_adam_launches_itself_at_a_repeated_step(triton_device, name, monk
                 opt.step()
             assert tr.launches == 2, tr.kernels
     assert calls == []
-    with apex.backend("torch"):
+    with apex.backend("triton"):
+        setattr(opt, "multi_tensor_sgd" if name == "FusedSGD" else "multi_tensor_adam", lambda *a, **k: calls.append(1))
+        if "capturable" in name:
+            opt.multi_tensor_adam_capturable = opt.multi_tensor_adam_capturable_master = opt.multi_tensor_adam
         _fill_grads(params, 5)
         opt.step()
-    assert len(calls) == 2  # the PyTorch path goes through the op, per group
+    assert len(calls) == 2  # an op swapped in is called, per group
 
 
-@pytest.mark.parametrize("name", ADAMS)
-def test_fused_adam_backend_switched_between_steps(triton_device, name):
+@pytest.mark.parametrize("name", DIRECT)
+def test_backend_switched_between_steps(triton_device, name):
     pytest.importorskip("triton")
     with apex.backend("triton"):
         params, opt = _adam_steps_in_place(name)
@@ -354,10 +376,11 @@ def test_fused_adam_backend_switched_between_steps(triton_device, name):
             assert torch.equal(p.detach(), tp.detach())
 
 
-@pytest.mark.parametrize("name", ADAMS)
-def test_fused_adam_op_swapped_between_steps_is_called(backend_name, name):
+@pytest.mark.parametrize("name", DIRECT)
+def test_op_swapped_between_steps_is_called(backend_name, name):
     params, opt = _adam_steps_in_place(name)
-    attr = "multi_tensor_adam_capturable_master" if "capturable" in name else "multi_tensor_adam"
+    attr = ("multi_tensor_sgd" if name == "FusedSGD" else
+            "multi_tensor_adam_capturable_master" if "capturable" in name else "multi_tensor_adam")
     real, seen = getattr(opt, attr), []
 
     def swapped(*args, **kwargs):
