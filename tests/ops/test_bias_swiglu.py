@@ -14,6 +14,7 @@ import apex
 from apex.ops import bias_swiglu as S
 from apex.testing import TritonTrace, assert_rel_close
 from tests import _device
+from tests.ops._modes import Recorder as _Recorder
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -176,12 +177,3 @@ def test_eager_forward_and_backward_skip_the_custom_ops(triton_device, monkeypat
     torch.testing.assert_close(grads, ref_grads, rtol=0, atol=0)
     torch.testing.assert_close(mode_grads, ref_grads, rtol=0, atol=0)
 
-
-class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func._schema.name)
-        return func(*args, **(kwargs or {}))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests import _device
+from tests.ops._modes import Recorder as _Recorder
 
 NEEDS_PLAIN_TENSORS = pytest.mark.skipif(
     _device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops under a dispatch mode, which "
@@ -106,17 +107,6 @@ def test_eager_calls_skip_the_dispatcher(name, triton_device):
     torch.testing.assert_close(y2, y, rtol=0, atol=0)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
-
-class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """A dispatch mode (as make_fx, FakeTensorMode or a debugging mode): it must see apex's op."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("name", list(OPS))

@@ -13,6 +13,7 @@ import apex
 from apex.ops import fused_rope as R
 from apex.testing import TritonTrace, assert_rel_close
 from tests import _device
+from tests.ops._modes import Recorder as _Recorder
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -423,15 +424,6 @@ def test_rope_eager_forward_and_backward_rotate_without_the_custom_op(triton_dev
     for got, want in ((y, ref), (dt, ref_dt), (y_nograd, ref)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-
-class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
 
 
 def test_rope_backward_under_a_dispatch_mode_and_second_derivative(triton_device):

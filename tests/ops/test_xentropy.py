@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from apex.ops import xentropy as X
 from apex.testing import assert_rel_close
+from tests.ops._modes import Recorder as _Recorder
 from tests.ops._norms import DTYPES, trace
 
 
@@ -343,17 +344,6 @@ def test_xentropy_opcheck(padding_idx, shape):
             result = torch.library.opcheck(op, args)
             assert set(result.values()) == {"SUCCESS"}, (op, result)
 
-
-class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """A dispatch mode (as make_fx, FakeTensorMode or a debugging mode): it must see apex's ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
 
 
 def test_xentropy_dispatch_modes_see_the_registered_ops(backend_name, device):
