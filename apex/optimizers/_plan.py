@@ -225,3 +225,14 @@ class Bucket:
         if self.idx is not None:
             gs, gptrs = take(gs, self.idx), take(gptrs, self.idx)
         return column(gs, ptrs=gptrs, numels=self.numels, dtype=self.dtype, device=self.device)
+
+    def held_tables(self, gs: list, gptrs: tuple, make_tables) -> list:
+        """The tables of a launch the step makes itself over ``[grads] + lists``: held while this step's
+        gradient addresses are the tuple they were made with (the plan hands that same tuple on while the
+        addresses repeat), else ``make_tables`` (the kernels' ``tables``, whose engine caches them) makes them."""
+        held = self.__dict__.get("tables")
+        if held is not None and held[0] is gptrs:
+            return held[1]
+        tabs = make_tables([self.grads(gs, gptrs)] + self.lists)
+        self.tables = (gptrs, tabs)
+        return tabs

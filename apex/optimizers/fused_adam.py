@@ -312,9 +312,4 @@ class FusedAdam(FusedOptimizerBase):
         addresses repeat); otherwise the engine's cache gives them."""
         if op not in _OWN_OPS or _backend.select_device(b.device.type) != "triton":
             return None
-        held = b.__dict__.get("tables")
-        if held is not None and held[0] is gptrs:
-            return held[1]
-        tabs = _kernels().tables([b.grads(gs, gptrs)] + b.lists)
-        b.tables = (gptrs, tabs)
-        return tabs
+        return b.held_tables(gs, gptrs, _kernels().tables)

@@ -173,12 +173,7 @@ class FusedSGD(FusedOptimizerBase):
         held while the step's gradient addresses are the tuple they were made with."""
         if op is not _ops.multi_tensor_sgd or _backend.select_device(b.device.type) != "triton":
             return None
-        held = b.__dict__.get("tables")
-        if held is not None and held[0] is gptrs:
-            return held[1]
-        tabs = _kernels().tables([b.grads(gs, gptrs)] + b.lists)
-        b.tables = (gptrs, tabs)
-        return tabs
+        return b.held_tables(gs, gptrs, _kernels().tables)
 
     def _launch(self, group, launch, scale: float) -> None:
         """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket (amp O2's lists, and
