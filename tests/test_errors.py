@@ -390,8 +390,8 @@ CASES = [
                                                  torch.zeros(3, dtype=torch.long)), TE, RE, "same dtype"),
     # Fused ops and the compatibility modules: where Apex's extensions raised RuntimeError (TORCH_CHECK, a
     # dispatch on the dtype) or its Python wrappers asserted.
-    ("fused_layer_norm normalized_shape=[]", _op("apex.normalization:fused_layer_norm", Z(2, 3), []), VE, RE,
-     "at least one dimension"),
+    ("fused_layer_norm normalized_shape=[]", _op("apex.normalization.fused_layer_norm:fused_layer_norm", Z(2, 3), []),
+     VE, RE, "at least one dimension"),
     ("SoftmaxCrossEntropyLoss integer logits", _op(_XENT, L(4, 5), L(4)), TE, RE, "floating-point"),
     ("SoftmaxCrossEntropyLoss float labels", _op(_XENT, Z(4, 5), Z(4)), TE, RE, "integer tensor"),
     ("SoftmaxCrossEntropyLoss labels shape", _op(_XENT, Z(4, 5), L(3)), VE, RE, "labels must have shape"),

@@ -63,7 +63,8 @@ def torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess
 
 
 def rank_checksums(stdout: str) -> dict[int, str]:
-    return {int(r): c for r, c in re.findall(r"rank (\d+): parameter checksum ([0-9a-f]+)", stdout)}
+    # 16 hex digits exactly: torchrun merges the ranks' stdout, so another rank's text may follow on the line
+    return {int(r): c for r, c in re.findall(r"rank (\d+): parameter checksum ([0-9a-f]{16})", stdout)}
 
 
 # ----------------------------------------------------------------------------------------------------------
