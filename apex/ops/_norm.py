@@ -255,6 +255,17 @@ def grad_rows(g: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return g, g.stride(0)
 
 
+def saved_rows(v: torch.Tensor, n: int, memory_efficient: bool, rows: bool) -> tuple[torch.Tensor, int]:
+    """The tensor a ``_Direct`` forward saved for its backward as the kernel reads it, ``(rows, row stride)``:
+    the output (``memory_efficient``), contiguous from the forward, its own rows; else the input, already
+    rows when the forward saw them (``rows``), else :func:`rows_view`'s."""
+    if memory_efficient:
+        return v, n
+    if not rows:
+        v = rows_view(v, n)
+    return v, v.stride(0)
+
+
 def _f32(stat: torch.Tensor) -> torch.Tensor:
     """``stat.float()`` without the call (~0.3 µs) for the Triton forward's statistics, fp32 already."""
     return stat if stat.dtype is torch.float32 else stat.float()

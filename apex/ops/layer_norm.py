@@ -30,6 +30,7 @@ from apex.ops._norm import (
     prepare,
     promote,
     rows_view,
+    saved_rows,
     stats_dtype,
     use_kernel,
 )
@@ -246,12 +247,7 @@ class _Direct(torch.autograd.Function):
             dx, dw, db = _bwd_op(dy, mean, rstd, v, weight, bias, list(shape), memory_efficient, dx_dtype, eps)
         else:
             g, sg = grad_rows(dy, n)
-            if memory_efficient:  # the output, made contiguous by the forward: its own rows
-                sv = n
-            else:
-                if not rows:
-                    v = rows_view(v, n)
-                sv = v.stride(0)
+            v, sv = saved_rows(v, n, memory_efficient, rows)
             # dx is shaped as dy (the output's shape, the input's).
             dx, dw, db = _launchers().backward_rows(g, sg, v, sv, rstd.numel(), n,
                                                     weight.contiguous() if weight is not None else None,
