@@ -153,6 +153,8 @@ def test_print_params_min_max_norm(capsys):
             assert float(hi) == pytest.approx(float(d.max()), rel=1e-6)
             assert float(norm) == pytest.approx(float(d.norm()), rel=1e-6)
         assert len(lines) == 3
+    with pytest.raises(AttributeError, match="optimizer must be a torch.optim.Optimizer.*got NoneType"):
+        utils.print_params_min_max_norm(None, 7)
 
 
 def test_timers():

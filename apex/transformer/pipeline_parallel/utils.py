@@ -232,7 +232,11 @@ def print_params_min_max_norm(optimizer, iteration: int) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm\n"]
     index = 0
-    for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+    groups = getattr(getattr(optimizer, "optimizer", optimizer), "param_groups", None)
+    if groups is None:  # AttributeError, as Apex's (it read optimizer.optimizer.param_groups)
+        raise AttributeError("print_params_min_max_norm: optimizer must be a torch.optim.Optimizer or a wrapper "
+                             f"holding one in .optimizer, got {type(optimizer).__name__}")
+    for group in groups:
         for param in group["params"]:
             index += 1
             data = param.detach()
