@@ -35,6 +35,15 @@ if HAS_TRITON and DEVICE != "cuda":
     from apex.testing import prepare_interpreter  # noqa: E402
 
     prepare_interpreter()
+    # Every kernel module now, while TRITON_INTERPRET=1: ``triton.jit`` picks interpreted or compiled when a
+    # module is first imported, and a test that sets TRITON_INTERPRET=0 for a while (the sweep and benchmark
+    # runners do, for a GPU) would otherwise leave compiled kernels behind for the tests after it in the worker.
+    import pkgutil  # noqa: E402
+
+    import apex._kernels  # noqa: E402
+
+    for _info in pkgutil.iter_modules(apex._kernels.__path__):
+        importlib.import_module(f"apex._kernels.{_info.name}")
     if DEVICE == "meta":  # launches are checked, not run (tests/_device.py, MetaCheck)
         import apex.testing  # noqa: E402
 
