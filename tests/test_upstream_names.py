@@ -29,10 +29,6 @@ OMISSIONS: dict[str, dict[str, str]] = {
         "RankInfoFormatter": _LOGGING,
         "handler": _LOGGING,
     },
-    "apex.amp.lists": {
-        "*": "the torch function lists Apex's O1 monkey-patched; O1 here runs on torch.autocast, and the fp32 "
-             "additions for the CPU live in apex.amp._fp32_lists",
-    },
     "apex.contrib.openfold_triton": {
         name: "Apex's @triton.jit LayerNorm kernels, whose launch signatures belong to Apex's launchers; the "
               "LayerNorm here runs its own kernels (apex._kernels) behind LayerNormSmallShapeOptImpl, and "

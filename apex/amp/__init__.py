@@ -4,6 +4,7 @@ Runs on CUDA and CPU models, in fp16 or bf16 (bf16 by default on CPUs). O1 is bu
 O2 keeps fp32 master weights inside the optimizer; loss scaling uses the fused unscale operators.
 """
 
+from apex.amp import lists  # Apex's O1 function lists (amp.lists.functional_overrides, ...), editable before O1
 from apex.amp._amp_state import _amp_state, master_params
 from apex.amp.amp import (
     bfloat16_function,
@@ -27,6 +28,7 @@ __all__ = [
     "half_function",
     "init",
     "initialize",
+    "lists",
     "load_state_dict",
     "master_params",
     "opt_levels",

@@ -1,14 +1,19 @@
-"""O1's fp32, half and banned functions where ``torch.autocast`` has none: Apex's lists, applied on the CPU.
+"""O1's function lists: Apex's lists (:mod:`apex.amp.lists`) applied on top of ``torch.autocast``.
 
 CUDA autocast already runs softmax, the norms, the losses, ``exp``/``log``/``pow``, ``sum``/``mean`` and
 the other reductions in fp32, as Apex's O1 did; CPU autocast leaves them in bf16/fp16. On the CPU, O1
 therefore also wraps the functions of Apex's ``FP32_FUNCS`` lists (``torch``, ``torch.nn.functional`` and
 ``torch.Tensor``) so that, while O1 casting is active and autocast is on, their fp16/bf16 tensor arguments
 are cast to fp32 (fp32 in, fp32 out; other arguments untouched). As in Apex, their in-place tensor
-methods (``exp_``, ``pow_``, ...) raise on a half tensor, which they could not update in fp32, and
-``F.binary_cross_entropy`` on a half input raises unless ``amp.init(allow_banned=True)``. Code running
-with autocast off (inside ``disable_casts()``, the optimizer step, apex's own fused ops) sees the
-original functions' behaviour.
+methods (``exp_``, ``pow_``, ...) raise on a half tensor, which they could not update in fp32, and the
+``BANNED_FUNCS`` (``F.binary_cross_entropy``) raise on a half input unless ``amp.init(allow_banned=True)``.
+Code running with autocast off (inside ``disable_casts()``, the optimizer step, apex's own fused ops) sees
+the original functions' behaviour.
+
+The lists are read when O1 starts, so a user's edits to them count on every device (:func:`patch_edits`):
+a name added to ``FP16_FUNCS`` or ``FP32_FUNCS`` runs in that precision, a name taken off both runs on its
+arguments as they come, a name added to ``CASTS``/``SEQUENCE_CASTS`` promotes mixed arguments, an entry
+added to ``BANNED_FUNCS`` raises on half inputs.
 """
 
 from __future__ import annotations
@@ -20,36 +25,40 @@ import torch.nn.functional as F
 
 _HALF = (torch.float16, torch.bfloat16)
 
-FUNCTIONAL_FP32 = (
-    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu", "layer_norm",
-    "group_norm", "local_response_norm", "normalize", "cosine_similarity", "poisson_nll_loss",
-    "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss",
-    "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
-    "triplet_margin_loss", "ctc_loss",
-)
-TORCH_FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow", "softmax", "log_softmax", "cumprod", "cumsum", "dist", "mean", "norm", "prod", "std",
-    "sum", "var", "renorm",
-)
-TENSOR_FP32 = TORCH_FP32 + ("__pow__", "__rpow__", "__ipow__")
+# CUDA autocast's fp32 functions that Apex's torch lists lack: on the CPU O1 runs them in fp32 too.
+CPU_EXTRA_FP32 = ("log1p", "softmax", "log_softmax", "mean")
 # Apex's O1 ran the RNNs and RNN cells in half (its rnn_compat casts); CUDA autocast has the cells in its
 # lower-precision list, CPU autocast has neither them nor a half LSTM it can run (it sends LSTMs to oneDNN,
 # which has no fp16 LSTM without AVX512-FP16). On the CPU O1 casts their float arguments (input, state and
 # weights) to the half type and runs them with autocast off, where PyTorch picks a kernel that exists.
 TORCH_VF_HALF = ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru", "rnn_tanh", "rnn_relu")
-# Apex's O1 also lists Tensor.cpu: a half tensor copied to the host arrives in fp32. Autocast has no such
-# rule on any device, so this wrapper is installed on CUDA as well (``patch_transfers``).
+# Apex's tensor FP32_FUNCS also has Tensor.cpu: a half tensor copied to the host arrives in fp32. Autocast has
+# no such rule on any device, so this one is installed on CUDA as well (``patch_transfers``).
 TENSOR_TRANSFERS_FP32 = ("cpu",)
 
-BANNED_MESSAGE = (
-    "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It requires that "
-    "the output of the previous function be already a FloatTensor. \n\nMost models have a Sigmoid right "
-    "before BCELoss. In that case, you can use\n    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss "
-    "into a single layer that is compatible with amp.\nAnother option is to add\n    "
-    "amp.register_float_function(torch, 'sigmoid')\nbefore calling `amp.init()`.\nIf you _really_ know what "
-    "you are doing, you can disable this warning by passing allow_banned=True to `amp.init()`.")
+
+def _lists() -> tuple:
+    """``(module, its list module)`` for Apex's three list modules, read when O1 starts."""
+    from apex.amp.lists import functional_overrides, tensor_overrides, torch_overrides
+
+    return ((F, functional_overrides), (torch, torch_overrides), (torch.Tensor, tensor_overrides))
+
+
+def _added(lists, name: str) -> list:
+    """The entries of ``lists.<name>`` that were not there as shipped (a user's edit), in order."""
+    shipped = set(lists._DEFAULTS[name])
+    return [n for n in dict.fromkeys(getattr(lists, name)) if n not in shipped]
+
+
+def _fp32_names(module, lists) -> list:
+    """The functions of ``module`` that the CPU's fp32 wrapper takes: the shipped FP32 entries still listed
+    (added ones get :func:`patch_edits`'s wrapper), CUDA autocast's extra fp32 functions where Apex's list
+    is the torch one, less anything now in FP16_FUNCS and the transfer rule (``patch_transfers``)."""
+    names = [n for n in lists.FP32_FUNCS if n in set(lists._DEFAULTS["FP32_FUNCS"])]
+    if module is not F:
+        names += CPU_EXTRA_FP32
+    half = set(lists.FP16_FUNCS)
+    return [n for n in dict.fromkeys(names) if n not in half and n not in TENSOR_TRANSFERS_FP32]
 
 
 def _has_half(values) -> bool:
@@ -113,11 +122,11 @@ def _half_wrapper(fn, handle):
     return wrapper
 
 
-def _banned_wrapper(fn, handle):
+def _banned_wrapper(fn, handle, message: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if _casting(handle) and (_has_half(args) or _has_half(kwargs.values())):
-            raise NotImplementedError(BANNED_MESSAGE)
+            raise NotImplementedError(message)
         return fn(*args, **kwargs)
 
     wrapper.__wrapped_amp__ = fn
@@ -135,35 +144,88 @@ def _inplace_wrapper(fn, name: str, handle):
     return wrapper
 
 
+def _floats_to(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_floats_to(v, dtype) for v in value)
+    return value
+
+
+def _edited_wrapper(fn, handle, dtype: torch.dtype | None):
+    """A function a user moved between Apex's lists: while O1 casts, its floating-point arguments in ``dtype``
+    (None: as they come, for a function taken off every list) and autocast off inside, so that the device's
+    own autocast lists do not undo the move (softmax moved to FP16_FUNCS runs in half on CUDA too)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _casting(handle):
+            return fn(*args, **kwargs)
+        if dtype is not None:
+            args, kwargs = _floats_to(args, dtype), {k: _floats_to(v, dtype) for k, v in kwargs.items()}
+        with torch.autocast(handle.device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped_amp__ = fn
+    return wrapper
+
+
+def _wrap(handle, module, name: str, make) -> None:
+    orig = getattr(module, name, None)
+    if orig is None:
+        return
+    handle._save_func(module, name, orig)
+    setattr(module, name, make(orig))
+
+
 def patch(handle, allow_banned: bool) -> None:
-    """Wrap the lists' functions for ``handle`` (restored by ``handle._deactivate``)."""
-    for module, names in ((F, FUNCTIONAL_FP32), (torch, TORCH_FP32), (torch.Tensor, TENSOR_FP32)):
-        for name in names:
-            orig = getattr(module, name, None)
-            if orig is None:
-                continue
-            handle._save_func(module, name, orig)
-            setattr(module, name, _fp32_wrapper(orig, handle))
+    """Wrap the lists' fp32, in-place and banned functions for ``handle`` on the CPU (restored by
+    ``handle._deactivate``)."""
+    lists = _lists()
+    for module, mod_lists in lists:
+        for name in _fp32_names(module, mod_lists):
+            _wrap(handle, module, name, lambda fn: _fp32_wrapper(fn, handle))
+    torch_fp32 = _fp32_names(torch, lists[1][1])
     for module in (torch, torch.Tensor):
-        for name in TORCH_FP32:
-            orig = getattr(module, name + "_", None)
-            if orig is not None:
-                handle._save_func(module, name + "_", orig)
-                setattr(module, name + "_", _inplace_wrapper(orig, name + "_", handle))
+        for name in torch_fp32:
+            _wrap(handle, module, name + "_", lambda fn, n=name + "_": _inplace_wrapper(fn, n, handle))
     for name in TORCH_VF_HALF:
-        orig = getattr(torch._VF, name, None)
-        if orig is not None:
-            handle._save_func(torch._VF, name, orig)
-            setattr(torch._VF, name, _half_wrapper(orig, handle))
-    if not allow_banned:
-        orig = F.binary_cross_entropy
-        handle._save_func(F, "binary_cross_entropy", orig)
-        F.binary_cross_entropy = _banned_wrapper(orig, handle)
+        _wrap(handle, torch._VF, name, lambda fn: _half_wrapper(fn, handle))
+    for name, message in dict(lists[0][1].BANNED_FUNCS).items():
+        if allow_banned:  # Apex: cast to fp32 instead
+            _wrap(handle, F, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
+        else:
+            _wrap(handle, F, name, lambda fn, m=message: _banned_wrapper(fn, handle, m))
+
+
+def patch_edits(handle, allow_banned: bool) -> None:
+    """Apply a user's edits of Apex's lists on any device (the shipped entries are autocast's business on
+    CUDA and :func:`patch`'s on the CPU)."""
+    from apex.amp.amp import _promote_wrapper
+
+    for module, lists in _lists():
+        half, fp32 = set(lists.FP16_FUNCS), set(lists.FP32_FUNCS)
+        for name in _added(lists, "FP16_FUNCS"):
+            _wrap(handle, module, name, lambda fn: _edited_wrapper(fn, handle, handle.dtype))
+        for name in _added(lists, "FP32_FUNCS"):
+            if name not in half and name not in TENSOR_TRANSFERS_FP32:
+                _wrap(handle, module, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
+        for name in dict.fromkeys(lists._DEFAULTS["FP16_FUNCS"] + lists._DEFAULTS["FP32_FUNCS"]):
+            if name not in half and name not in fp32 and name not in TENSOR_TRANSFERS_FP32:
+                _wrap(handle, module, name, lambda fn: _edited_wrapper(fn, handle, None))
+        for name in _added(lists, "CASTS") + _added(lists, "SEQUENCE_CASTS"):
+            _wrap(handle, module, name, _promote_wrapper)
+        if module is F and handle.device_type != "cpu":  # (the CPU's are all patch()'s)
+            for name, message in dict(_added(lists, "BANNED_FUNCS")).items():
+                if allow_banned:
+                    _wrap(handle, F, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
+                else:
+                    _wrap(handle, F, name, lambda fn, m=message: _banned_wrapper(fn, handle, m))
 
 
 def patch_transfers(handle) -> None:
-    """Wrap ``Tensor.cpu`` (Apex's fp32 transfer rule) for ``handle`` on every device."""
+    """Wrap ``Tensor.cpu`` (Apex's fp32 transfer rule) for ``handle`` on every device, while it is listed."""
+    from apex.amp.lists import tensor_overrides
+
     for name in TENSOR_TRANSFERS_FP32:
-        orig = getattr(torch.Tensor, name)
-        handle._save_func(torch.Tensor, name, orig)
-        setattr(torch.Tensor, name, _fp32_wrapper(orig, handle))
+        if name in tensor_overrides.FP32_FUNCS:
+            _wrap(handle, torch.Tensor, name, lambda fn: _fp32_wrapper(fn, handle))

@@ -196,6 +196,7 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
 
     if device_type == "cpu":  # CUDA autocast has these lists itself
         _fp32_lists.patch(handle, allow_banned)
+    _fp32_lists.patch_edits(handle, allow_banned)  # a user's edits of Apex's lists, on every device
     _fp32_lists.patch_transfers(handle)  # ...but no device's autocast has Apex's Tensor.cpu rule
     handle._activate()
     _DECORATOR_HANDLE = handle
