@@ -2,8 +2,10 @@
 post-backward hook built on ``_grad_copy`` / ``_try_start_bucket_grad_sync``, its own ``_param_copy_fragments``
 reading ``_params_buckets[...].params_bucket`` and copying with ``_multi_tensor_copy(...,
 dummy_overflow_buf=...)``, ``zero_grad`` setting ``main_grad`` views under ``_disable_pre_forward_hook``,
-``grad_norm`` from ``_local_grad_norm`` plus its own all-reduce, and ``try_grad_sync``. On 2 Gloo ranks the
-parameters after a few clipped steps must equal ``FusedAdam``'s on the averaged gradients."""
+``grad_norm`` from ``_local_grad_norm`` plus its own all-reduce, ``try_grad_sync``, an override of
+``_try_start_bucket_param_sync`` and an all-reduce of its own tensors through Apex's ``_coalescing_manager`` /
+``_coalescing_manager_append_work`` (NeMo's explicit fp32 optimizer). On 2 Gloo ranks the parameters after a
+few clipped steps must equal ``FusedAdam``'s on the averaged gradients."""
 
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ CLIP = 0.3
 def _subclass():
     from apex.contrib.optimizers.distributed_fused_adam import (
         DistributedFusedAdam,
+        _coalescing_manager,
+        _coalescing_manager_append_work,
         _disable_pre_forward_hook,
         _multi_tensor_copy,
     )
 
     class NeMoStyle(DistributedFusedAdam):
         hook_calls = 0
+        param_sync_starts = 0
 
         def _broadcast_params(self) -> None:
             pass  # the caller keeps the replicas in sync (here: the same seed on every rank)
@@ -58,6 +63,19 @@ def _subclass():
                 for p in self.parameters():
                     with _disable_pre_forward_hook(p):
                         p.main_grad = self.grad_buffer_view(p)
+
+        def _try_start_bucket_param_sync(self, params=None) -> None:
+            NeMoStyle.param_sync_starts += 1
+            super()._try_start_bucket_param_sync(params)
+
+        def average(self, tensors) -> None:
+            with _coalescing_manager(self.process_group, self.device, async_ops=True) as cm:
+                for t in tensors:
+                    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+                    _coalescing_manager_append_work(cm, work)
+            cm.wait()
+            for t in tensors:
+                t /= self.process_group_size
 
         def grad_norm(self, parameters=None, norm_type=2.0, force=False):
             if force or self._grad_norm is None:
@@ -126,11 +144,26 @@ def _train_and_compare(rank: int, world: int) -> None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
             ref_opt.step()
             assert_rel_close(norm, ref_norm, tol=1e-6, name=f"grad norm {cfg} step {step}")
+            # the buckets' all-gathers may be started early for given parameters (a prefetch); nothing changes
+            opt._try_start_bucket_param_sync(list(model.parameters())[-2:])
+        own = [torch.full((3,), float(rank + 1)), torch.full((2, 2), 10.0 * (rank + 1))]
+        opt.average(own)
+        assert torch.equal(own[0], torch.full((3,), 1.5)) and torch.equal(own[1], torch.full((2, 2), 15.0))
         opt.param_sync()
         assert cls.hook_calls > calls, "the subclass's own post-backward hook must be the one registered"
+        assert cls.param_sync_starts >= STEPS
         assert_rel_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
                          tol=1e-6, name=f"parameters {cfg}")
 
 
 def test_nemo_style_subclass_matches_fused_adam():
     run_distributed(_train_and_compare, 2, timeout_s=60)
+
+
+def test_devices_match_reads_missing_cuda_index_as_current():
+    from apex.contrib.optimizers.distributed_fused_adam import _devices_match
+
+    assert _devices_match("cpu", torch.device("cpu")) and not _devices_match("cpu", "cuda:0")
+    assert _devices_match("cuda:1", torch.device("cuda", 1)) and not _devices_match("cuda:0", "cuda:1")
+    if torch.cuda.is_available():
+        assert _devices_match("cuda", f"cuda:{torch.cuda.current_device()}")

@@ -192,3 +192,73 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     rows = torch.empty([world * tensor.numel()], dtype=tensor.dtype, device=tensor.device)
     _dist_all_gather(rows, tensor.reshape(-1), group=group)
     tensor.copy_(_LOCAL_REDUCE[op](rows.view(world, -1)).view(tensor.shape))
+
+
+# ---------------------------------------------------------------------------------- Apex's coalescing names
+class _GatheredWork:
+    """What ``_coalescing_manager`` yields where the backend cannot coalesce (Gloo): the asynchronous works
+    appended to it (``_coalescing_manager_append_work``), waited for together."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def append(self, work) -> None:
+        if work is not None:
+            self.works.append(work)
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+
+def _can_coalesce(group) -> bool:
+    # torch.distributed's coalescing manager needs the backend's start/endCoalescing: NCCL has them, Gloo not.
+    try:
+        return dist.get_backend(group) not in ("gloo", "mpi")
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _coalescing_manager(group=None, device=None, async_ops: bool = False):
+    """Apex's ``_coalescing_manager(group, device, async_ops)`` (a context manager whose value has
+    ``wait()``): ``torch.distributed``'s, which sends the collectives issued inside as one, where the
+    backend coalesces (NCCL); elsewhere (Gloo) the collectives run as issued and ``wait()`` waits for the
+    works handed to ``_coalescing_manager_append_work``. With ``async_ops=False`` the block's end waits."""
+    if _can_coalesce(group):
+        from torch.distributed.distributed_c10d import _coalescing_manager as torch_manager
+
+        return torch_manager(group, device, async_ops=async_ops)
+    return _gathered(async_ops)
+
+
+class _gathered:  # noqa: N801 - a context manager used as a function, like contextlib's
+    def __init__(self, async_ops: bool) -> None:
+        self.async_ops, self.cm = async_ops, _GatheredWork()
+
+    def __enter__(self) -> _GatheredWork:
+        return self.cm
+
+    def __exit__(self, *exc) -> None:
+        if not self.async_ops and exc[0] is None:
+            self.cm.wait()
+
+
+def _coalescing_manager_append_work(cm, work) -> None:
+    """Apex's: hand an asynchronous collective's work to a coalescing manager. PyTorch's manager tracks its
+    works itself (Apex's function does nothing there); the Gloo fallback waits for them in ``wait()``."""
+    if isinstance(cm, _GatheredWork):
+        cm.append(work)
+
+
+def _devices_match(device1, device2) -> bool:
+    """Whether two devices are the same one (Apex's): same type and, for CUDA, the same index, an index
+    left out meaning the current device."""
+    device1, device2 = torch.device(device1), torch.device(device2)
+    if device1.type != device2.type:
+        return False
+    if device1.type == "cuda":
+        current = torch.cuda.current_device
+        return (device1.index if device1.index is not None else current()) == \
+            (device2.index if device2.index is not None else current())
+    return True

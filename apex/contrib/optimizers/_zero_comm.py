@@ -492,6 +492,21 @@ class ZeroCommMixin:
             if len(pb.params_updated) >= pb.params_needed:
                 del self._params_buckets[bucket_id]
 
+    def _try_start_bucket_param_sync(self, params=None) -> None:
+        """Start the all-gathers of ``params``' pending buckets (Apex's): those not started yet. Without
+        ``params`` and with no all-gather in flight, the first pending bucket's (a prefetch)."""
+        pending = self._params_buckets
+        if params is None:
+            if any(pb.status is zb.ParameterStatus.SYNCING for pb in pending.values()):
+                return
+            ids = [next((i for i, pb in pending.items() if pb.status is zb.ParameterStatus.SHARDED), None)]
+        else:
+            params = [params] if isinstance(params, torch.Tensor) else params
+            ids = sorted({f.bucket_id for p in params for f in self.state[p].get("fragments", ())})
+        buckets = [pending[i] for i in ids if i in pending and pending[i].status is zb.ParameterStatus.SHARDED]
+        if buckets:
+            self._start_bucket_param_sync(buckets)
+
     def param_sync(self) -> None:
         """Finish every pending parameter all-gather and write the parameters."""
         with self._lock:

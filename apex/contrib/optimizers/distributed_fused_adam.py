@@ -15,6 +15,11 @@ import torch.distributed as dist
 
 from apex._errors import AssertRuntimeError, RuntimeValueError
 from apex.contrib.optimizers import _zero_buckets as zb
+from apex.contrib.optimizers._gloo_collectives import (  # noqa: F401  (Apex's module-level names)
+    _coalescing_manager,
+    _coalescing_manager_append_work,
+    _devices_match,
+)
 from apex.contrib.optimizers._zero_buckets import (  # noqa: F401  (Apex's module-level names)
     _bf16_rem_to_fp32,
     _disable_pre_forward_hook,
