@@ -36,8 +36,26 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
+
+
 def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input):
     """Validate the arguments; returns the lattice size ``(T, U)``."""
+    # The usual call (dense logits; integer labels and lengths on one device, of one batch size, in range) is
+    # tested first, reading each attribute once; anything else, or a value out of range, takes the checks
+    # below, which word the error.
+    if (not packed_input and type(blank_idx) is int and isinstance(x, Tensor) and isinstance(label, Tensor)
+            and isinstance(f_len, Tensor) and isinstance(y_len, Tensor) and x.dtype in _FLOATS
+            and label.dtype in _INTS and f_len.dtype in _INTS and y_len.dtype in _INTS):
+        shape, fs, ls = x.shape, f_len.shape, label.shape
+        if (len(shape) == 4 and len(ls) == 2 and len(fs) == 1 and ls[0] == fs[0] == shape[0] > 0
+                and y_len.shape == fs and 0 <= blank_idx < shape[3]):
+            dev = label.device
+            if f_len.device == dev and y_len.device == dev:
+                if _in_bounds(label, f_len, y_len, fs[0], ls[1], shape[1], shape[2], shape[3]):
+                    return shape[1], shape[2]
+                return _out_of_range(x, label, f_len, y_len, batch_offset, max_f_len, packed_input)
     # Where Apex's transducer_loss_cuda raised RuntimeError (the dtypes it dispatched on or read as int,
     # blank_idx), the error is also a RuntimeError.
     if not isinstance(x, Tensor) or not x.is_floating_point():
@@ -56,11 +74,17 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
-    if not packed_input and label.device == f_len.device == y_len.device:
+    if not packed_input and label.device == f_len.device == y_len.device and x.shape[0] == B:
         T, U = x.shape[1], x.shape[2]
-        if _in_bounds(label, f_len, y_len, T, U, V):
+        if _in_bounds(label, f_len, y_len, B, label.shape[1], T, U, V):
             return T, U
-        # Something is out of range: the reads below find what, for the message.
+    return _out_of_range(x, label, f_len, y_len, batch_offset, max_f_len, packed_input)
+
+
+def _out_of_range(x, label, f_len, y_len, batch_offset, max_f_len, packed_input) -> tuple[int, int]:
+    """:func:`check_args`'s range checks by the values' extremes: a packed input's, and a dense input's that
+    failed the bounds (the reads find what is out of range, for the message)."""
+    B, V = f_len.shape[0], x.shape[-1]
     # The lengths' extremes and those of the used labels in one host read (each int(t.min()) is a reduction
     # and, on a GPU, a sync). Unused label entries read as 0 (in range), so the extremes of all entries decide:
     # no boolean indexing (a nonzero and a sync on GPUs).
@@ -101,15 +125,14 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
     return T, U
 
 
-def _in_bounds(label: Tensor, f_len: Tensor, y_len: Tensor, T: int, U: int, V: int) -> bool:
+def _in_bounds(label: Tensor, f_len: Tensor, y_len: Tensor, B: int, L: int, T: int, U: int, V: int) -> bool:
     """Whether ``1 ≤ f_len ≤ T``, ``0 ≤ y_len ≤ min(label length, U − 1)`` and the used labels (those before
     each row's ``y_len``) lie in ``[0, V)``: the checks of a dense input in a few small operators and one
     host read (``torch.equal``; a GPU synchronisation), the lengths and the labels clamped to their bounds at
     once and compared with themselves. Every label is tried first (no mask to build); only when one is out
     of range are the unused ones, which may hold anything (padding), masked and the values tried again."""
-    L = label.shape[1]
     values = torch.cat((f_len, y_len, label.reshape(-1)))
-    lo, hi = _bounds(f_len.shape[0], L, T, U, V, values.dtype, values.device)
+    lo, hi = _bounds(B, L, T, U, V, values.dtype, values.device)
     if torch.equal(values.clamp(lo, hi), values):
         return True
     if not L:
@@ -332,37 +355,53 @@ def _check_opt(opt) -> None:
 
 # ------------------------------------------------------------------------------------------- autograd
 def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, debug_list, opt, packed_input
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, lse, alpha, beta)``: :class:`TransducerLossFunc`'s forward and what its backward needs (the
-    modules call it alone when there is no gradient to record)."""
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple | None]:
+    """``(loss, lse, alpha, beta, lengths)``: :class:`TransducerLossFunc`'s forward and what its backward needs
+    (the modules call it alone when there is no gradient to record); ``lengths`` is ``(label, f_len, y_len)``
+    as the Triton kernels read them (on ``x``'s device, the lengths int32), None on the PyTorch path."""
     _check_opt(opt)
     # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
     if _backend.select(x) == "triton":
         kernels = _kernels()
         T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
-        acc = _acc(x.dtype)
+        dtype = x.dtype
+        acc = _acc(dtype)
         xc = x.contiguous()
+        dev = xc.device
+        lengths = _on(label, dev), _on(f_len, dev, torch.int32), _on(y_len, dev, torch.int32)
         lse = kernels.row_lse(xc, acc)
-        alpha, beta, loss = _alpha_beta_triton(xc, lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
-                                               packed_input, acc)
-    else:  # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
-        logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
-        lse = x[..., 0].to(logp.dtype) - logp[..., 0]
-        alpha, beta, loss = loss_forward(logp, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
-                                         packed_input)
-        loss = loss.to(x.dtype)
-        del logp
+        boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
+        alpha, beta, loss = kernels.alpha_beta(xc, lse, *lengths, boff, T, U, blank_idx, packed_input, acc)
+        if loss.dtype != dtype:
+            loss = loss.to(dtype)
+        if debug_list == []:
+            debug_list += [alpha, beta]
+        return loss, lse, alpha, beta, lengths
+    # PyTorch's fused log-softmax is several times faster than its logsumexp on CPU
+    logp = torch.log_softmax(x.to(_acc(x.dtype)), dim=-1)
+    lse = x[..., 0].to(logp.dtype) - logp[..., 0]
+    alpha, beta, loss = loss_forward(logp, label, f_len, y_len, batch_offset, max_f_len, blank_idx, packed_input)
+    loss = loss.to(x.dtype)
+    del logp
     if debug_list == []:
         debug_list += [alpha, beta]
-    return loss, lse, alpha, beta
+    return loss, lse, alpha, beta, None
+
+
+_NO_GRADS = (None,) * 10  # the gradients of the Function's arguments after x
 
 
 class TransducerLossFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
                 debug_list, opt, packed_input):
-        loss, lse, alpha, beta = loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
-                                                debug_list, opt, packed_input)
+        loss, lse, alpha, beta, lengths = loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len,
+                                                         blank_idx, debug_list, opt, packed_input)
+        # The Triton path saves the labels and lengths as its kernels read them, so that its backward (same
+        # path: the backend is chosen once) launches without converting them again.
+        ctx.triton = lengths is not None
+        if lengths is not None:
+            label, f_len, y_len = lengths
         ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
         ctx.blank_idx = blank_idx
         ctx.fused = fuse_softmax_backward
@@ -372,7 +411,12 @@ class TransducerLossFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, loss_grad):
         x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
-        if ctx.fused:
+        if ctx.triton and ctx.fused and not ctx.packed_input:
+            # alpha, beta and lse as the forward's kernels wrote them (contiguous), the labels and lengths as
+            # they read them: only x and the incoming gradient may need a copy.
+            dx = _kernels().grad(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len, y_len,
+                                 None, None, ctx.blank_idx, False, True, x.dtype)
+        elif ctx.fused:
             dx = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, ctx.blank_idx,
                                True, ctx.packed_input, lse=lse)
         else:  # the sparse gradient of the log-probabilities, then the log-softmax backward (in fp32)
@@ -381,7 +425,7 @@ class TransducerLossFunc(torch.autograd.Function):
                                 False, ctx.packed_input, out_dtype=acc, lse=lse)
             prob = torch.softmax(x.to(acc), dim=-1)
             dx = dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
-        return dx, *([None] * 10)
+        return (dx, *_NO_GRADS)
 
 
 def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blank_idx: int,

@@ -164,6 +164,7 @@ def test_compat_module_matches(backend_name):
 @pytest.mark.parametrize("case,match", [
     ("f_len_too_long", "f_len"), ("y_len_too_long", "y_len"), ("label_range", "label"), ("blank", "blank_idx"),
     ("batch", "batch"), ("offset", "batch_offset"), ("f_len_zero", "f_len"), ("no_offset", "batch_offset"),
+    ("x_batch", "x has batch size 3 but f_len has 2"),
 ])
 def test_bad_input(case, match):
     x, label, f_len, y_len = _case(2, 4, 3, 5, [4, 3], [2, 1])
@@ -180,6 +181,8 @@ def test_bad_input(case, match):
         f_len, y_len = f_len[:1], y_len[:1]
     elif case == "f_len_zero":
         f_len = torch.tensor([0, 3])
+    elif case == "x_batch":  # lengths and labels in range: only x's batch size is wrong
+        x = torch.cat((x, x[:1]))
     elif case in ("offset", "no_offset"):
         x, boff = _pack(x, f_len, y_len)
         kw.update(packed_input=True, max_f_len=4, batch_offset=None if case == "no_offset" else boff + 1)

@@ -85,8 +85,8 @@ class TransducerLoss(torch.nn.Module):
             if batch_offset is None or max_f_len is None:
                 raise ValueError("Please specify batch_offset and max_f_len when packing is enabled")
             offset, t_max = batch_offset, int(max_f_len)
-        else:
-            offset, t_max = None, x.size(1)
+        else:  # (a dense input's lattice size is x's: max_f_len is not read)
+            offset = t_max = None
         if not _plain_call():
             return TransducerLossFunc.apply(x, label, f_len, y_len, offset, t_max, blank_idx,
                                             self.fuse_softmax_backward, debug_list, self.opt, self.packed_input)
