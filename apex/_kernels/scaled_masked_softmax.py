@@ -174,8 +174,13 @@ def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, 
 
 def _mask_strides(mask: torch.Tensor, shape: torch.Size) -> tuple[int, int, int, int]:
     """The strides that read ``mask`` (at most 4-D, broadcasting to ``shape``) at each of ``shape``'s
-    positions: 0 along its missing and size-1 dimensions (what ``expand`` gives, without making the view)."""
+    positions: 0 along its missing and size-1 dimensions (what ``expand`` gives, without making the view).
+    Kept per (mask shape, mask strides, shape): a model passes the same mask layout at every layer and step."""
     msh, mst = mask.shape, mask.stride()
+    key = (msh, mst, shape)
+    got = _MASK_STRIDES.get(key)
+    if got is not None:
+        return got
     lead = 4 - len(msh)
     out = [0, 0, 0, 0]
     for i in range(len(msh)):
@@ -183,7 +188,13 @@ def _mask_strides(mask: torch.Tensor, shape: torch.Size) -> tuple[int, int, int,
             if msh[i] != shape[lead + i]:  # (expand's error: a 3-D input's mask, say, against its 4-D view)
                 raise RuntimeError(f"mask of shape {list(msh)} does not broadcast to scores of shape {list(shape)}")
             out[lead + i] = mst[i]
-    return out[0], out[1], out[2], out[3]
+    if len(_MASK_STRIDES) >= 64:
+        _MASK_STRIDES.clear()
+    got = _MASK_STRIDES[key] = (out[0], out[1], out[2], out[3])
+    return got
+
+
+_MASK_STRIDES: dict = {}  # (mask shape, mask strides, scores shape) -> _mask_strides' answer (pure: never stale)
 
 
 def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
@@ -199,8 +210,9 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
         return y
     rows, block, one, warps = _plan(n_rows, sk, max_block)
     if mask is not None:
-        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-        ms = _mask_strides(m, x.shape)
+        # A bool mask is read as it is: Triton loads a bool pointer's bytes and compares them with zero (no
+        # uint8 view, an operator call at every forward).
+        m, ms = mask, _mask_strides(mask, x.shape)
     else:
         m, ms = x, (0, 0, 0, 0)  # never read
     # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a

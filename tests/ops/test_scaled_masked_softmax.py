@@ -150,6 +150,22 @@ def test_mask_broadcasts(backend_name, mshape):
     _check(x, mask, 1.3, False, dy, y, dx)
 
 
+@pytest.mark.parametrize("mdtype", [torch.bool, torch.uint8], ids=str)
+def test_mask_layouts_of_one_shape(backend_name, mdtype):
+    # The launcher keeps each mask layout's read strides: masks of one shape with other strides (a transposed
+    # copy, a slice of a larger one), one after another, each read at its own strides.
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    dy = torch.randn(2, 3, 8, 8)
+    base = torch.rand(2, 1, 8, 8) < 0.4
+    masks = [base, base.transpose(-1, -2).contiguous().transpose(-1, -2),
+             torch.cat([base, ~base], dim=-1)[..., :8], torch.cat([~base, base], dim=-1)[..., 8:]]
+    for mask in masks:
+        mask = mask.to(mdtype)
+        y = S.scaled_masked_softmax(x, mask, 0.7)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        _check(x, mask, 0.7, False, dy, y, dx)
+
+
 def test_three_dim_causal_input(backend_name):
     x = torch.randn(6, 9, 9, requires_grad=True)
     dy = torch.randn(6, 9, 9)
