@@ -184,3 +184,24 @@ def test_without_gradient_records_nothing(backend_name, monkeypatch):
         with pytest.raises(ValueError, match="idx1 must index in1's rows"):
             IM.index_mul_2d(in1, in2, torch.tensor([0, 6, 2, 2, 1]))
     assert out.grad_fn is None and torch.equal(out, ref.detach())
+
+
+def test_index_range_check_makes_one_host_read(monkeypatch):
+    """Without a gradient to record, idx1's range is one host read: idx1 clamped to the rows and compared with
+    itself (``torch.equal``), no reduction; the extremes are read for the message only when one is out of
+    range."""
+    in1, in2 = torch.randn(4, 3), torch.randn(3, 3)
+    reads = []
+    equal, aminmax = torch.equal, torch.Tensor.aminmax
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append("equal") or equal(a, b))
+    monkeypatch.setattr(torch.Tensor, "aminmax", lambda t: reads.append("aminmax") or aminmax(t))
+    with torch.no_grad():
+        for idx in ([0, 3, 3], [3, 0, 1]):  # both ends of the range
+            IM.index_mul_2d(in1, in2, torch.tensor(idx))
+            assert reads == ["equal"]
+            reads.clear()
+        for bad, got in (([0, 4, 1], r"\[0, 4\]"), ([2, -1, 0], r"\[-1, 2\]")):
+            with pytest.raises(ValueError, match=r"idx1 must index in1's rows \[0, 4\), got values in " + got):
+                IM.index_mul_2d(in1, in2, torch.tensor(bad))
+            assert reads == ["equal", "aminmax"]
+            reads.clear()
