@@ -266,9 +266,16 @@ def _plan(x: torch.Tensor, m: int, n: int, is_rms: bool, backward: bool) -> _Pla
     key = (m, n, x.element_size(), x.get_device(), is_rms, backward)
     p = _PLANS.get(key)
     if p is None:
-        p = _PLANS[key] = _Plan(m, n, x.device, key[2], is_rms, backward)
-    else:
-        _tuning.last[p.op] = p.cfg  # as pick records it: the configuration this launch takes
+        return _new_plan(key, x.device)
+    _tuning.last[p.op] = p.cfg  # as pick records it: the configuration this launch takes
+    return p
+
+
+def _new_plan(key: tuple, dev: torch.device) -> _Plan:
+    """The plan of ``key`` (see ``_PLANS``), made and kept. The launchers look ``_PLANS`` up themselves (as
+    :func:`_plan` does, a frame fewer a call) and come here on a miss."""
+    m, n, itemsize, _, is_rms, backward = key
+    p = _PLANS[key] = _Plan(m, n, dev, itemsize, is_rms, backward)
     return p
 
 
@@ -277,6 +284,9 @@ def plan(x: torch.Tensor, is_rms: bool, backward: bool) -> tuple[dict, int, int]
     m, n = x.shape
     p = _plan(x, m, n, is_rms, backward)
     return p.cfg, p.progs, p.per
+
+
+_F32 = torch.float32
 
 
 def _alloc(like: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -294,24 +304,45 @@ def forward(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype, i
     ``h`` have the shape of ``out_like`` when it is given (a tensor of which ``x`` is the ``(M, N)`` view),
     else ``(M, N)``."""
     m, n = x.shape
-    dev = x.device
-    y = _alloc(out_like, m, n, out_dtype, dev)
-    rstd = torch.empty(m, dtype=torch.float32, device=dev)
-    mean = rstd if is_rms else torch.empty(m, dtype=torch.float32, device=dev)
+    return forward_rows(x, x.stride(0), m, n, weight, bias, eps, out_dtype, is_rms, residual,
+                        residual.stride(0) if residual is not None else 0, residual_dtype, out_like)
+
+
+def forward_rows(x: torch.Tensor, stride_x: int, m: int, n: int, weight, bias, eps: float, out_dtype: torch.dtype,
+                 is_rms: bool, residual: torch.Tensor | None, stride_r: int, residual_dtype: torch.dtype | None,
+                 out_like: torch.Tensor | None):
+    """:func:`forward` on tensors of ``m`` rows of ``n`` elements at the given row strides (unit column stride),
+    whatever their shapes, as :func:`backward_rows`: a contiguous input is its own rows (no 2-D view, no shape
+    or stride query)."""
+    # A dtype, device or memory_format keyword costs an allocation ~2,000 instructions to parse (~0.5 µs, as
+    # much as the rest of it): the usual output (the dtype of a contiguous out_like) is empty_like's alone, the
+    # fp32 statistics new_empty's of an fp32 tensor (x, or rstd for mean).
+    if out_like is not None and out_like.dtype is out_dtype and out_like.is_contiguous():
+        y = torch.empty_like(out_like)
+    else:
+        y = _alloc(out_like, m, n, out_dtype, x.device)
+    rstd = x.new_empty(m) if x.dtype is _F32 else torch.empty(m, dtype=_F32, device=x.device)
+    mean = rstd if is_rms else rstd.new_empty(m)
     h = None
     if residual is not None:
-        h = _alloc(out_like, m, n, residual_dtype or x.dtype, dev)
+        h = _alloc(out_like, m, n, residual_dtype or x.dtype, x.device)
     if m == 0 or n == 0:
         if n == 0:
             rstd.fill_(float("nan"))
         return y, (None if is_rms else mean), rstd, h
-    p = _plan(x, m, n, is_rms, False)
+    # _plan inlined (a frame fewer a call).
+    key = (m, n, x.element_size(), x.get_device(), is_rms, False)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _new_plan(key, x.device)
+    else:
+        _tuning.last[p.op] = p.cfg
     # The constexprs positionally, in the kernel's order (IS_RMS, HAS_W, HAS_B, HAS_RES, BLOCK_M, BLOCK_N): each
     # keyword costs the launch a dictionary entry to build and bind (~2,000 instructions a keyword).
     _fwd_kernel[(p.progs,)](
         x, residual if residual is not None else x, h if h is not None else y, y,
         weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps), p.per,
+        m, n, stride_x, stride_r, float(eps), p.per,
         is_rms, weight is not None, bias is not None, residual is not None, p.rows, p.block_n, num_warps=p.warps)
     return y, (None if is_rms else mean), rstd, h
 
@@ -336,8 +367,11 @@ def backward_rows(dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: i
     """:func:`backward` on tensors of ``m`` rows of ``n`` elements at the given row strides (unit column stride),
     whatever their shapes: a contiguous tensor is its own rows, so a caller that knows the layout (the forward
     made it, or ``is_contiguous`` says so) passes it without a 2-D view or a stride query (~1 µs each)."""
-    dev = v.device
-    dx = _alloc(out_like, m, n, dx_dtype, dev)
+    # Allocations without keywords where they can, as in forward (the partial sums: new_empty of the fp32 rstd).
+    if out_like is not None and out_like.dtype is dx_dtype and out_like.is_contiguous():
+        dx = torch.empty_like(out_like)
+    else:
+        dx = _alloc(out_like, m, n, dx_dtype, v.device)
     dw = torch.empty_like(weight) if weight is not None else None
     db = torch.empty_like(bias) if bias is not None else None
     if m == 0 or n == 0:
@@ -347,11 +381,20 @@ def backward_rows(dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: i
         if dresidual is not None:
             dx.view(m, n).copy_(dresidual.reshape(m, n))  # the caller's shape, maybe not 2-D
         return dx, dw, db
-    p = _plan(v, m, n, is_rms, True)
+    key = (m, n, v.element_size(), v.get_device(), is_rms, True)  # _plan inlined, as in forward
+    p = _PLANS.get(key)
+    if p is None:
+        p = _new_plan(key, v.device)
+    else:
+        _tuning.last[p.op] = p.cfg
     progs = p.progs
     has_w, has_b = weight is not None, bias is not None
-    dwp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_w else dx
-    dbp = torch.empty(progs, n, dtype=torch.float32, device=dev) if has_b else dx
+    if rstd.dtype is _F32:  # (the forward's statistics are)
+        dwp = rstd.new_empty(progs, n) if has_w else dx
+        dbp = rstd.new_empty(progs, n) if has_b else dx
+    else:
+        dwp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_w else dx
+        dbp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_b else dx
     # Constexprs positionally, as in forward: IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M,
     # BLOCK_N, W_PER_TILE; then the reduction's HAS_B, BLOCK_P, BLOCK_N.
     _bwd_kernel[(progs,)](

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch._C import _get_tracing_state
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
@@ -292,7 +293,9 @@ class FusedLayerNorm(_FusedNorm):
     _AFFINE = {"weight": init.ones_, "bias": init.zeros_}
 
     def forward(self, input: Tensor) -> Tensor:
-        if torch.jit.is_tracing() or torch.jit.is_scripting():
+        # torch.jit.is_tracing() is is_scripting() then _is_tracing(), two frames more; TorchScript takes the
+        # is_scripting() branch alone (a constant there) and Dynamo answers None for _get_tracing_state().
+        if torch.jit.is_scripting() or _get_tracing_state() is not None:
             # A traced or scripted graph (TorchScript, ONNX export) records PyTorch's own op, as in Apex.
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         if self.elementwise_affine:
@@ -321,7 +324,7 @@ class FusedRMSNorm(_FusedNorm):
     _AFFINE = {"weight": init.ones_}
 
     def forward(self, input: Tensor) -> Tensor:
-        if torch.jit.is_tracing() or torch.jit.is_scripting():
+        if torch.jit.is_scripting() or _get_tracing_state() is not None:  # (see FusedLayerNorm.forward)
             return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         if self.elementwise_affine:
             params = self._parameters
@@ -350,7 +353,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
                          memory_efficient=memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
-        if torch.jit.is_tracing() or torch.jit.is_scripting():
+        if torch.jit.is_scripting() or _get_tracing_state() is not None:  # (see FusedLayerNorm.forward)
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return mixed_dtype_fused_layer_norm_affine(input, self._param("weight"), self._param("bias"),
                                                    self.normalized_shape, self.eps, self.memory_efficient)
@@ -365,7 +368,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
                          memory_efficient=memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
-        if torch.jit.is_tracing() or torch.jit.is_scripting():
+        if torch.jit.is_scripting() or _get_tracing_state() is not None:  # (see FusedLayerNorm.forward)
             return manual_rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return mixed_dtype_fused_rms_norm_affine(input, self._param("weight"), self.normalized_shape, self.eps,
                                                  self.memory_efficient)

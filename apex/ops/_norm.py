@@ -200,7 +200,9 @@ def prepare(input: object, normalized_shape: object, weight: object, bias: objec
     ``out_dtype`` defaulting to the input's. The usual eager call (plain tensors of the kernels' dtypes, one
     normalised dimension, parameters of that shape on the input's device) is checked and routed reading each
     tensor attribute once; anything else, or anything wrong, takes the two functions in turn (their errors)."""
-    if type(input) in _PLAIN and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+    # is_compiling() alone: torch.export sets the compiling flag with the exporting one (Dynamo answers True for
+    # both), so a call that is not compiling is not exporting either.
+    if type(input) in _PLAIN and not torch.compiler.is_compiling():
         kind = type(normalized_shape)
         if kind is int:
             n = normalized_shape
@@ -236,13 +238,29 @@ def prepare(input: object, normalized_shape: object, weight: object, bias: objec
     return shape, n, out_dtype, route(input, out_dtype, n, weight, bias)
 
 
+# apex._kernels._norm in a list once imported (at the first eager call, as lazy_module's: no Triton import
+# when apex is). The eager paths (prepare's KERNEL and DIRECT, the _Direct backwards on the kernels) read it
+# as ``(LAUNCHERS or launchers())[0]``: lazy_module's getter asks is_compiling() first (two frames a call),
+# which only traced code needs, and these paths are never traced.
+LAUNCHERS: list = []
+
+
+def launchers() -> list:
+    """:data:`LAUNCHERS`, filled with ``apex._kernels._norm`` at the first call."""
+    if not LAUNCHERS:
+        import apex._kernels._norm as kernels
+
+        LAUNCHERS.append(kernels)
+    return LAUNCHERS
+
+
 def kernel_backward(dy: torch.Tensor, dr: torch.Tensor | None = None) -> bool:
     """True when an eager ``_Direct`` backward may launch the kernels on the gradients ``dy`` (and ``dr``, or
     None) itself: ``apex.ops._dispatch.eager``'s tests on these tensors, inlined (~1.5 µs less a backward), plus
     no graph being built (a second derivative takes the registered op: its error) and the kernels' dtypes."""
     return not (torch.is_grad_enabled() or dy.dtype not in _KERNEL_DTYPE_SET or type(dy) not in _PLAIN
                 or dr is not None and (dr.dtype not in _KERNEL_DTYPE_SET or type(dr) not in _PLAIN)
-                or torch.compiler.is_compiling() or torch.compiler.is_exporting() or _dispatch_modes()
+                or torch.compiler.is_compiling() or _dispatch_modes()  # (exporting is compiling: see prepare)
                 or _are_functorch_transforms_active() or _get_tracing_state() is not None)
 
 
@@ -255,14 +273,15 @@ def grad_rows(g: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return g, g.stride(0)
 
 
-def saved_rows(v: torch.Tensor, n: int, memory_efficient: bool, rows: bool) -> tuple[torch.Tensor, int]:
+def saved_rows(v: torch.Tensor, n: int, memory_efficient: bool, stride: int) -> tuple[torch.Tensor, int]:
     """The tensor a ``_Direct`` forward saved for its backward as the kernel reads it, ``(rows, row stride)``:
-    the output (``memory_efficient``), contiguous from the forward, its own rows; else the input, already
-    rows when the forward saw them (``rows``), else :func:`rows_view`'s."""
+    the output (``memory_efficient``), contiguous from the forward, its own rows; else the input, its own rows
+    of row stride ``stride`` when the forward found it so (``stride`` > 0), else :func:`rows_view`'s."""
     if memory_efficient:
         return v, n
-    if not rows:
-        v = rows_view(v, n)
+    if stride:
+        return v, stride
+    v = rows_view(v, n)
     return v, v.stride(0)
 
 

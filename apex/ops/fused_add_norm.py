@@ -24,9 +24,11 @@ from apex.ops._norm import (
     DIRECT,
     KERNEL,
     KERNEL_DTYPES,
+    LAUNCHERS,
     _same_device,
     grad_rows,
     kernel_backward,
+    launchers,
     prepare,
     rows_view,
     stats_dtype,
@@ -138,9 +140,15 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, residual, weight, bias, normalized_shape, n, eps, is_rms, memory_efficient, h_dtype):
         ctx.set_materialize_grads(False)  # an output outside the loss: None, one zero tensor made below
-        y, mean, rstd, h = _kernels().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
-                                              bias.contiguous() if bias is not None else None, eps, input.dtype,
-                                              is_rms, rows_view(residual, n), h_dtype, out_like=input)
+        kernels = (LAUNCHERS or launchers())[0]
+        w = weight.contiguous() if weight is not None else None
+        b = bias.contiguous() if bias is not None else None
+        if n and input.is_contiguous() and residual.is_contiguous():  # (the usual) their own rows, of stride n
+            y, mean, rstd, h = kernels.forward_rows(input, n, input.numel() // n, n, w, b, eps, input.dtype, is_rms,
+                                                    residual, n, h_dtype, input)
+        else:
+            y, mean, rstd, h = kernels.forward(rows_view(input, n), w, b, eps, input.dtype, is_rms,
+                                               rows_view(residual, n), h_dtype, input)
         ctx.save_for_backward(y if memory_efficient else h, weight, bias, mean, rstd)
         ctx.args = (normalized_shape, n, is_rms, memory_efficient, input.dtype, residual.dtype, h_dtype)
         return y, h
@@ -160,14 +168,16 @@ class _Direct(torch.autograd.Function):
             # No gradient for h (the usual call: only y reaches the loss): the kernel adds none, instead of a
             # zero-filled tensor made and read for it.
             # v (h, or y when memory-efficient) was made contiguous by the forward: its own rows.
-            g, sg = grad_rows(grad_y, n)
+            g, sg = (grad_y, n) if grad_y.is_contiguous() else grad_rows(grad_y, n)  # (grad_rows' usual answer)
             dr, sdr = grad_rows(grad_h, n) if grad_h is not None else (None, 0)
-            dh, dw, db = _kernels().backward_rows(g, sg, v, n, rstd.numel(), n,
-                                                  weight.contiguous() if weight is not None else None,
-                                                  bias.contiguous() if bias is not None else None,
-                                                  None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
-                                                  dr, sdr, None, v)
-        return (dh if dh.dtype == in_dtype else dh.to(in_dtype), dh if dh.dtype == res_dtype else dh.to(res_dtype),
+            kernels = (LAUNCHERS or launchers())[0]
+            dh, dw, db = kernels.backward_rows(g, sg, v, n, rstd.numel(), n,
+                                               weight.contiguous() if weight is not None else None,
+                                               bias.contiguous() if bias is not None else None,
+                                               None if is_rms else mean, rstd, memory_efficient, is_rms, h_dtype,
+                                               dr, sdr, None, v)
+        dt = dh.dtype
+        return (dh if dt is in_dtype else dh.to(in_dtype), dh if dt is res_dtype else dh.to(res_dtype),
                 dw if weight is not None else None, db if bias is not None else None, None, None, None, None, None,
                 None)
 
@@ -186,9 +196,10 @@ def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, mem
         if how == DIRECT or (torch.is_grad_enabled() and residual.requires_grad):
             return _direct(input, residual, weight, bias, shape, n, float(eps), is_rms, bool(memory_efficient),
                            h_dtype)
-        y, _, _, h = _kernels().forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
-                                        bias.contiguous() if bias is not None else None, float(eps), in_dtype,
-                                        is_rms, rows_view(residual, n), h_dtype, out_like=input)
+        kernels = (LAUNCHERS or launchers())[0]
+        y, _, _, h = kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None else None,
+                                     bias.contiguous() if bias is not None else None, float(eps), in_dtype,
+                                     is_rms, rows_view(residual, n), h_dtype, out_like=input)
         return y, h
     if use_kernel(input, h_dtype, n, weight, bias, residual):
         # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or

@@ -24,10 +24,12 @@ from apex.ops._norm import (
     DIRECT,
     EXPORT,
     KERNEL,
+    LAUNCHERS,
     _f32,
     check_args,
     grad_rows,
     kernel_backward,
+    launchers,
     prepare,
     promote,
     rows_view,
@@ -206,32 +208,42 @@ class _Direct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, shape, n, eps, memory_efficient, out_dtype):
-        x = input if input.dim() == 2 and input.stride(1) == 1 else rows_view(input, n)
-        y, _, rstd, _ = _launchers().forward(x, weight.contiguous() if weight is not None else None, None,
-                                             eps, out_dtype, True, None, None, input)
+        kernels = (LAUNCHERS or launchers())[0]
+        w = weight.contiguous() if weight is not None else None
+        if n and input.is_contiguous():  # (the usual input, of any shape) its own rows, of stride n
+            y, _, rstd, _ = kernels.forward_rows(input, n, input.numel() // n, n, w, None, eps, out_dtype, True,
+                                                 None, 0, None, input)
+            sv = n
+        else:
+            x = rows_view(input, n)
+            y, _, rstd, _ = kernels.forward(x, w, None, eps, out_dtype, True, None, None, input)
+            sv = x.stride(0) if x is input else 0
         ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
-        # x is input: the backward reads the saved input as its rows (no rows_view to redo there).
-        ctx.args = (shape, n, memory_efficient, input.dtype, eps, x is input)
+        # sv: the saved input's row stride when it is its own rows (no rows_view or stride to redo), else 0.
+        ctx.args = (shape, n, memory_efficient, input.dtype, eps, sv)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         v, weight, rstd = ctx.saved_tensors
-        shape, n, memory_efficient, dx_dtype, eps, rows = ctx.args
+        shape, n, memory_efficient, dx_dtype, eps, sv = ctx.args
         if not kernel_backward(dy):
             dx, dw = _bwd_op(dy, rstd, v, weight, list(shape), memory_efficient, dx_dtype, eps)
         else:
-            g, sg = grad_rows(dy, n)
-            v, sv = saved_rows(v, n, memory_efficient, rows)
+            # grad_rows and saved_rows, the usual answers inline (two frames fewer): a contiguous gradient is its
+            # own rows; the saved output (memory_efficient) is contiguous, the saved input's stride sv is known.
+            g, sg = (dy, n) if dy.is_contiguous() else grad_rows(dy, n)
+            if memory_efficient or not sv:
+                v, sv = saved_rows(v, n, memory_efficient, sv)
             # dx is shaped as dy (the output's shape, the input's).
-            dx, dw, _ = _launchers().backward_rows(g, sg, v, sv, rstd.numel(), n,
-                                                   weight.contiguous() if weight is not None else None, None, None,
-                                                   rstd, memory_efficient, True, dx_dtype, None, 0, eps, dy)
+            kernels = (LAUNCHERS or launchers())[0]
+            dx, dw, _ = kernels.backward_rows(g, sg, v, sv, rstd.numel(), n,
+                                              weight.contiguous() if weight is not None else None, None, None,
+                                              rstd, memory_efficient, True, dx_dtype, None, 0, eps, dy)
         return dx, dw if weight is not None else None, None, None, None, None, None
 
 
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
-_launchers = lazy_module("apex._kernels._norm")  # (the wrappers of apex._kernels.rms_norm, one frame fewer)
 
 
 def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float = 1e-5,
@@ -241,8 +253,9 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
     if how == DIRECT:
         return _direct(input, weight, shape, n, float(eps), bool(memory_efficient), out_dtype)
     if how == KERNEL:  # nothing to differentiate: the launcher alone (the registered op's function does this)
-        return _launchers().forward(rows_view(input, n), weight.contiguous() if weight is not None else None, None,
-                                    float(eps), out_dtype, True, None, None, input)[0]
+        kernels = (LAUNCHERS or launchers())[0]
+        return kernels.forward(rows_view(input, n), weight.contiguous() if weight is not None else None, None,
+                               float(eps), out_dtype, True, None, None, input)[0]
     if how == EXPORT:
         # torch.export (and so torch.onnx.export's dynamo exporter) records PyTorch's own operators: an
         # exported graph must not depend on apex being importable, and exporters have no translation for
