@@ -21,14 +21,27 @@ import numbers
 
 import torch
 import torch.nn.functional as F
-from torch._C import _any_requires_grad
+from torch._C import _any_requires_grad, _are_functorch_transforms_active, _get_tracing_state
+from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
+from apex import _backend
 from apex._errors import AssertValueError, RuntimeValueError
-from apex.ops._dispatch import custom_op, eager, lazy_module
+from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import select
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.group_norm")
+# The same module once imported, for the eager paths, which read it as ``(_KEPT or _keep())[0]``: lazy_module's
+# getter asks is_compiling() (two frames a call) for traced code, which never runs these paths.
+_KEPT: list = []
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+
+
+def _keep() -> list:
+    if not _KEPT:
+        _KEPT.append(_kernels())
+    return _KEPT
 ACTIVATIONS = (None, "", "silu", "swish")
 
 
@@ -209,7 +222,7 @@ def _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, 
 def _backward_kernels(grad_output, x, mean, rstd, num_groups, weight, bias, silu):
     """The Triton backward on a laid-out ``x`` and the forward's fp32 statistics."""
     dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
-    dx, dw, db = _kernels().backward(dy, x, num_groups, weight, bias, mean, rstd, silu)
+    dx, dw, db = (_KEPT or _keep())[0].backward(dy, x, num_groups, weight, bias, mean, rstd, silu)
     if dw is not None:  # fp32 sums: cast where the parameter is not (a same-dtype .to is still a call)
         dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
         db = db if db.dtype == bias.dtype else db.to(bias.dtype)
@@ -299,7 +312,7 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, num_groups, eps, silu):
         x = _layout(input)
-        y, mean, rstd = _kernels().forward(x, num_groups, weight, bias, eps, silu)
+        y, mean, rstd = (_KEPT or _keep())[0].forward(x, num_groups, weight, bias, eps, silu)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.args = (num_groups, silu)
         return y
@@ -308,7 +321,9 @@ class _Direct(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         num_groups, silu = ctx.args
-        if torch.is_grad_enabled() or not eager((dy,)):
+        # eager((dy,))'s tests inline (a frame and its tuple fewer; exporting is compiling, see apex.ops._norm).
+        if (torch.is_grad_enabled() or type(dy) not in _PLAIN or torch.compiler.is_compiling() or _dispatch_modes()
+                or _are_functorch_transforms_active() or _get_tracing_state() is not None):
             dx, dw, db = _bwd_op(dy, x, mean, rstd, num_groups, weight, bias, "silu" if silu else "")
         else:
             dx, dw, db = _backward_kernels(dy, x, mean, rstd, num_groups, weight, bias, silu)
@@ -323,17 +338,25 @@ def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bia
     """Differentiable GroupNorm (+ SiLU with ``act="silu"``); see the module docstring."""
     silu = check_args(input, num_groups, weight, bias, act)
     num_groups = int(num_groups)
-    if not _use_kernel(input, num_groups):
+    if torch.compiler.is_compiling():  # (torch.compile cannot trace _any_requires_grad: the registered op)
+        use, direct = _use_kernel(input, num_groups), False
+    else:
+        # _use_kernel and eager((input, weight, bias)) in one pass, is_compiling() asked once: the backend for
+        # the input alone (select's eager answer), the kept kernels module, eager()'s tests inline (False under
+        # dispatch modes, torch.func transforms, jit tracing and for tensor subclasses: the registered op).
+        use = (input.dtype is not torch.float64 and _backend.select_tensor(input) == "triton"
+               and (_KEPT or _keep())[0].supported(input.shape[1] // num_groups))
+        direct = use and type(input) in _PLAIN and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE \
+            and not (_dispatch_modes() or _are_functorch_transforms_active() or _get_tracing_state() is not None)
+    if not use:
         if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
             return _AccurateGroupNorm.apply(input, num_groups, weight, bias, float(eps), silu)
         return _group_norm_torch(input, num_groups, weight, bias, float(eps), silu)
-    # Compiling first (torch.compile cannot trace _any_requires_grad); eager() is False while exporting or
-    # tracing, under dispatch modes and torch.func transforms and for tensor subclasses: the registered op.
-    if not torch.compiler.is_compiling() and eager((input, weight, bias)):
+    if direct:
         if torch.is_grad_enabled() and _any_requires_grad(input, weight, bias):
             return _direct(input, weight, bias, num_groups, float(eps), silu)
         # Nothing to record: the kernels alone (the registered op's eager call without its dispatch).
-        return _kernels().forward(_layout(input), num_groups, weight, bias, float(eps), silu)[0]
+        return _KEPT[0].forward(_layout(input), num_groups, weight, bias, float(eps), silu)[0]
     return _fwd_op(input, num_groups, weight, bias, float(eps), "silu" if silu else "")[0]
 
 
