@@ -67,10 +67,25 @@ def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Ten
 _INT_TUPLES: dict = {}
 
 
-def _use_kernel(x: Tensor, shape, n: int, *tensors) -> bool:
-    if _backend.select(x, *tensors) != "triton":
+def _use_kernel(x: Tensor, n: int) -> bool:
+    # The input decides the device (select's first tensor): select_tensor, without select's search through
+    # the other tensors (two frames a call).
+    if _backend.select_tensor(x) != "triton":
         return False
     return x.dtype in _KERNEL_DTYPES and 0 < n <= _MAX_N
+
+
+# apex._kernels.openfold_layer_norm once imported (at the first kernel launch: importing apex imports no
+# Triton). An ``import`` statement per call costs ~1 µs (importlib's fromlist handling, in Python).
+_KERNELS: list = []
+
+
+def _kernels() -> list:
+    if not _KERNELS:
+        from apex._kernels import openfold_layer_norm
+
+        _KERNELS.append(openfold_layer_norm)
+    return _KERNELS
 
 
 def _mixed_dtype(*tensors) -> torch.dtype | None:
@@ -115,11 +130,9 @@ def forward_checked(input: Tensor, shape: tuple[int, ...], n: int, weight: Tenso
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`layer_norm_forward` on arguments :func:`check_args` passed (``shape``, ``n`` its answers): the
     autograd Function checks once per call, not once per layer."""
-    if _use_kernel(input, shape, n, weight, bias):
-        from apex._kernels import openfold_layer_norm as kernels
-
+    if _use_kernel(input, n):
         xv = _kernel_view(input, shape)
-        y, mean, rstd = kernels.forward(xv, _flat(weight), _flat(bias), eps)
+        y, mean, rstd = (_KERNELS or _kernels())[0].forward(xv, _flat(weight), _flat(bias), eps)
         # y has xv's shape, which is the input's unless the rows were flattened (a view costs ~5 µs).
         return (y if xv is input else y.view(input.shape)), mean, rstd
     ct = _mixed_dtype(input, weight, bias)
@@ -148,14 +161,12 @@ def backward_checked(grad_output: Tensor, input: Tensor, shape: tuple[int, ...],
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected {list(input.shape)}")
     need_dw = needs[1] and weight is not None
     need_db = needs[2] and bias is not None
-    if _use_kernel(input, shape, n, weight, bias, grad_output):
-        from apex._kernels import openfold_layer_norm as kernels
-
+    if _use_kernel(input, n):
         xv = _kernel_view(input, shape)
         dy = grad_output.contiguous()
         if xv is not input:
             dy = dy.view(xv.shape)
-        dx, dw, db = kernels.backward(dy, xv, _flat(weight), mean, rstd, need_dw, need_db,
+        dx, dw, db = (_KERNELS or _kernels())[0].backward(dy, xv, _flat(weight), mean, rstd, need_dw, need_db,
                                       weight.dtype if weight is not None else input.dtype,
                                       bias.dtype if bias is not None else input.dtype)
         one_d = len(shape) == 1  # the parameters' gradients already have their shape
