@@ -25,7 +25,24 @@ from apex.ops._norm import _same_device
 Tensor = torch.Tensor
 
 
+_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
+
+
 def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob):
+    # The usual call (dense output, 3-D f and g of one float dtype and batch, integer lengths of that batch on
+    # one device, in range) is tested first, reading each attribute once; anything else takes the checks
+    # below, which word the error (lengths out of range go straight to the read of their extremes).
+    if (not pack_output and isinstance(f, Tensor) and isinstance(g, Tensor) and isinstance(f_len, Tensor)
+            and isinstance(g_len, Tensor) and 0.0 <= dropout_prob < 1.0):
+        fs, gs, ls = f.shape, g.shape, f_len.shape
+        dtype = f.dtype
+        if (len(fs) == 3 and len(gs) == 3 and len(ls) == 1 and gs[0] == ls[0] == fs[0] > 0 and gs[2] == fs[2]
+                and g_len.shape == ls and dtype in _FLOATS and g.dtype == dtype and f_len.dtype in _INTS
+                and g_len.dtype in _INTS and f_len.device == g_len.device):
+            if not _in_bounds(f_len, g_len, fs[1], gs[1]):
+                _range_error(f_len, g_len, fs[1], gs[1])
+            return
     # Where Apex's transducer_joint_cuda raised RuntimeError (the dtypes it dispatched on, opt and the tile size
     # below), the error is also a RuntimeError.
     for name, t in (("f", f), ("g", g)):
@@ -43,15 +60,7 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
     # (devices compared by flags and index: no torch.device objects built)
     if B and (not _same_device(f_len, g_len) or not _in_bounds(f_len, g_len, T, g.shape[1])):
-        # Something is out of range (or the lengths live apart): both lengths' extremes, for the message, in
-        # one host read where they share a device.
-        if f_len.device == g_len.device:
-            extremes = torch.stack((*f_len.aminmax(), *g_len.aminmax())).tolist()
-        else:
-            extremes = torch.stack(f_len.aminmax()).tolist() + torch.stack(g_len.aminmax()).tolist()
-        for name, lo, hi, cap in (("f_len", *extremes[:2], T), ("g_len", *extremes[2:], g.shape[1])):
-            if lo < 0 or hi > cap:
-                raise ValueError(f"{name} values must lie in [0, {cap}], got [{lo}, {hi}]")
+        _range_error(f_len, g_len, T, g.shape[1])
     if not 0.0 <= dropout_prob < 1.0:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
     if pack_output:
@@ -63,6 +72,18 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
         total = int(expect[-1]) if B else 0
         if int(packed_batch) != total:
             raise ValueError(f"packed_batch must be the packed row count {total}, got {int(packed_batch)}")
+
+
+def _range_error(f_len: Tensor, g_len: Tensor, T: int, U: int) -> None:
+    """Raises the message naming the length out of range (or returns, the lengths living apart but in range):
+    both lengths' extremes in one host read where they share a device."""
+    if f_len.device == g_len.device:
+        extremes = torch.stack((*f_len.aminmax(), *g_len.aminmax())).tolist()
+    else:
+        extremes = torch.stack(f_len.aminmax()).tolist() + torch.stack(g_len.aminmax()).tolist()
+    for name, lo, hi, cap in (("f_len", *extremes[:2], T), ("g_len", *extremes[2:], U)):
+        if lo < 0 or hi > cap:
+            raise ValueError(f"{name} values must lie in [0, {cap}], got [{lo}, {hi}]")
 
 
 def _in_bounds(f_len: Tensor, g_len: Tensor, T: int, U: int) -> bool:
@@ -151,16 +172,27 @@ def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offs
                   packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
                   dropout_prob: float = 0.0, tile_size: int = 4) -> tuple[Tensor, Tensor | None]:
     """``(h, mask)`` without autograd (``mask`` is None unless ReLU or dropout is on)."""
+    h, mask, _ = joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu, dropout,
+                                     dropout_prob, tile_size)
+    return h, mask
+
+
+def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu, dropout, dropout_prob,
+                        tile_size):
+    """:func:`joint_forward`'s ``(h, mask)`` and, on the Triton path, ``(f_len, g_len, batch_offset)`` as its
+    kernels read them (None on the PyTorch path): the Function saves those for its backward."""
     _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0)
     if tile_size not in (1, 2, 4):
         raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
-    if _backend.select(f, g) == "triton":
+    if _backend.select_tensor(f) == "triton":  # (f decides, as select(f, g) did: no search of the arguments)
         kernels = _kernels()
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
-        return kernels.forward(f.contiguous(), g.contiguous(), _int32(f_len), _int32(g_len), boff,
-                               int(packed_batch), pack_output, relu, dropout, dropout_prob, tile_size, seed)
-    return _forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob)
+        f32, g32 = _int32(f_len), _int32(g_len)
+        h, mask = kernels.forward(f.contiguous(), g.contiguous(), f32, g32, boff, int(packed_batch), pack_output,
+                                  relu, dropout, dropout_prob, tile_size, seed)
+        return h, mask, (f32, g32, boff)
+    return (*_forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob), None)
 
 
 def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None,
@@ -182,10 +214,15 @@ class TransducerJointFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch, tile_size,
                 dropout_prob, mask_probe):
-        h, mask = joint_forward(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu, dropout,
-                                dropout_prob, tile_size)
+        h, mask, lengths = joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu,
+                                               dropout, dropout_prob, tile_size)
         if mask is not None and mask_probe is not None:
             mask_probe.append(mask)
+        # The Triton path saves the lengths (and offsets) as its kernels read them, so that its backward (same
+        # path: the backend is chosen once) launches without converting them again.
+        ctx.triton = lengths is not None
+        if lengths is not None:
+            f_len, g_len, batch_offset = lengths
         ctx.save_for_backward(mask, f_len, g_len, batch_offset)
         ctx.shape = (f.shape[1], g.shape[1])
         ctx.pack_output = pack_output
@@ -197,7 +234,11 @@ class TransducerJointFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         mask, f_len, g_len, batch_offset = ctx.saved_tensors
-        df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *ctx.shape, ctx.pack_output, ctx.scale)
+        if ctx.triton:  # the mask as the forward's kernel wrote it (contiguous): only dh may need a copy
+            df, dg = _kernels().backward(dh.contiguous(), mask, f_len, g_len, batch_offset, *ctx.shape,
+                                         ctx.pack_output, ctx.scale)
+        else:
+            df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *ctx.shape, ctx.pack_output, ctx.scale)
         return (df, dg, *_NO_GRADS)
 
 

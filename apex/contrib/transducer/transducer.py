@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from apex._errors import RuntimeValueError
-from apex.ops.transducer_joint import TransducerJointFunc, joint_forward
+from apex.ops.transducer_joint import TransducerJointFunc, joint_forward_saved
 from apex.ops.transducer_loss import TransducerLossFunc, loss_and_saved
 
 # autograd.Function.apply's Python wrapper unwraps torch.func's dead wrappers (~4 µs a call): outside
@@ -52,17 +52,18 @@ class TransducerJoint(torch.nn.Module):
             raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
         dropout = self.dropout and self.training
         tile = self.fwd_tile_size if self.opt == 1 else 1
-        if _plain_call() and not (torch.is_grad_enabled() and torch._C._any_requires_grad(f, g)):
+        plain = _plain_call()
+        if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(f, g)):
             # Nothing to record: the joint alone, without the Function's context and saved tensors.
-            h, mask = joint_forward(f, g, f_len, g_len, batch_offset if self.pack_output else None, packed_batch,
-                                    self.pack_output, self.relu, dropout, self.dropout_prob, tile)
+            h, mask, _ = joint_forward_saved(f, g, f_len, g_len, batch_offset if self.pack_output else None,
+                                        packed_batch, self.pack_output, self.relu, dropout, self.dropout_prob, tile)
             if mask is not None and self.mask_probe is not None:
                 self.mask_probe.append(mask)
             return h
-        apply = _joint_apply if _plain_call() else TransducerJointFunc.apply
+        apply = _joint_apply if plain else TransducerJointFunc.apply
         return apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
-                                         batch_offset if self.pack_output else None, packed_batch, tile,
-                                         self.dropout_prob, self.mask_probe)
+                     batch_offset if self.pack_output else None, packed_batch, tile, self.dropout_prob,
+                     self.mask_probe)
 
 
 class TransducerLoss(torch.nn.Module):
