@@ -160,15 +160,19 @@ def _config(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool
     return rows, block, one, num_warps
 
 
-# (rows, keys, max_block) -> _config's answer, asked at every launch (emptied with the other plan caches).
+# (rows, keys, max_block) -> _config's answer and the grid's launchers, forward and backward, asked at every
+# launch (emptied with the other plan caches).
 _PLANS = _tuning.plan_cache()
 
 
-def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool, int]:
+def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple:
     key = (n_rows, sk, max_block)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _config(n_rows, sk, max_block)
+        rows, block, one, warps = _config(n_rows, sk, max_block)
+        # kernel[grid] builds its launcher anew at every call: the grid's kept with the plan.
+        grid = (cdiv(n_rows, rows),)
+        plan = _PLANS[key] = (rows, block, one, warps, _fwd_kernel[grid], _bwd_kernel[grid])
     return plan
 
 
@@ -208,7 +212,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
     n_rows = b * h * sq
     if n_rows * sk == 0:
         return y
-    rows, block, one, warps = _plan(n_rows, sk, max_block)
+    rows, block, one, warps, launch, _ = _plan(n_rows, sk, max_block)
     if mask is not None:
         # A bool mask is read as it is: Triton loads a bool pointer's bytes and compares them with zero (no
         # uint8 view, an operator call at every forward).
@@ -217,7 +221,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
         m, ms = x, (0, 0, 0, 0)  # never read
     # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a
     # dictionary entry to build and bind.
-    _fwd_kernel[(cdiv(n_rows, rows),)](
+    launch(
         x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, bool(causal), rows, block, one,
         num_warps=warps)
     return y
@@ -231,8 +235,8 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
     n_rows = b * h * sq
     if n_rows * sk == 0:
         return dx
-    rows, block, one, warps = _plan(n_rows, sk, max_block)
-    _bwd_kernel[(cdiv(n_rows, rows),)](
+    rows, block, one, warps, _, launch = _plan(n_rows, sk, max_block)
+    launch(
         dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(), bool(causal), rows, block, one,
         num_warps=warps)  # CAUSAL, ROWS, BLOCK, ONE_BLOCK
     return dx
