@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
@@ -64,15 +65,27 @@ def _focal_bwd(grad_ptr, g_ptr, npos_ptr, N, BLOCK: tl.constexpr):
     tl.store(grad_ptr + offs, (gr * scale).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+# Launch plans (rows a program, class block, programs) by (rows, classes): a call of a shape seen before looks
+# them up.
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(m: int, k: int) -> tuple[int, int, int]:
+    block_k = next_power_of_2(max(k, 1))
+    budget = 65536 if _INTERP else 4096
+    rows = max(1, min(next_power_of_2(max(m, 1)), budget // block_k))
+    return rows, block_k, (cdiv(m, rows) if m else 0)
+
+
 def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tensor, num_real_classes: int,
             alpha: float, gamma: float, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, partial_grad)`` for a contiguous ``[M, K]`` ``x``; loss is a 0-d fp32 tensor."""
     m, k = x.shape
     grad = torch.empty_like(x)
-    block_k = next_power_of_2(max(k, 1))
-    budget = 65536 if _INTERP else 4096
-    rows = max(1, min(next_power_of_2(max(m, 1)), budget // block_k))
-    progs = cdiv(m, rows) if m else 0
+    plan = _PLANS.get((m, k))
+    if plan is None:
+        plan = _PLANS[(m, k)] = _plan(m, k)
+    rows, block_k, progs = plan
     if progs == 1:  # one program sums and normalises: no reduction or division around the launch
         loss = torch.empty((), device=x.device, dtype=torch.float32)
         _focal_fwd[(1,)](x, labels, grad, loss, num_positives_sum, m, k, int(num_real_classes), float(alpha),

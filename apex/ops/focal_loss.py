@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._dispatch import lazy_module
 from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
+# The kernels' module, imported at the first call (an import statement costs ~1 µs a call).
+_kernels = lazy_module("apex._kernels.focal_loss")
 
 
 def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing) -> None:
@@ -93,8 +96,7 @@ def focal_loss_forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_pos
     _check(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing)
     k = cls_output.shape[-1]
     if select(cls_output) == "triton" and cls_output.dtype != torch.float64:
-        from apex._kernels import focal_loss as kernels
-
+        kernels = _kernels()
         two_d = cls_output.dim() == 2  # rows already: no reshapes in or out (~1-5 µs each)
         loss, grad = kernels.forward((cls_output if two_d else cls_output.reshape(-1, k)).contiguous(),
                                      (cls_targets_at_level if two_d else cls_targets_at_level.reshape(-1)
@@ -113,9 +115,7 @@ def focal_loss_backward(grad_output: Tensor, partial_grad: Tensor, num_positives
         raise ValueError("grad_output must be a one-element tensor (the loss is a scalar)")
     if select(partial_grad) == "triton" and partial_grad.dtype != torch.float64 and \
             partial_grad.is_contiguous():
-        from apex._kernels import focal_loss as kernels
-
-        return kernels.backward(grad_output, partial_grad, num_positives_sum)
+        return _kernels().backward(grad_output, partial_grad, num_positives_sum)
     scale = grad_output.reshape(()).double() / num_positives_sum.reshape(()).double()
     if partial_grad.dtype == torch.float64:
         return partial_grad.mul_(scale)
