@@ -117,29 +117,34 @@ _ROUNDED = (torch.float16, torch.bfloat16)
 
 def _strides2(t: torch.Tensor | None, dims: tuple[int, int]) -> tuple[int, int]:
     if t is None:
-        return (0, 0)
+        return _NO_STRIDES
     # One stride() tuple indexed twice: stride(dim) parses its overloads (int or name) on every call.
     s = t.stride()
     return (s[dims[0]], s[dims[1]])
 
 
-# (S·B, H, D, itemsize, device index, backward) -> (head block, warps): the launch a shape takes.
+# (S·B, H, D, itemsize, device index, backward) -> (the grid's launcher, head block, head-dim block, warps, the
+# picked configuration): the launch a shape takes (kernel[grid] builds a new launcher at every call).
 _PLANS = _tuning.plan_cache()
 
 
-def _plan(x: torch.Tensor, sb: int, h: int, d: int, block_d: int, backward: bool) -> tuple[int, int]:
+def _plan(x: torch.Tensor, sb: int, h: int, d: int, backward: bool) -> tuple:
     key = (sb, h, d, x.element_size(), x.get_device(), backward)
     p = _PLANS.get(key)
     op = "fused_rope.bwd" if backward else "fused_rope.fwd"
     if p is None:
+        block_d = next_power_of_2(d)
         # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
         cap = 16384 if _INTERP else 4096
         cfg = _tuning.pick(op, x.device, key[3], (sb, h, d),
                            {"heads": max(1, min(next_power_of_2(h), cap // block_d)), "warps": 4})
-        p = _PLANS[key] = (cfg["heads"], cfg["warps"], cfg)
+        p = _PLANS[key] = (_rope_kernel[(sb, cdiv(h, cfg["heads"]))], cfg["heads"], block_d, cfg["warps"], cfg)
     else:
-        _tuning.last[op] = p[2]  # as pick records it
-    return p[0], p[1]
+        _tuning.last[op] = p[4]  # as pick records it
+    return p
+
+
+_NO_STRIDES = (0, 0)  # an absent table's
 
 
 def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
@@ -155,16 +160,14 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
     S, B, H, D = x.shape
     if S * B * H * D == 0:
         return y
-    BLOCK_D = next_power_of_2(D)
-    BLOCK_H, warps = _plan(x, S * B, H, D, BLOCK_D, backward)
+    launch, BLOCK_H, BLOCK_D, warps, _ = _plan(x, S * B, H, D, backward)
     n_cu = cu.numel() if cu is not None else 1
-    grid = (S * B, cdiv(H, BLOCK_H))
     strides = (*_strides2(ta, dims), *_strides2(tb, dims), *_strides2(tc, dims), *_strides2(td, dims))
-    _rope_kernel[grid](x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
-                       td if td is not None else ta, cu if cu is not None else ta,
-                       B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
-                       # The constexprs positionally (MODE, BACKWARD, ROUND, BLOCK_H, BLOCK_D, BLOCK_CU): each
-                       # keyword costs a launch ~2,000 instructions of dictionary building and binding.
-                       mode, backward, y.dtype in _ROUNDED, BLOCK_H, BLOCK_D, next_power_of_2(max(n_cu, 2)),
-                       num_warps=warps)
+    launch(x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
+           td if td is not None else ta, cu if cu is not None else ta,
+           B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
+           # The constexprs positionally (MODE, BACKWARD, ROUND, BLOCK_H, BLOCK_D, BLOCK_CU): each
+           # keyword costs a launch ~2,000 instructions of dictionary building and binding.
+           mode, backward, y.dtype in _ROUNDED, BLOCK_H, BLOCK_D, next_power_of_2(max(n_cu, 2)),
+           num_warps=warps)
     return y

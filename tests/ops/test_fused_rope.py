@@ -444,3 +444,28 @@ def test_rope_backward_under_a_dispatch_mode_and_second_derivative(triton_device
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert_rel_close(g, 2 * t.detach(), tol=1e-5)
     assert_rel_close(gg, torch.full_like(gg, 2.0), tol=1e-5)
+
+
+def test_rope_head_blocks_follow_an_override(triton_device):
+    """The launch plan keeps the grid's launcher with the head block: a head block set by ``_tuning.override``
+    (and the default one again after it) launches its own grid, every head rotated each way."""
+    from apex._kernels import _tuning
+
+    if triton_device.type == "meta":
+        pytest.skip("compares computed values")
+    s, b, h, d = 5, 2, 4, 16
+    t = torch.randn(s, b, h, d, device=triton_device, requires_grad=True)
+    freqs = torch.rand(s, 1, 1, d, device=triton_device) * 6
+    dy = torch.randn(s, b, h, d, device=triton_device)
+    t64 = t.detach().double().requires_grad_()
+    ref = _rope_ref(t64, freqs.double().cos(), freqs.double().sin())
+    (rdx,) = torch.autograd.grad(ref, t64, dy.double())
+    with apex.backend("triton"):
+        for heads in (None, 1, None, 2):
+            with _tuning.override("fused_rope.fwd", heads=heads, warps=1) if heads else contextlib.nullcontext(), \
+                    _tuning.override("fused_rope.bwd", heads=heads, warps=1) if heads else contextlib.nullcontext():
+                y = R.fused_rope(t, freqs)
+                (dx,) = torch.autograd.grad(y, t, dy)
+                if heads:
+                    assert _tuning.last["fused_rope.fwd"]["heads"] == heads
+            assert_rel_close([y, dx], [ref, rdx], torch.float32)
