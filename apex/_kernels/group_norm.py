@@ -280,6 +280,9 @@ def _new_plan(n: int, groups: int, cg: int, s: int, tile: int | None, fuse_max: 
     return False, block_s, block_c, s_per, cdiv(s, s_per)
 
 
+_F32 = torch.float32
+
+
 def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     """``(y, mean, rstd)``; ``x`` is ``[N, C, *spatial]`` whose spatial dims flatten with one stride."""
     n, ch = x.shape[:2]
@@ -287,9 +290,10 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     s = numel // (n * ch) if n and ch else 0  # (x[0, 0].numel() would build a view)
     cg = ch // groups
     y = torch.empty_like(x)  # in x's layout
-    # new_empty with integer sizes: ~1 µs less than torch.empty(..., device=..., dtype=...).
-    mean = x.new_empty(n * groups, dtype=torch.float32)
-    rstd = x.new_empty(n * groups, dtype=torch.float32)
+    # new_empty with integer sizes: ~1 µs less than torch.empty(..., device=..., dtype=...); without its dtype
+    # keyword (~2,000 instructions to parse) from an fp32 tensor: x when it is one, then mean.
+    mean = x.new_empty(n * groups) if x.dtype is _F32 else x.new_empty(n * groups, dtype=_F32)
+    rstd = mean.new_empty(n * groups)
     if numel == 0:
         return y, mean, rstd
     sn, sc, *rest = x.stride()
@@ -299,14 +303,15 @@ def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     b = bias if has_w else mean
     fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
     if fused:
+        # Constexprs by position in every launch here (HAS_W, ACT, BLOCK_S, BLOCK_C, ...): a keyword costs a
+        # launch ~2,000 instructions of dictionary building and binding.
         _gn_fwd_fused[(n * groups,)](x, y, w, b, mean, rstd, groups, s, cg, sn, sc, ss, float(eps),
-                                     HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc)
+                                     has_w, silu, bs, bc)
         return y, mean, rstd
-    part = x.new_empty(n * groups * split * 3, dtype=torch.float32)
-    _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, BLOCK_S=bs, BLOCK_C=bc)
+    part = mean.new_empty(n * groups * split * 3)
+    _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, bs, bc)
     _gn_apply[(n * groups, split)](x, y, w, b, part, mean, rstd, groups, s, cg, s_per, split, sn, sc, ss,
-                                   float(eps), HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
-                                   BLOCK_P=next_power_of_2(split))
+                                   float(eps), has_w, silu, bs, bc, next_power_of_2(split))
     return y, mean, rstd
 
 
@@ -332,27 +337,28 @@ def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean,
         wpart = bpart = mean  # (not written)
     elif rows == 1:
         wpart, bpart = weight.new_empty(ch), bias.new_empty(ch)
+    elif mean.dtype is _F32:  # (the forward's statistics are) no dtype keyword: see forward
+        wpart, bpart = mean.new_empty(rows, ch), mean.new_empty(rows, ch)
     else:
-        wpart, bpart = x.new_empty(rows, ch, dtype=torch.float32), x.new_empty(rows, ch, dtype=torch.float32)
+        wpart, bpart = x.new_empty(rows, ch, dtype=_F32), x.new_empty(rows, ch, dtype=_F32)
     sn, sc, *rest = x.stride()
     ss = rest[-1] if rest else 1
     w = weight if has_w else mean
     b = bias if has_w else mean
     gpart = x.new_empty(n * groups * split * 2, dtype=torch.float32) if not fused else mean
+    # Constexprs by position, as in forward: HAS_W, ACT, FUSED, BLOCK_S, BLOCK_C (BLOCK_P).
     _gn_bwd_sums[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, wpart, bpart, groups, ch, s, cg, s_per,
-                                      split, sn, sc, ss, HAS_W=has_w, ACT=silu, FUSED=fused, BLOCK_S=bs,
-                                      BLOCK_C=bc)
+                                      split, sn, sc, ss, has_w, silu, fused, bs, bc)
     if not fused:
         _gn_bwd_dx[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, groups, s, cg, s_per, split,
-                                        sn, sc, ss, HAS_W=has_w, ACT=silu, BLOCK_S=bs, BLOCK_C=bc,
-                                        BLOCK_P=next_power_of_2(split))
+                                        sn, sc, ss, has_w, silu, bs, bc, next_power_of_2(split))
     if not has_w:
         return dx, None, None
     if rows == 1:
         return dx, wpart, bpart
     dw, db = weight.new_empty(ch), bias.new_empty(ch)
     grid, block_r, block = _reduce_plan(rows, ch)
-    _gn_param_grads[grid](wpart, bpart, dw, db, rows, ch, BLOCK_R=block_r, BLOCK=block)
+    _gn_param_grads[grid](wpart, bpart, dw, db, rows, ch, block_r, block)  # BLOCK_R, BLOCK by position
     return dx, dw, db
 
 
