@@ -182,6 +182,17 @@ def _autotuner_key(kernel, args: tuple) -> tuple | None:
     return (*(named[k] for k in kernel.keys), *(str(a.dtype) for a in args if hasattr(a, "dtype")))
 
 
+def _launch_kept(kernel, plan: tuple, args: tuple) -> bool:
+    """A warm launch from its kept plan (see :func:`_launch`), False where the autotuner's cache no longer holds
+    that plan's config for its key. The constexprs go by position after ``args`` (a keyword costs a launch
+    ~2,000 instructions of dictionary building and binding); the launch options (warps, stages) by keyword."""
+    tkey, config, launch_grid, tail, options = plan
+    if (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is not config:
+        return False
+    kernel.fn[launch_grid](*args, *tail, **options)
+    return True
+
+
 def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> None:
     """``kernel[grid](*args, **constexprs)`` for an autotuned ``kernel``; ``grid`` is a tuple or, for a grid that
     depends on the config, a function of its keyword arguments. A shape launched before takes the plan kept
@@ -189,11 +200,8 @@ def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> Non
     merging per call), as long as the autotuner's cache still holds that very config for the key, so a cache
     replaced or edited (``_load_triton_auto_tune_cache``, sync across ranks, an assignment) is followed."""
     plan = _PLANS.get(plan_key)
-    if plan is not None:
-        tkey, config, launch_grid, options = plan
-        if (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is config:
-            kernel.fn[launch_grid](*args, **options)
-            return
+    if plan is not None and _launch_kept(kernel, plan, args):
+        return
     kernel[grid](*args, **constexprs)
     config = getattr(kernel, "best_config", None)  # (unset where the launch was intercepted: compile checks)
     tkey = _autotuner_key(kernel, args)
@@ -201,22 +209,40 @@ def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> Non
             (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is not config:
         return  # a hook to run per launch, or a key built otherwise by this Triton: the autotuner each call
     options = {**constexprs, **config.all_kwargs()}
-    _PLANS[plan_key] = (tkey, config, grid if isinstance(grid, tuple) else grid(options), options)
+    launch_grid = grid if isinstance(grid, tuple) else grid(options)
+    names = kernel.arg_names[len(args):]  # the constexprs, in the kernel's order
+    if not all(name in options for name in names):
+        return
+    tail = tuple(options.pop(name) for name in names)
+    _PLANS[plan_key] = (tkey, config, launch_grid, tail, options)
+
+
+_F32 = torch.float32
+
+
+def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(x, memory_format=torch.contiguous_format)``, without the keyword for a contiguous ``x``
+    (whose layout empty_like keeps)."""
+    return torch.empty_like(x) if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def forward(x: torch.Tensor, weight, bias, eps: float):
     """``(y, mean, rstd)`` for ``x`` of at most 4 dims normalised over its last dim; ``y`` contiguous."""
     m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
-    # (empty_like takes ~2 µs less than a torch.Size argument; contiguous: the kernels write rows in order)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    # (empty_like takes ~2 µs less than a torch.Size argument; contiguous: the kernels write rows in order.
+    # Without keywords where the default is the answer: each costs an allocation ~2,000 instructions to parse.)
+    y = _contiguous_like(x)
+    mean = x.new_empty(m) if x.dtype is _F32 else torch.empty(m, dtype=_F32, device=x.device)
+    rstd = mean.new_empty(m)
     if m == 0:
         return y, mean, rstd
     w, b = weight if weight is not None else x, bias if bias is not None else x
-    _launch(_ln_fwd, (False, m, n, weight is not None, bias is not None, x.dtype, w.dtype, b.dtype),
-            lambda meta: (cdiv(m, meta["ROWS"]),), (x, w, b, y, mean, rstd, m, n, d1, d2, s0, s1, s2, sn, float(eps)),
-            {"HAS_W": weight is not None, "HAS_B": bias is not None, "BLOCK_N": next_power_of_2(n)})
+    key = (False, m, n, weight is not None, bias is not None, x.dtype, w.dtype, b.dtype)
+    args = (x, w, b, y, mean, rstd, m, n, d1, d2, s0, s1, s2, sn, float(eps))
+    plan = _PLANS.get(key)  # a warm shape: no grid function or constexpr dict built
+    if plan is None or not _launch_kept(_ln_fwd, plan, args):
+        _launch(_ln_fwd, key, lambda meta: (cdiv(m, meta["ROWS"]),), args,
+                {"HAS_W": weight is not None, "HAS_B": bias is not None, "BLOCK_N": next_power_of_2(n)})
     return y, mean, rstd
 
 
@@ -224,7 +250,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
              w_dtype: torch.dtype, b_dtype: torch.dtype):
     """``(dx, dweight, dbias)``; ``dy`` contiguous with ``x``'s shape, ``dx`` contiguous."""
     m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = _contiguous_like(x)
     w = weight if weight is not None else x
     dev = x.device
     key = (True, m, n, weight is not None, need_dw, need_db, dy.dtype, x.dtype, w.dtype, mean.dtype, rstd.dtype,
@@ -237,10 +263,18 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
     progs, per_prog, sum_grid, block_c = shape
     k = sum_grid[1]
     # One buffer of partial sums and one column-sum launch for both parameter gradients.
-    part = torch.empty(progs, k * n, dtype=torch.float32, device=dev) if k else dx
+    if not k:
+        part = dx
+    elif rstd.dtype is _F32:  # (the forward's statistics are) an fp32 buffer without keywords
+        part = rstd.new_empty(progs, k * n)
+    else:
+        part = torch.empty(progs, k * n, dtype=_F32, device=dev)
     if m > 0:
-        _launch(_ln_bwd, key, (progs,), (dy, x, w, mean, rstd, dx, part, m, n, per_prog, d1, d2, s0, s1, s2, sn),
-                {"HAS_W": weight is not None, "NEED_DW": need_dw, "NEED_DB": need_db, "BLOCK_N": next_power_of_2(n)})
+        args = (dy, x, w, mean, rstd, dx, part, m, n, per_prog, d1, d2, s0, s1, s2, sn)
+        plan = _PLANS.get(key)
+        if plan is None or not _launch_kept(_ln_bwd, plan, args):
+            _launch(_ln_bwd, key, (progs,), args, {"HAS_W": weight is not None, "NEED_DW": need_dw, "NEED_DB": need_db,
+                                                   "BLOCK_N": next_power_of_2(n)})
     dw = torch.empty(n, dtype=w_dtype, device=dev) if need_dw else None
     db = torch.empty(n, dtype=b_dtype, device=dev) if need_db else None
     if k:
@@ -249,6 +283,6 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
                 if t is not None:
                     t.zero_()
         else:
-            _column_sum[sum_grid](part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, BLOCK_P=16,
-                                  BLOCK_C=block_c)
+            # BLOCK_P, BLOCK_C by position (see _launch_kept)
+            _column_sum[sum_grid](part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, 16, block_c)
     return dx, dw, db
