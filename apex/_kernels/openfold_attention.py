@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
@@ -188,6 +189,23 @@ def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
     return 64, 32, block_d, 4
 
 
+# Launch plans by (Z, H, NQ, NK, D, dtype, on CUDA): blocks, warps, the low-precision flag and the grids of
+# the forward and the two backward kernels; a call of a geometry seen before looks them up.
+_PLANS = _tuning.plan_cache()
+
+
+def _plan(dims: tuple, q: torch.Tensor) -> tuple:
+    dtype, on_cuda = q.dtype, q.is_cuda
+    key = (*dims, dtype, on_cuda)
+    plan = _PLANS.get(key)
+    if plan is None:
+        z, h, nq, nk, d = dims
+        bm, bn, bd, warps = _blocks(d, q.device)
+        low = dtype in (torch.float16, torch.bfloat16) and not _INTERP
+        plan = _PLANS[key] = (bm, bn, bd, warps, low, (cdiv(nq, bm), z * h), (cdiv(nk, bn), z * h))
+    return plan
+
+
 def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides: tuple):
     """``(o, lse)``: ``q``/``k``/``v`` read as ``[Z, H, N, D]`` and ``mask``/``bias`` (None or broadcast) as
     ``[Z, H, NQ, NK]`` through ``strides`` (their 20 strides in that order, 0 for an absent one), ``dims`` =
@@ -197,12 +215,12 @@ def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides:
     lse = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    bm, bn, bd, warps = _blocks(d, q.device)
-    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
-    _attn_fwd[(cdiv(nq, bm), z * h)](
+    bm, bn, bd, warps, low, grid, _ = _plan(dims, q)
+    # The constexprs positionally (HAS_MASK, HAS_BIAS, LOW, BLOCK_M, BLOCK_N, BLOCK_D): each keyword costs a
+    # launch ~2,000 instructions of dictionary building and binding.
+    _attn_fwd[grid](
         q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, h, nq, nk, d,
-        float(scale), float(inf), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, LOW=low,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+        float(scale), float(inf), mask is not None, bias is not None, low, bm, bn, bd, num_warps=warps)
     return o, lse
 
 
@@ -219,16 +237,15 @@ def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds:
     delta = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
-    bm, bn, bd, warps = _blocks(d, q.device)
-    low = q.dtype in (torch.float16, torch.bfloat16) and not _INTERP
+    bm, bn, bd, warps, low, grid_q, grid_k = _plan(dims, q)
     m_arg = mask if mask is not None else q
     b_arg = bias if bias is not None else q
     has_mask, has_bias = mask is not None, bias is not None
-    _attn_bwd_dq[(cdiv(nq, bm), z * h)](
+    # Constexprs positionally, as in forward: HAS_MASK, HAS_BIAS, NEED_DS (dq only), LOW, BLOCK_M/N/D.
+    _attn_bwd_dq[grid_q](
         q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *strides, h, nq, nk, d,
-        float(scale), float(inf), HAS_MASK=has_mask, HAS_BIAS=has_bias, NEED_DS=need_ds, LOW=low, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
-    _attn_bwd_dkdv[(cdiv(nk, bn), z * h)](
+        float(scale), float(inf), has_mask, has_bias, need_ds, low, bm, bn, bd, num_warps=warps)
+    _attn_bwd_dkdv[grid_k](
         q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, float(scale), float(inf),
-        HAS_MASK=has_mask, HAS_BIAS=has_bias, LOW=low, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+        has_mask, has_bias, low, bm, bn, bd, num_warps=warps)
     return dq, dk, dv, ds

@@ -215,7 +215,8 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
     full = check_args(query, key, value, mask, bias)
     if not isinstance(inf, (int, float)) or not inf > 0:
         raise ValueError(f"inf must be a positive number, got {inf!r}")
-    if _backend.select(query, key, value) == "triton" and query.dtype != torch.float64:
+    # (check_args passed: query is a tensor and decides, as select(query, key, value) did)
+    if _backend.select_tensor(query) == "triton" and query.dtype != torch.float64:
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper
         # (which unwraps torch.func's dead wrappers, ~4 µs).
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
