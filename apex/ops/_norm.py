@@ -217,8 +217,9 @@ def prepare(input: object, normalized_shape: object, weight: object, bias: objec
             on_gpu = input.is_cuda
             ok = True
             for p in (weight, bias):  # the same tests as _check_param's, on the usual types only
-                if p is not None and (type(p) not in _PLAIN or p.dtype not in _KERNEL_DTYPE_SET or p.shape != shape
-                                      or p.is_cuda != on_gpu
+                # (shape (n,) as dim and numel: p.shape builds a torch.Size, ~2x their cost)
+                if p is not None and (type(p) not in _PLAIN or p.dtype not in _KERNEL_DTYPE_SET or p.dim() != 1
+                                      or p.numel() != n or p.is_cuda != on_gpu
                                       or (p.get_device() != input.get_device() if on_gpu
                                           else not (p.is_cpu and input.is_cpu))):
                     ok = False
