@@ -189,8 +189,8 @@ def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
     return 64, 32, block_d, 4
 
 
-# Launch plans by (Z, H, NQ, NK, D, dtype, on CUDA): blocks, warps, the low-precision flag and the grids of
-# the forward and the two backward kernels; a call of a geometry seen before looks them up.
+# Launch plans by (Z, H, NQ, NK, D, dtype, on CUDA): blocks, warps, the low-precision flag and the launchers of
+# the forward and the two backward kernels on their grids; a call of a geometry seen before looks them up.
 _PLANS = _tuning.plan_cache()
 
 
@@ -202,7 +202,10 @@ def _plan(dims: tuple, q: torch.Tensor) -> tuple:
         z, h, nq, nk, d = dims
         bm, bn, bd, warps = _blocks(d, q.device)
         low = dtype in (torch.float16, torch.bfloat16) and not _INTERP
-        plan = _PLANS[key] = (bm, bn, bd, warps, low, (cdiv(nq, bm), z * h), (cdiv(nk, bn), z * h))
+        grid_q, grid_k = (cdiv(nq, bm), z * h), (cdiv(nk, bn), z * h)
+        # The grids' launchers kept with the plan: kernel[grid] builds a new one at every call.
+        plan = _PLANS[key] = (bm, bn, bd, warps, low, _attn_fwd[grid_q], _attn_bwd_dq[grid_q],
+                              _attn_bwd_dkdv[grid_k])
     return plan
 
 
@@ -215,10 +218,10 @@ def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides:
     lse = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    bm, bn, bd, warps, low, grid, _ = _plan(dims, q)
+    bm, bn, bd, warps, low, launch, _, _ = _plan(dims, q)
     # The constexprs positionally (HAS_MASK, HAS_BIAS, LOW, BLOCK_M, BLOCK_N, BLOCK_D): each keyword costs a
     # launch ~2,000 instructions of dictionary building and binding.
-    _attn_fwd[grid](
+    launch(
         q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, h, nq, nk, d,
         float(scale), float(inf), mask is not None, bias is not None, low, bm, bn, bd, num_warps=warps)
     return o, lse
@@ -237,15 +240,15 @@ def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds:
     delta = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
-    bm, bn, bd, warps, low, grid_q, grid_k = _plan(dims, q)
+    bm, bn, bd, warps, low, _, launch_dq, launch_dkdv = _plan(dims, q)
     m_arg = mask if mask is not None else q
     b_arg = bias if bias is not None else q
     has_mask, has_bias = mask is not None, bias is not None
     # Constexprs positionally, as in forward: HAS_MASK, HAS_BIAS, NEED_DS (dq only), LOW, BLOCK_M/N/D.
-    _attn_bwd_dq[grid_q](
+    launch_dq(
         q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *strides, h, nq, nk, d,
         float(scale), float(inf), has_mask, has_bias, need_ds, low, bm, bn, bd, num_warps=warps)
-    _attn_bwd_dkdv[grid_k](
+    launch_dkdv(
         q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, float(scale), float(inf),
         has_mask, has_bias, low, bm, bn, bd, num_warps=warps)
     return dq, dk, dv, ds
