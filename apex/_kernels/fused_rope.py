@@ -34,11 +34,11 @@ from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
-def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
-                 xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
-                 ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c,
-                 MODE: tl.constexpr, BACKWARD: tl.constexpr, ROUND: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CU: tl.constexpr):
+def _rope_tile(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
+               xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
+               ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c,
+               MODE: tl.constexpr, BACKWARD: tl.constexpr, ROUND: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CU: tl.constexpr):
     row = tl.program_id(0)
     s = row // B
     b = row % B
@@ -108,6 +108,26 @@ def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
     tl.store(y_row + hh * ys_h + d * ys_d, y.to(Y.dtype.element_ty), mask=mask)
 
 
+
+@triton.jit
+def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
+                 xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
+                 ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c,
+                 MODE: tl.constexpr, BACKWARD: tl.constexpr, ROUND: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CU: tl.constexpr):
+    _rope_tile(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w, xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
+               ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c, MODE, BACKWARD, ROUND, BLOCK_H, BLOCK_D, BLOCK_CU)
+
+
+@triton.jit
+def _rope_freqs_kernel(X, Y, TA, B, H, D, R, xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d, ta_r, ta_c,
+                       BACKWARD: tl.constexpr, ROUND: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Mode 0 (one table of angles, no offsets): the usual call, with 17 arguments instead of 29 (a launch
+    # binds each argument on the host).
+    _rope_tile(X, Y, TA, TA, TA, TA, TA, B, H, D, R, 1, 1, xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
+               ta_r, ta_c, 0, 0, 0, 0, 0, 0, 0, BACKWARD, ROUND, BLOCK_H, BLOCK_D, 2)
+
+
 # The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
 _INTERP = interpreted(_rope_kernel)
 
@@ -123,24 +143,29 @@ def _strides2(t: torch.Tensor | None, dims: tuple[int, int]) -> tuple[int, int]:
     return (s[dims[0]], s[dims[1]])
 
 
-# (S·B, H, D, itemsize, device index, backward) -> (the grid's launcher, head block, head-dim block, warps, the
-# picked configuration): the launch a shape takes (kernel[grid] builds a new launcher at every call).
+# (x's shape [S, B, H, D], dtype, device index, backward) -> (the grid's launchers of both kernels, B, H, D, head
+# block, head-dim block, warps, ROUND, empty, the picked configuration): the launch a shape takes (kernel[grid]
+# builds a new launcher at every call), keyed by the torch.Size itself (no unpacking, no element_size query).
 _PLANS = _tuning.plan_cache()
 
 
-def _plan(x: torch.Tensor, sb: int, h: int, d: int, backward: bool) -> tuple:
-    key = (sb, h, d, x.element_size(), x.get_device(), backward)
+def _plan(x: torch.Tensor, backward: bool) -> tuple:
+    key = (x.shape, x.dtype, x.get_device(), backward)
     p = _PLANS.get(key)
     op = "fused_rope.bwd" if backward else "fused_rope.fwd"
     if p is None:
-        block_d = next_power_of_2(d)
+        S, B, H, D = key[0]
+        sb = S * B
+        block_d = next_power_of_2(D)
         # Interpreted programs cost per program: bigger head blocks there, GPU-sized tiles otherwise.
         cap = 16384 if _INTERP else 4096
-        cfg = _tuning.pick(op, x.device, key[3], (sb, h, d),
-                           {"heads": max(1, min(next_power_of_2(h), cap // block_d)), "warps": 4})
-        p = _PLANS[key] = (_rope_kernel[(sb, cdiv(h, cfg["heads"]))], cfg["heads"], block_d, cfg["warps"], cfg)
+        cfg = _tuning.pick(op, x.device, x.element_size(), (sb, H, D),
+                           {"heads": max(1, min(next_power_of_2(H), cap // block_d)), "warps": 4})
+        grid = (sb, cdiv(H, cfg["heads"]))
+        p = _PLANS[key] = (_rope_kernel[grid], _rope_freqs_kernel[grid], B, H, D, cfg["heads"], block_d,
+                           cfg["warps"], x.dtype in _ROUNDED, sb * H * D == 0, cfg)
     else:
-        _tuning.last[op] = p[4]  # as pick records it
+        _tuning.last[op] = p[10]  # as pick records it
     return p
 
 
@@ -157,17 +182,27 @@ def rope(x: torch.Tensor, y: torch.Tensor, mode: int, backward: bool, rot: int,
     (2-D views by default; the ops pass their 4-D tables and the two dimensions, which saves a view per table
     per call); ``cu`` the int ``cu_seqlens`` (mode 2).
     """
-    S, B, H, D = x.shape
-    if S * B * H * D == 0:
+    launch, launch_freqs, B, H, D, BLOCK_H, BLOCK_D, warps, rounded, empty, _ = _plan(x, backward)
+    if empty:
         return y
-    launch, BLOCK_H, BLOCK_D, warps, _ = _plan(x, S * B, H, D, backward)
-    n_cu = cu.numel() if cu is not None else 1
-    strides = (*_strides2(ta, dims), *_strides2(tb, dims), *_strides2(tc, dims), *_strides2(td, dims))
-    launch(x, y, ta, tb if tb is not None else ta, tc if tc is not None else ta,
-           td if td is not None else ta, cu if cu is not None else ta,
-           B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
+    s = ta.stride()  # one tuple indexed twice: stride(dim) parses its overloads (int or name) on every call
+    if mode == 0:
+        launch_freqs(x, y, ta, B, H, D, rot, *x.stride(), *y.stride(), s[dims[0]], s[dims[1]],
+                     backward, rounded, BLOCK_H, BLOCK_D, num_warps=warps)
+        return y
+    if tb is None:  # one table (angles): the others' strides are constants, as are cu_seqlens' without it
+        strides = (s[dims[0]], s[dims[1]], 0, 0, 0, 0, 0, 0)
+        tb = tc = td = ta
+    else:
+        strides = (s[dims[0]], s[dims[1]], *_strides2(tb, dims), *_strides2(tc, dims), *_strides2(td, dims))
+        tc, td = (tc if tc is not None else ta), (td if td is not None else ta)
+    if cu is None:
+        n_cu, block_cu, cu = 1, 2, ta
+    else:
+        n_cu = cu.numel()
+        block_cu = next_power_of_2(max(n_cu, 2))
+    launch(x, y, ta, tb, tc, td, cu, B, H, D, rot, n_cu, img_w, *x.stride(), *y.stride(), *strides,
            # The constexprs positionally (MODE, BACKWARD, ROUND, BLOCK_H, BLOCK_D, BLOCK_CU): each
            # keyword costs a launch ~2,000 instructions of dictionary building and binding.
-           mode, backward, y.dtype in _ROUNDED, BLOCK_H, BLOCK_D, next_power_of_2(max(n_cu, 2)),
-           num_warps=warps)
+           mode, backward, rounded, BLOCK_H, BLOCK_D, block_cu, num_warps=warps)
     return y

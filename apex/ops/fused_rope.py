@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.fused_rope")
 
 SBHD, CACHED, THD, IMG2D = 0, 1, 2, 3
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# A set: a dtype's membership by its hash (a tuple compares it with each entry in turn).
+_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -104,18 +105,21 @@ def _check_pair(cos: Tensor, sin: Tensor, names: str, error: type[Exception] | N
                                            f"{list(cos.shape)} {cos.dtype} and {list(sin.shape)} {sin.dtype}")
 
 
-def check_sbhd(t: Tensor, freqs: Tensor, tname: str = "t") -> None:
+def check_sbhd(t: Tensor, freqs: Tensor, tname: str = "t") -> int:
+    """Check an ``sbhd`` call; the rotary width ``R`` when both are plain tensors (the quick test passed: the
+    caller need not ask again about subclasses, nor read the shape), else -1."""
     # The usual call (plain tensors, fp32 angles [s, 1, 1, R] on t's device) tested reading each attribute
     # once (~15k instructions for the checks below); anything else, or anything wrong, takes them (their errors).
     if type(t) in _PLAIN and type(freqs) in _PLAIN and freqs.dtype is torch.float32 and t.dtype in _FLOATS:
         sh, fs = t.shape, freqs.shape
         if (len(sh) == 4 and len(fs) == 4 and fs[0] == sh[0] and fs[1] == 1 and fs[2] == 1 and fs[3] <= sh[3]
                 and not fs[3] % 2 and _same_device(freqs, t)):
-            return
+            return fs[3]
     _check_tensor(t, tname, 4)
     shape = t.shape
     _check_table(freqs, "freqs", t, tname, shape[0], shape[3])
     _check_freqs_dtype(freqs, t)
+    return -1
 
 
 def check_cached(t: Tensor, cos_: Tensor, sin_: Tensor, tname: str = "t", names: tuple[str, str] = ("cos_", "sin_")
@@ -313,11 +317,20 @@ def _backward(ctx, grad):
 _rope_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _grad_rotated(grad: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None,
+                  cu: Tensor | None, mode: int, img_w: int, transpose_output: bool) -> Tensor:
+    """The eager backward: the transpose rotation itself, or ``_rope_op`` wherever the registered op is needed
+    (a graph for a second derivative, a dispatch mode, a ``torch.func`` transform, a tensor subclass)."""
+    if (torch.is_grad_enabled() or type(grad) not in _PLAIN or torch.compiler.is_compiling()
+            or torch.compiler.is_exporting() or _dispatch_modes() or _are_functorch_transforms_active()
+            or _is_tracing()):
+        return _rope_op(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
+    return _rotated(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
+
+
 class _Direct(torch.autograd.Function):
     """The eager call with a gradient on plain tensors: what ``_rope_op``'s eager call does through its
-    function, setup and backward op, without those layers. The backward rotates the gradient itself, and takes
-    ``_rope_op`` wherever the registered op is needed: a graph for a second derivative, a dispatch mode, a
-    ``torch.func`` transform or a tensor subclass."""
+    function, setup and backward op, without those layers (backward: :func:`_grad_rotated`)."""
 
     @staticmethod
     def forward(ctx, t, ta, tb, tc, td, cu, mode, img_w, transpose_output):
@@ -328,17 +341,58 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ta, tb, tc, td, cu = ctx.saved_tensors
-        mode, img_w, transpose_output = ctx.args
-        if (torch.is_grad_enabled() or type(grad) not in _PLAIN or torch.compiler.is_compiling()
-                or torch.compiler.is_exporting() or _dispatch_modes() or _are_functorch_transforms_active()
-                or _is_tracing()):
-            dt = _rope_op(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
-        else:
-            dt = _rotated(grad, ta, tb, tc, td, cu, mode, img_w, True, transpose_output)
+        dt = _grad_rotated(grad, ta, tb, tc, td, cu, *ctx.args)
         return dt, None, None, None, None, None, None, None, None
 
 
+class _DirectSBHD(torch.autograd.Function):
+    """:class:`_Direct` for the usual call (``freqs``, ``sbhd``): three arguments and one saved table instead of
+    nine and five (each argument and saved slot costs the C++ ``apply`` and the backward ~1,000 instructions),
+    and a backward that launches with the forward's kernels module (or the PyTorch path where the forward took
+    it) instead of choosing the backend and loading the module again."""
+
+    @staticmethod
+    def forward(ctx, t, freqs, transpose_output, r):
+        ctx.save_for_backward(freqs)
+        y = _alloc(t, SBHD, True) if transpose_output else torch.empty_like(t, memory_format=_CONTIGUOUS)
+        if t.dtype is not torch.float64 and select_tensor(t) == "triton":  # (fp64: the PyTorch path)
+            # Never while tracing (the entry routed that to _rope_op): the loaded module without _kernels' query.
+            kernels = _LOADED[0] if _LOADED else _load()
+            kernels.rope(t, y, SBHD, False, r, freqs, None, None, None, None, 1, (0, 3))
+        else:
+            kernels = None
+            _torch_path(t, y, freqs, None, None, None, None, SBHD, 1, False)
+        ctx.args = (transpose_output, kernels, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        freqs, = ctx.saved_tensors
+        transpose_output, kernels, r = ctx.args
+        # (torch.compiler.is_exporting() implies is_compiling(): torch.export sets both flags)
+        if (torch.is_grad_enabled() or type(grad) not in _PLAIN or torch.compiler.is_compiling()
+                or _dispatch_modes() or _are_functorch_transforms_active() or _is_tracing()):
+            dt = _rope_op(grad, freqs, None, None, None, None, SBHD, 1, True, transpose_output)
+        else:
+            dt = _alloc(grad, SBHD, True) if transpose_output else torch.empty_like(grad, memory_format=_CONTIGUOUS)
+            if kernels is not None:
+                kernels.rope(grad, dt, SBHD, True, r, freqs, None, None, None, None, 1, (0, 3))
+            else:
+                _torch_path(grad, dt, freqs, None, None, None, None, SBHD, 1, True)
+        return dt, None, None, None
+
+
+_CONTIGUOUS = torch.contiguous_format
+_LOADED: list = []  # the kernels' module, once _DirectSBHD has loaded it
+
+
+def _load():
+    _LOADED.append(_kernels())
+    return _LOADED[0]
+
+
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+_direct_sbhd = super(torch.autograd.Function, _DirectSBHD).apply
 
 
 def _run(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor | None, cu: Tensor | None,
@@ -361,8 +415,16 @@ def _run(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor
 # ------------------------------------------------------------------------------------- autograd entry
 def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with fp32 angles ``freqs`` ``[s, 1, 1, R]``, ``R ≤ d`` even."""
-    check_sbhd(t, freqs)
-    return _run(t, freqs, None, None, None, None, SBHD, 1, bool(transpose_output_memory))
+    tr = bool(transpose_output_memory)
+    # Plain tensors (check_sbhd's quick test) in eager mode: _run's routing with two tensors and no cu_seqlens.
+    # (torch.compiler.is_exporting() implies is_compiling(): torch.export sets both flags)
+    r = check_sbhd(t, freqs)
+    if (r < 0 or torch.compiler.is_compiling() or _dispatch_modes() or _are_functorch_transforms_active()
+            or _is_tracing()):
+        return _run(t, freqs, None, None, None, None, SBHD, 1, tr)
+    if torch.is_grad_enabled() and _any_requires_grad(t, freqs):
+        return _direct_sbhd(t, freqs, tr, r)
+    return _rotated(t, freqs, None, None, None, None, SBHD, 1, False, tr)
 
 
 def fused_rope_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:

@@ -469,3 +469,25 @@ def test_rope_head_blocks_follow_an_override(triton_device):
                 if heads:
                     assert _tuning.last["fused_rope.fwd"]["heads"] == heads
             assert_rel_close([y, dx], [ref, rdx], torch.float32)
+
+
+def test_rope_backward_takes_the_forwards_path(triton_device):
+    """The eager backward launches with the forward's choice (it does not ask the backend again): a forward on
+    the Triton path is differentiated by the kernel even where the backward runs under another backend
+    setting, and a PyTorch-path forward by the PyTorch path; the gradient is right either way."""
+    if triton_device.type == "meta":
+        pytest.skip("compares computed values")
+    s, b, h, d = 5, 2, 3, 16
+    t = torch.randn(s, b, h, d, device=triton_device, requires_grad=True)
+    freqs = torch.rand(s, 1, 1, 12, device=triton_device) * 6
+    dy = torch.randn(s, b, h, d, device=triton_device)
+    t64 = t.detach().double().requires_grad_()
+    (rdx,) = torch.autograd.grad(_rope_ref(t64, freqs.double().cos(), freqs.double().sin()), t64, dy.double())
+    for forward_backend, backward_backend, launches in (("triton", "torch", 2), ("torch", "triton", 0)):
+        with TritonTrace().watch(t, dy) as tr:
+            with apex.backend(forward_backend):
+                y = R.fused_rope(t, freqs)
+            with apex.backend(backward_backend):
+                (dx,) = torch.autograd.grad(y, t, dy)
+        assert tr.launches == launches, (forward_backend, tr.launches)
+        assert_rel_close(dx, rdx, torch.float32, tol=1e-6)
