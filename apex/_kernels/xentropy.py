@@ -95,28 +95,38 @@ def _block(v: int) -> int:
     return min(cap, next_power_of_2(max(v, 16)))
 
 
-# (rows, V, itemsize, device index, backward) -> the launch's (grid, rows, block, warps, stages).
+# (x's shape [rows, V], dtype, device index, backward) -> the launch's (launcher, rows, block, warps, stages, the
+# picked configuration, M, V), or None for an empty x: keyed by the torch.Size itself (no unpacking, no
+# element_size query a call).
 _PLANS = _tuning.plan_cache()
 
 
-def _plan(x: torch.Tensor, m: int, v: int, backward: bool) -> tuple:
-    key = (m, v, x.element_size(), x.get_device(), backward)
+def _plan(x: torch.Tensor, backward: bool) -> tuple | None:
+    key = (x.shape, x.dtype, x.get_device(), backward)
     p = _PLANS.get(key)
     op = "xentropy.bwd" if backward else "xentropy.fwd"
     if p is None:
+        if key in _PLANS:  # an empty x: nothing to launch
+            return None
+        m, v = key[0]
+        if m == 0 or v == 0:
+            _PLANS[key] = None
+            return None
         if backward:
             # One row of 4096 columns a program on a GPU: 14.8 SASS instructions an element on sm_90 against
             # 17 for 4 rows x 1024 (the per-row constants and addresses are formed once per program).
             block = _block(v)
-            cfg = _tuning.pick(op, x.device, key[2], (m, v),
+            cfg = _tuning.pick(op, x.device, x.element_size(), (m, v),
                                {"rows": _rows_per_program(m, v, block), "block": block, "warps": 4})
             grid = (cdiv(m, cfg["rows"]), cdiv(v, cfg["block"]))
         else:
             block = _block(v)
-            cfg = _tuning.pick(op, x.device, key[2], (m, v), {"rows": _rows_per_program(m, v, block),
+            cfg = _tuning.pick(op, x.device, x.element_size(), (m, v), {"rows": _rows_per_program(m, v, block),
                                                                 "block": block, "warps": 4, "stages": 1})
             grid = (cdiv(m, cfg["rows"]),)
-        p = _PLANS[key] = (grid, cfg["rows"], cfg["block"], cfg["warps"], cfg.get("stages", 1), cfg)
+        # The grid's launcher kept with it: kernel[grid] builds a new one at every call.
+        launcher = (_xent_bwd if backward else _xent_fwd)[grid]
+        p = _PLANS[key] = (launcher, cfg["rows"], cfg["block"], cfg["warps"], cfg.get("stages", 1), cfg, m, v)
     else:
         _tuning.last[op] = p[5]  # as pick records it
     return p
@@ -126,18 +136,19 @@ def forward(x: torch.Tensor, labels: torch.Tensor, smoothing: float, padding_idx
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(losses, lse)`` in fp32 for a ``[M, V]`` view with unit column stride. A row whose label lies
     outside ``[0, V)`` and is not ``padding_idx`` gets a NaN loss (no host-side check)."""
-    m, v = x.shape
+    p = _plan(x, False)
+    if p is None:
+        m = x.shape[0]
+        return x.new_empty(m, dtype=torch.float32), x.new_empty(m, dtype=torch.float32)
+    launch, rows, block, warps, stages, _, m, v = p
     # new_empty: the device from x, no device argument to parse (~0.3 µs each).
     losses = x.new_empty(m, dtype=torch.float32)
     lse = x.new_empty(m, dtype=torch.float32)
-    if m == 0:
-        return losses, lse
-    grid, rows, block, warps, stages, _ = _plan(x, m, v, False)
     # The constexprs positionally (ROWS, BLOCK, STAGES, SMOOTH): each keyword costs a launch ~2,000
     # instructions of dictionary building and binding.
     # (stride()[0], not stride(0): the latter parses its int-or-name overloads on every call)
-    _xent_fwd[grid](x, labels, losses, lse, m, v, x.stride()[0], float(smoothing), int(padding_idx), rows, block,
-                    stages, smoothing != 0.0, num_warps=warps)
+    launch(x, labels, losses, lse, m, v, x.stride()[0], float(smoothing), int(padding_idx), rows, block, stages,
+           smoothing != 0.0, num_warps=warps)
     return losses, lse
 
 
@@ -145,10 +156,10 @@ def backward(grad: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, lse: tor
              padding_idx: int, out: torch.Tensor) -> torch.Tensor:
     """Write the logits' gradient into ``out`` (which may be ``x`` itself) and return it; rows whose label is
     padding or outside ``[0, V)`` get zeros."""
-    m, v = x.shape
-    if m == 0 or v == 0:
+    p = _plan(x, True)
+    if p is None:
         return out
-    grid, rows, block, warps, _, _ = _plan(x, m, v, True)
-    _xent_bwd[grid](grad, x, labels, lse, out, m, v, x.stride()[0], out.stride()[0], grad.stride()[0],
-                    float(smoothing), int(padding_idx), rows, block, num_warps=warps)  # ROWS, BLOCK
+    launch, rows, block, warps, _, _, m, v = p
+    launch(grad, x, labels, lse, out, m, v, x.stride()[0], out.stride()[0], grad.stride()[0], float(smoothing),
+           int(padding_idx), rows, block, num_warps=warps)  # ROWS, BLOCK
     return out

@@ -32,10 +32,13 @@ registered as the ``apex::softmax_xentropy_fwd`` / ``_bwd`` custom ops (fake imp
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
-from torch._C import _any_requires_grad, _are_functorch_transforms_active
+from torch._C import _are_functorch_transforms_active
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
+from apex._backend import select_tensor
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import _same_device, select
@@ -46,9 +49,24 @@ _kernels = lazy_module("apex._kernels.xentropy")
 
 # ----------------------------------------------------------------------------------------------- checks
 _INDEX_DTYPES = (torch.int64, torch.int32)  # the usual labels: no three dtype queries
+# Sets: a dtype's membership by its hash (a tuple compares it with each entry in turn).
+_QUICK_LOGITS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_QUICK_LABELS = frozenset(_INDEX_DTYPES)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _check(logits: object, labels: object, smoothing: object, padding_idx: object) -> int:
     # What Apex's xentropy_cuda checked (TORCH_CHECK: the dtypes, the shapes, CUDA tensors) raises errors that
-    # are also its RuntimeError.
+    # are also its RuntimeError. The usual call (plain [rows, V] logits of a common float dtype, [rows] int
+    # labels on their device, a float smoothing in [0, 1], an int padding_idx) passes one quick test reading each
+    # fact once; anything else, or anything wrong, takes the checks below (their errors).
+    if (type(logits) in _PLAIN and type(labels) in _PLAIN and logits.dtype in _QUICK_LOGITS
+            and labels.dtype in _QUICK_LABELS and type(smoothing) is float and 0.0 <= smoothing <= 1.0
+            and (type(padding_idx) is int or padding_idx is None)):
+        shape, lshape = logits.shape, labels.shape
+        if (len(shape) == 2 and len(lshape) == 1 and lshape[0] == shape[0] and shape[1] > 0
+                and _same_device(labels, logits)):
+            return shape[1]
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -111,22 +129,31 @@ def softmax_cross_entropy_forward(logits: Tensor, labels: Tensor, smoothing: flo
                                   padding_idx: int | None = 0) -> tuple[Tensor, Tensor]:
     """``(losses, lse)``: per-row losses (zero on padding rows) and ``log Σ exp`` of each row. Out-of-range
     labels: ``ValueError`` on the PyTorch path, a NaN loss on the Triton path (see the module docstring)."""
+    return _forward(logits, labels, smoothing, padding_idx)[:2]
+
+
+def _forward(logits: Tensor, labels: Tensor, smoothing: float, padding_idx: int | None, eager: bool = False
+             ) -> tuple[Tensor, Tensor, ModuleType | None]:
+    """:func:`softmax_cross_entropy_forward` and the path it took: the kernels' module, or None for PyTorch's
+    (the eager backward takes the same path without choosing again). ``eager``: the caller knows it is not
+    being traced (the backend is chosen without ``select``'s tracing query)."""
     v = _check(logits, labels, smoothing, padding_idx)
     flat = logits.dim() == 2  # the usual [rows, V]: no reshape in or out (each ~1.5-3 µs)
     x = logits if flat else logits.reshape(-1, v)
     lab = labels if flat else labels.reshape(-1)
-    if select(logits) == "triton" and logits.dtype != torch.float64:
+    if (select_tensor(logits) if eager else select(logits)) == "triton" and logits.dtype != torch.float64:
         kernels = _kernels()
         if x.stride()[1] != 1:  # (one tuple: stride(-1) parses its int-or-name overloads on every call)
             x = x.contiguous()
         losses, lse = kernels.forward(x, lab.contiguous(), float(smoothing), _pad(padding_idx))
     else:
+        kernels = None
         _check_labels(labels, v, padding_idx)
         losses, lse = _forward_torch(x, lab, float(smoothing), padding_idx)
     if flat:
-        return losses, lse
+        return losses, lse, kernels
     lead = logits.shape[:-1]
-    return losses.reshape(lead), lse.reshape(lead)
+    return losses.reshape(lead), lse.reshape(lead), kernels
 
 
 def _forward_torch(x, lab, smoothing, padding_idx):
@@ -161,26 +188,31 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
     return _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace)
 
 
-def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace):
+_CHOOSE = object()  # _backward's kernels argument: pick the path (the forward's choice is not known)
+
+
+def _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace, kernels=_CHOOSE):
     """:func:`softmax_cross_entropy_backward` on arguments already checked (by it, or by the forward that
-    saved them): no second pass over the labels."""
-    v = logits.shape[-1]
-    flat = logits.dim() == 2  # the usual [rows, V]: no reshape in or out
-    x = logits if flat else logits.reshape(-1, v)
-    lab = labels if flat else labels.reshape(-1)
-    g = grad_loss if flat else grad_loss.reshape(-1)
-    s = lse if flat else lse.reshape(-1)
-    if select(logits) == "triton" and logits.dtype != torch.float64:
-        kernels = _kernels()
+    saved them): no second pass over the labels. ``kernels``: the forward's path (its kernels' module, or None
+    for PyTorch's), taken again without asking the backend."""
+    flat = logits.dim() == 2  # the usual [rows, V]: no reshape in or out, no shape read
+    if flat:
+        x, lab, g, s = logits, labels, grad_loss, lse
+    else:
+        x, lab, g, s = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), grad_loss.reshape(-1), lse.reshape(-1)
+    from_forward = kernels is not _CHOOSE
+    if not from_forward:
+        kernels = _kernels() if select(logits) == "triton" and logits.dtype != torch.float64 else None
+    if kernels is not None:
         if inplace:
             out = x
         else:
             if x.stride()[1] != 1:
                 x = x.contiguous()
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if s.dtype != torch.float32:
-            s = s.float()
-        kernels.backward(g, x, lab.contiguous(), s.contiguous(), float(smoothing), _pad(padding_idx), out)
+        if not from_forward:  # (the forward's lse is its own contiguous fp32 buffer)
+            s = s.float().contiguous()
+        kernels.backward(g, x, lab.contiguous(), s, float(smoothing), _pad(padding_idx), out)
         if flat:
             return out
         return out.view(logits.shape) if inplace else out.reshape(logits.shape)
@@ -317,11 +349,11 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         if _are_functorch_transforms_active() or _dispatch_modes() or torch.compiler.is_compiling():
             return _op_loss(*_bind(*args))
         logits = args[0]
-        if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and _any_requires_grad(logits):
+        if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
             return _c_apply(*args)
         smoothing, padding_idx, _, inplace_backward = args[2:] + (0.0, 0, False, False)[len(args) - 2:]
         _check_inplace(logits, inplace_backward)
-        return softmax_cross_entropy_forward(logits, args[1], smoothing, padding_idx)[0]
+        return _forward(logits, args[1], smoothing, padding_idx, True)[0]
 
     @staticmethod
     def forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
@@ -340,21 +372,19 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
 
 
 def _eager_forward(ctx, logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False, inplace_backward=False):
-    _check_inplace(logits, inplace_backward)
-    losses, lse = softmax_cross_entropy_forward(logits, labels, smoothing, padding_idx)
+    if inplace_backward:
+        _check_inplace(logits, inplace_backward)
+    losses, lse, kernels = _forward(logits, labels, smoothing, padding_idx, True)
     ctx.save_for_backward(logits, lse, labels)
-    ctx.smoothing = float(smoothing)
-    ctx.padding_idx = padding_idx
-    ctx.inplace = bool(inplace_backward)
+    ctx.args = (float(smoothing), padding_idx, bool(inplace_backward), kernels)  # one attribute, not four
     return losses
 
 
 def _eager_backward(ctx, grad_loss):
     logits, lse, labels = ctx.saved_tensors
-    if grad_loss.shape != lse.shape:
-        raise RuntimeValueError(f"grad_loss must have shape {list(lse.shape)}, got {list(grad_loss.shape)}")
-    # The forward checked logits and labels; the saved tensors are those.
-    dx = _backward(grad_loss, logits, lse, labels, ctx.smoothing, ctx.padding_idx, ctx.inplace)
+    # The forward checked logits and labels (the saved tensors are those), and autograd gives grad_loss the
+    # losses' shape (a gradient of another shape fails in autograd's own check): nothing to check again.
+    dx = _backward(grad_loss, logits, lse, labels, *ctx.args)
     return dx, None, None, None, None, None
 
 

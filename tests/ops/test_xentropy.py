@@ -376,3 +376,28 @@ def test_xentropy_torch_func_grad(backend_name, device):
     (ref_dx,) = torch.autograd.grad(SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0, False), x, dy)
     dx = torch.func.grad(lambda t: (SoftmaxCrossEntropyLoss.apply(t, lab, 0.1, 0, False) * dy).sum())(x.detach())
     assert_rel_close(dx, ref_dx, tol=1e-6, name="dx")
+
+
+def test_xentropy_backward_takes_the_forwards_path(triton_device):
+    """The eager backward launches with the forward's choice (it does not ask the backend again): a Triton-path
+    forward is differentiated by the kernel even where the backward runs under another backend setting, a
+    PyTorch-path forward by the PyTorch path; the gradient matches the float64 reference either way."""
+    import apex
+    from apex.testing import TritonTrace
+
+    if triton_device.type == "meta":
+        pytest.skip("compares computed values")
+    x = torch.randn(6, 11, device=triton_device, requires_grad=True)
+    lab = torch.tensor([1, 0, 10, 4, 0, 7], device=triton_device)
+    dy = torch.rand(6, device=triton_device) + 0.5
+    x64 = x.detach().double().requires_grad_()
+    ref = F.cross_entropy(x64, lab, reduction="none", label_smoothing=0.1, ignore_index=0)
+    (rdx,) = torch.autograd.grad(ref, x64, dy.double())
+    for forward_backend, backward_backend, launches in (("triton", "torch", 2), ("torch", "triton", 0)):
+        with TritonTrace().watch(x, dy) as tr:
+            with apex.backend(forward_backend):
+                loss = X.SoftmaxCrossEntropyLoss.apply(x, lab, 0.1, 0)
+            with apex.backend(backward_backend):
+                (dx,) = torch.autograd.grad(loss, x, dy)
+        assert tr.launches == launches, (forward_backend, tr.launches)
+        assert_rel_close(dx, rdx, torch.float32, tol=1e-6)
