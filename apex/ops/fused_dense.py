@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from apex._backend import select_tensor
 from apex._errors import RuntimeTypeError
-from apex.ops._dispatch import lazy_module
+from apex.ops._dispatch import _PLAIN, lazy_module
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
 _K = lazy_module("apex._kernels.fused_dense")
@@ -52,6 +53,45 @@ def check_chain(input: Tensor, weights, biases, acts, compiling: bool | None = N
     ``torch.compiler.is_compiling()`` where the caller has read it already (a query of 1-2k instructions)."""
     # A dtype Apex's fused_dense_cuda / mlp_cuda did not take (AT_DISPATCH, then data_ptr<scalar_t> of every
     # weight and bias) was its RuntimeError: those errors are also one.
+    if not _quick_one_layer(input, weights, biases, acts):
+        _check_layers(input, weights, biases, acts)
+    # A chain's codes are the same every call: checked once. Not while torch.compile traces: the graph would
+    # guard on the set, which the next eager call changes (a second graph for the same code).
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if not compiling and acts in _CHECKED_ACTS:
+        return
+    if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
+        raise ValueError(f"activation codes must be 0 (none), 1 (relu), 2 (sigmoid) or 3 (gelu), got {acts}")
+    if not compiling and isinstance(acts, tuple) and len(_CHECKED_ACTS) < 256:
+        _CHECKED_ACTS.add(acts)
+
+
+def _quick_one_layer(input: object, weights, biases, acts) -> bool:
+    """True for the usual one-layer call (plain tensors of one float dtype on one device, ``[..., in]`` input,
+    ``[out, in]`` weight, none or one ``[out]`` bias), each fact read once (~half of the general checks'
+    cost); False sends the call to :func:`_check_layers` (and its errors)."""
+    if len(weights) != 1 or len(acts) != 1 or type(input) not in _PLAIN:
+        return False
+    w = weights[0]
+    dt = input.dtype
+    if type(w) not in _PLAIN or dt not in _FLOATS or w.dtype is not dt:
+        return False
+    ws, xs = w.shape, input.shape
+    if len(ws) != 2 or not xs or xs[-1] != ws[1] or not _same_device(w, input):
+        return False
+    if biases:
+        if len(biases) != 1:
+            return False
+        b = biases[0]
+        if type(b) not in _PLAIN or b.dtype is not dt:
+            return False
+        bs = b.shape
+        return len(bs) == 1 and bs[0] == ws[0]
+    return True
+
+
+def _check_layers(input: object, weights, biases, acts) -> None:
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     dt = input.dtype  # each fact read once, not once per layer
@@ -90,16 +130,6 @@ def check_chain(input: Tensor, weights, biases, acts, compiling: bool | None = N
             if b.dtype != dt:
                 raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {dt}: they must match")
         features = out_f
-    # A chain's codes are the same every call: checked once. Not while torch.compile traces: the graph would
-    # guard on the set, which the next eager call changes (a second graph for the same code).
-    if compiling is None:
-        compiling = torch.compiler.is_compiling()
-    if not compiling and acts in _CHECKED_ACTS:
-        return
-    if any(a not in (NONE, RELU, SIGMOID, GELU) for a in acts):
-        raise ValueError(f"activation codes must be 0 (none), 1 (relu), 2 (sigmoid) or 3 (gelu), got {acts}")
-    if not compiling and isinstance(acts, tuple) and len(_CHECKED_ACTS) < 256:
-        _CHECKED_ACTS.add(acts)
 
 
 _CHECKED_ACTS: set = set()

@@ -230,6 +230,23 @@ def test_bad_input_is_rejected(bad, err, match):
         FD.dense_chain(x, [w], [b], (7,))
 
 
+def test_one_layer_calls_are_checked_in_full():
+    """A one-layer call passes a quick check, which must let every wrong call through to the full checks and
+    their errors: activations of another count, two biases, a weight on another device, a 0-d input, a
+    tensor subclass that is wrong."""
+    x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
+    with pytest.raises(ValueError, match="one activation per layer"):
+        FD.dense_chain(x, [w], [b], ("relu", "none"))
+    with pytest.raises(ValueError, match="one per weight"):
+        FD.dense_chain(x, [w], [b, b], ("relu",))
+    with pytest.raises(ValueError, match="is on meta"):
+        FD.dense_chain(x, [w.to("meta")], [b], ("relu",))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        FD.dense_chain(torch.tensor(1.0), [w], [b], ("relu",))
+    with pytest.raises(ValueError, match="bias 0 must have shape"):
+        FD.dense_chain(x, [w], [torch.nn.Parameter(torch.randn(3, 1))], ("relu",))
+
+
 def test_compat_fused_dense_cuda(backend_name):
     import fused_dense_cuda
 
