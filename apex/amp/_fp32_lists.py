@@ -103,11 +103,12 @@ def _fp32_wrapper(fn, handle):
     return wrapper
 
 
-def _to_half(value, dtype: torch.dtype):
+def _floats_to(value, dtype: torch.dtype):
+    """``value``'s floating-point tensors (also inside lists and tuples) in ``dtype``; the rest as it is."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_half(v, dtype) for v in value)
+        return type(value)(_floats_to(v, dtype) for v in value)
     return value
 
 
@@ -116,7 +117,7 @@ def _half_wrapper(fn, handle):
         if not _casting(handle):
             return fn(*args, **kwargs)
         with torch.autocast(handle.device_type, enabled=False):
-            return fn(*_to_half(args, handle.dtype), **{k: _to_half(v, handle.dtype) for k, v in kwargs.items()})
+            return fn(*_floats_to(args, handle.dtype), **{k: _floats_to(v, handle.dtype) for k, v in kwargs.items()})
 
     wrapper.__wrapped_amp__ = fn
     return wrapper
@@ -142,14 +143,6 @@ def _inplace_wrapper(fn, name: str, handle):
 
     wrapper.__wrapped_amp__ = fn
     return wrapper
-
-
-def _floats_to(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_floats_to(v, dtype) for v in value)
-    return value
 
 
 def _edited_wrapper(fn, handle, dtype: torch.dtype | None):
@@ -191,10 +184,15 @@ def patch(handle, allow_banned: bool) -> None:
     for name in TORCH_VF_HALF:
         _wrap(handle, torch._VF, name, lambda fn: _half_wrapper(fn, handle))
     for name, message in dict(lists[0][1].BANNED_FUNCS).items():
-        if allow_banned:  # Apex: cast to fp32 instead
-            _wrap(handle, F, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
-        else:
-            _wrap(handle, F, name, lambda fn, m=message: _banned_wrapper(fn, handle, m))
+        _ban(handle, name, message, allow_banned)
+
+
+def _ban(handle, name: str, message: str, allow_banned: bool) -> None:
+    """``F.<name>`` raises ``message`` on half inputs under O1, or with ``allow_banned`` runs in fp32 (Apex's)."""
+    if allow_banned:
+        _wrap(handle, F, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
+    else:
+        _wrap(handle, F, name, lambda fn: _banned_wrapper(fn, handle, message))
 
 
 def patch_edits(handle, allow_banned: bool) -> None:
@@ -216,10 +214,7 @@ def patch_edits(handle, allow_banned: bool) -> None:
             _wrap(handle, module, name, _promote_wrapper)
         if module is F and handle.device_type != "cpu":  # (the CPU's are all patch()'s)
             for name, message in dict(_added(lists, "BANNED_FUNCS")).items():
-                if allow_banned:
-                    _wrap(handle, F, name, lambda fn: _edited_wrapper(fn, handle, torch.float32))
-                else:
-                    _wrap(handle, F, name, lambda fn, m=message: _banned_wrapper(fn, handle, m))
+                _ban(handle, name, message, allow_banned)
 
 
 def patch_transfers(handle) -> None:
