@@ -274,6 +274,21 @@ def grad_rows(g: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return g, g.stride(0)
 
 
+def forward_saving_rows(input: torch.Tensor, n: int, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
+                        out_dtype: torch.dtype, rms: bool) -> tuple:
+    """The ``_Direct`` forwards' launch: ``(y, mean, rstd, sv)``, ``sv`` the input's row stride when it is its
+    own rows (the backward then needs no :func:`rows_view`, see :func:`saved_rows`), else 0. A contiguous input
+    of any shape is its own rows of stride ``n``: no view, no stride query."""
+    kernels = (LAUNCHERS or launchers())[0]
+    if n and input.is_contiguous():
+        y, mean, rstd, _ = kernels.forward_rows(input, n, input.numel() // n, n, w, b, eps, out_dtype, rms, None, 0,
+                                                None, input)
+        return y, mean, rstd, n
+    x = rows_view(input, n)
+    y, mean, rstd, _ = kernels.forward(x, w, b, eps, out_dtype, rms, None, None, input)
+    return y, mean, rstd, (x.stride(0) if x is input else 0)
+
+
 def saved_rows(v: torch.Tensor, n: int, memory_efficient: bool, stride: int) -> tuple[torch.Tensor, int]:
     """The tensor a ``_Direct`` forward saved for its backward as the kernel reads it, ``(rows, row stride)``:
     the output (``memory_efficient``), contiguous from the forward, its own rows; else the input, its own rows

@@ -26,6 +26,7 @@ from apex.ops._norm import (
     TORCH,
     _f32,
     check_args,
+    forward_saving_rows,
     grad_rows,
     kernel_backward,
     launchers,
@@ -229,17 +230,9 @@ class _Direct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, shape, n, eps, memory_efficient, out_dtype):
-        kernels = (LAUNCHERS or launchers())[0]
-        w = weight.contiguous() if weight is not None else None
-        b = bias.contiguous() if bias is not None else None
-        if n and input.is_contiguous():  # (the usual input, of any shape) its own rows, of stride n
-            y, mean, rstd, _ = kernels.forward_rows(input, n, input.numel() // n, n, w, b, eps, out_dtype, False,
-                                                    None, 0, None, input)
-            sv = n
-        else:
-            x = rows_view(input, n)
-            y, mean, rstd, _ = kernels.forward(x, w, b, eps, out_dtype, False, None, None, input)
-            sv = x.stride(0) if x is input else 0
+        y, mean, rstd, sv = forward_saving_rows(input, n, weight.contiguous() if weight is not None else None,
+                                                bias.contiguous() if bias is not None else None, eps, out_dtype,
+                                                False)
         if memory_efficient:
             ctx.save_for_backward(y, weight, bias, None, rstd)
         else:

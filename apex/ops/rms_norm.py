@@ -27,6 +27,7 @@ from apex.ops._norm import (
     LAUNCHERS,
     _f32,
     check_args,
+    forward_saving_rows,
     grad_rows,
     kernel_backward,
     launchers,
@@ -208,16 +209,8 @@ class _Direct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, shape, n, eps, memory_efficient, out_dtype):
-        kernels = (LAUNCHERS or launchers())[0]
-        w = weight.contiguous() if weight is not None else None
-        if n and input.is_contiguous():  # (the usual input, of any shape) its own rows, of stride n
-            y, _, rstd, _ = kernels.forward_rows(input, n, input.numel() // n, n, w, None, eps, out_dtype, True,
-                                                 None, 0, None, input)
-            sv = n
-        else:
-            x = rows_view(input, n)
-            y, _, rstd, _ = kernels.forward(x, w, None, eps, out_dtype, True, None, None, input)
-            sv = x.stride(0) if x is input else 0
+        y, _, rstd, sv = forward_saving_rows(input, n, weight.contiguous() if weight is not None else None, None,
+                                             eps, out_dtype, True)
         ctx.save_for_backward(y if memory_efficient else input, weight, rstd)
         # sv: the saved input's row stride when it is its own rows (no rows_view or stride to redo), else 0.
         ctx.args = (shape, n, memory_efficient, input.dtype, eps, sv)
