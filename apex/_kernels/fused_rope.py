@@ -108,7 +108,6 @@ def _rope_tile(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
     tl.store(y_row + hh * ys_h + d * ys_d, y.to(Y.dtype.element_ty), mask=mask)
 
 
-
 @triton.jit
 def _rope_kernel(X, Y, TA, TB, TC, TD, CU, B, H, D, R, n_cu, img_w,
                  xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
