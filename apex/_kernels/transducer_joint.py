@@ -40,7 +40,10 @@ def _joint_fwd(f_ptr, g_ptr, flen_ptr, glen_ptr, boff_ptr, h_ptr, mask_ptr, T, U
     offset = 0
     if PACKED:
         offset = tl.load(boff_ptr + b - 1, mask=b > 0, other=0)
-    t_ok = t < f_len
+    # The range check, here rather than on the host (a host read is a GPU synchronisation per call): an entry
+    # whose lengths are out of range reads nothing and gets NaN everywhere (and a zero mask and gradient).
+    bad = (f_len < 0) | (f_len > T) | (g_len < 0) | (g_len > U)
+    t_ok = (t < f_len) & ~bad
     fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + hs, mask=tl.where(t_ok, hm, False), other=0.0)
     scale = 1.0 / p_keep if DROPOUT else 1.0
     for j in tl.static_range(TILE_U):
@@ -63,7 +66,7 @@ def _joint_fwd(f_ptr, g_ptr, flen_ptr, glen_ptr, boff_ptr, h_ptr, mask_ptr, T, U
             tl.store(h_ptr + row * H + hs, out.to(h_ptr.dtype.element_ty), mask=tl.where(valid, hm, False))
         else:
             # The dense layout's don't-care region gets -1 (finite, as Apex writes it).
-            out = tl.where(valid, out, -1.0)
+            out = tl.where(valid, out, tl.where(bad, float("nan"), -1.0))
             tl.store(h_ptr + row * H + hs, out.to(h_ptr.dtype.element_ty), mask=tl.where(u < U, hm, False))
 
 
@@ -87,6 +90,7 @@ def _joint_bwd(dh_ptr, mask_ptr, flen_ptr, glen_ptr, boff_ptr, df_ptr, dg_ptr, T
         n = tl.where(i < f_len, g_len, 0)
     else:
         n = tl.where(i < g_len, f_len, 0)
+    n = tl.where((f_len < 0) | (f_len > T) | (g_len < 0) | (g_len > U), 0, n)  # out of range: zero gradient
     for k in range(0, n):
         if FOR_F:
             row = _row_of(b, i, k, T, U, g_len, offset, PACKED)

@@ -45,7 +45,7 @@ def _row(b, t, u, T, U, y_len, offset, PACKED: tl.constexpr):
 
 @triton.jit
 def _alpha_beta(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, alpha_ptr, beta_ptr, loss_ptr, B, T, U, TX,
-                UX, V, lab_stride, blank, PACKED: tl.constexpr, BB: tl.constexpr, BLOCK_U: tl.constexpr):
+                UX, V, L, lab_stride, blank, PACKED: tl.constexpr, BB: tl.constexpr, BLOCK_U: tl.constexpr):
     # BB batch elements per program (1 on GPUs; all of them under the interpreter), a [BB, BLOCK_U] tile of
     # one anti-diagonal per step.
     # Index arithmetic in int64 throughout (no overflow on large inputs, no overflow checks in the interpreter).
@@ -57,7 +57,15 @@ def _alpha_beta(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, alpha_pt
     if PACKED:
         offset = tl.load(boff_ptr + b - 1, mask=bm & (b > 0), other=0)
     u = tl.arange(0, BLOCK_U).to(tl.int64)[None, :]
-    lab = tl.load(lab_ptr + b * lab_stride + u, mask=u < y_len, other=0)
+    # The range checks, here rather than on the host (a host read is a GPU synchronisation per call): an entry
+    # whose lengths or used labels are out of range ("bad") walks an empty lattice, so nothing out of bounds
+    # is read or written; it gets a NaN loss, -inf alpha and beta (alpha(0, 0) = -inf marks it for _grad,
+    # which gives it a zero gradient).
+    bad = bm & ((f_len < 1) | (f_len > T) | (y_len < 0) | (y_len > U - 1) | (y_len > L))
+    lab = tl.load(lab_ptr + b * lab_stride + u, mask=(u < y_len) & ~bad, other=0).to(tl.int64)
+    bad = bad | (tl.max(((lab < 0) | (lab >= V)).to(tl.int32), 1)[:, None] > 0)
+    f_len = tl.where(bad, 0, f_len)
+    y_len = tl.where(bad, 0, y_len)
     base = b * T * U
     acc_ty = alpha_ptr.dtype.element_ty
     # Cells outside the lengths hold -inf (the buffers come uninitialised): the recursion below never writes
@@ -100,7 +108,7 @@ def _alpha_beta(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, alpha_pt
         tl.store(beta_ptr + base + t * U + u, _lae(b_down + lp_b, b_right + lp_l), mask=ok)
         tl.debug_barrier()
     z = tl.load(beta_ptr + base, mask=bm, other=0.0)
-    tl.store(loss_ptr + b, -z, mask=bm)
+    tl.store(loss_ptr + b, tl.where(bad, float("nan"), -z), mask=bm)
 
 
 @triton.jit
@@ -122,9 +130,11 @@ def _grad(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, rowb_ptr, alph
         u = row % UX
         y_len = tl.load(ylen_ptr + b).to(tl.int64)
     f_len = tl.load(flen_ptr + b).to(tl.int64)
-    valid = rm & (t < f_len) & (u <= y_len)
-    emits = valid & (u < y_len)
     base = b * T * U
+    # alpha(0, 0) is 0 for every entry in range and -inf for one that _alpha_beta found out of range: those
+    # rows get a zero gradient and read nothing (their lengths may point past the lattice, their labels past V).
+    valid = rm & (tl.load(alpha_ptr + base) == 0.0) & (t < f_len) & (u <= y_len)
+    emits = valid & (u < y_len)
     acc_ty = alpha_ptr.dtype.element_ty
     lab = tl.load(lab_ptr + b * lab_stride + u, mask=emits, other=-1)
     log_z = tl.load(beta_ptr + base)
@@ -230,7 +240,7 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
             plan = _LATTICE_PLANS[(B, U)] = ((cdiv(B, bb),), bb, next_power_of_2(max(U, 2)))
         grid, bb, block_u = plan
         _alpha_beta[grid](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux, V,
-                          label.stride(0), blank_idx, PACKED=packed, BB=bb, BLOCK_U=block_u)
+                          label.shape[1], label.stride(0), blank_idx, packed, bb, block_u)  # PACKED, BB, BLOCK_U
     return alpha, beta, loss
 
 

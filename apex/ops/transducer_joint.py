@@ -29,7 +29,9 @@ _FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64
 _INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
 
 
-def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob):
+def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob, ranges: bool = True):
+    # ranges=False (a dense output on the Triton path, whose kernels check the lengths themselves): shapes,
+    # dtypes and arguments only, no host read of the lengths (a GPU synchronisation per call).
     # The usual call (dense output, 3-D f and g of one float dtype and batch, integer lengths of that batch on
     # one device, in range) is tested first, reading each attribute once; anything else takes the checks
     # below, which word the error (lengths out of range go straight to the read of their extremes).
@@ -40,7 +42,7 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
         if (len(fs) == 3 and len(gs) == 3 and len(ls) == 1 and gs[0] == ls[0] == fs[0] > 0 and gs[2] == fs[2]
                 and g_len.shape == ls and dtype in _FLOATS and g.dtype == dtype and f_len.dtype in _INTS
                 and g_len.dtype in _INTS and f_len.device == g_len.device):
-            if not _in_bounds(f_len, g_len, fs[1], gs[1]):
+            if ranges and not _in_bounds(f_len, g_len, fs[1], gs[1]):
                 _range_error(f_len, g_len, fs[1], gs[1])
             return
     # Where Apex's transducer_joint_cuda raised RuntimeError (the dtypes it dispatched on, opt and the tile size
@@ -59,7 +61,8 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != B or t.is_floating_point():
             raise ValueError(f"{name} must be a 1-D integer tensor of {B} lengths")
     # (devices compared by flags and index: no torch.device objects built)
-    if B and (not _same_device(f_len, g_len) or not _in_bounds(f_len, g_len, T, g.shape[1])):
+    if B and (ranges or pack_output) and (not _same_device(f_len, g_len)
+                                          or not _in_bounds(f_len, g_len, T, g.shape[1])):
         _range_error(f_len, g_len, T, g.shape[1])
     if not 0.0 <= dropout_prob < 1.0:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
@@ -181,10 +184,13 @@ def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_out
                         tile_size):
     """:func:`joint_forward`'s ``(h, mask)`` and, on the Triton path, ``(f_len, g_len, batch_offset)`` as its
     kernels read them (None on the PyTorch path): the Function saves those for its backward."""
-    _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0)
+    # (f decides the backend, as select(f, g) did: no search of the arguments)
+    triton = isinstance(f, Tensor) and _backend.select_tensor(f) == "triton"
+    _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0,
+           not triton)
     if tile_size not in (1, 2, 4):
         raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
-    if _backend.select_tensor(f) == "triton":  # (f decides, as select(f, g) did: no search of the arguments)
+    if triton:
         kernels = _kernels()
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None

@@ -40,8 +40,10 @@ _FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64
 _INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
 
 
-def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input):
-    """Validate the arguments; returns the lattice size ``(T, U)``."""
+def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input, ranges: bool = True):
+    """Validate the arguments; returns the lattice size ``(T, U)``. ``ranges=False`` (a dense input on the
+    Triton path, whose kernels check the values themselves) checks shapes, dtypes and ``blank_idx`` only:
+    no host read of the lengths or labels (a GPU synchronisation per call)."""
     # The usual call (dense logits; integer labels and lengths on one device, of one batch size, in range) is
     # tested first, reading each attribute once; anything else, or a value out of range, takes the checks
     # below, which word the error.
@@ -52,6 +54,8 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         if (len(shape) == 4 and len(ls) == 2 and len(fs) == 1 and ls[0] == fs[0] == shape[0] > 0
                 and y_len.shape == fs and 0 <= blank_idx < shape[3]):
             dev = label.device
+            if not ranges:
+                return shape[1], shape[2]
             if f_len.device == dev and y_len.device == dev:
                 if _in_bounds(label, f_len, y_len, fs[0], ls[1], shape[1], shape[2], shape[3]):
                     return shape[1], shape[2]
@@ -74,6 +78,10 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         raise RuntimeValueError(f"blank_idx must be an int in [0, {V}), got {blank_idx!r}")
     if B == 0:
         return 0, 1
+    if not (ranges or packed_input):
+        if x.shape[0] != B:
+            raise ValueError(f"x has batch size {x.shape[0]} but f_len has {B}")
+        return x.shape[1], x.shape[2]
     if not packed_input and label.device == f_len.device == y_len.device and x.shape[0] == B:
         T, U = x.shape[1], x.shape[2]
         if _in_bounds(label, f_len, y_len, B, label.shape[1], T, U, V):
@@ -176,9 +184,10 @@ def loss_forward(logp: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, batc
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """``(alpha, beta, loss)`` from log-probabilities ``logp``, or from logits ``logp`` and their row
     log-sum-exps ``lse``; alpha and beta are (B, T, U), −inf outside the lengths."""
-    T, U = check_args(logp, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
+    triton = _backend.select(logp) == "triton"
+    T, U = check_args(logp, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input, not triton)
     acc = _acc(logp.dtype)
-    if _backend.select(logp) == "triton":
+    if triton:
         lse = lse.contiguous() if lse is not None else logp.new_zeros(logp.shape[:-1], dtype=acc)
         return _alpha_beta_triton(logp.contiguous(), lse, label, f_len, y_len, batch_offset, T, U, blank_idx,
                                   packed_input, acc)
@@ -278,7 +287,7 @@ def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, d
     # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
     if _backend.select(x) == "triton":
         kernels = _kernels()
-        T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input)
+        T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input, False)
         dtype = x.dtype
         acc = _acc(dtype)
         xc = x.contiguous()

@@ -193,3 +193,33 @@ def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
     h = mod(f, g, f_len, g_len)
     assert h.grad_fn is None and torch.equal(h, ref.detach())
     assert len(mod.mask_probe) == 2 and torch.equal(mod.mask_probe[0], mod.mask_probe[1])
+
+
+@pytest.mark.parametrize("case", ["f_len_past_T", "f_len_negative", "g_len_past_U", "g_len_negative"])
+def test_triton_checks_ranges_in_its_kernels(triton_device, case, monkeypatch):
+    """A dense output's Triton path reads no length back (a GPU synchronisation per call): its kernels check
+    them. An entry out of range gets NaN everywhere, a zero mask and zero gradients, reading nothing out of
+    bounds; the other entries are unchanged. The PyTorch path raises the ValueError naming the length."""
+    import apex
+
+    f, g, f_len, g_len = (t.to(triton_device) for t in _inputs(3, 5, 4, 8, [5, 2, 4], [3, 4, 1], torch.float32))
+    f, g = f.detach().requires_grad_(), g.detach().requires_grad_()
+    dh = torch.randn(3, 5, 4, 8, device=triton_device)
+    with apex.backend("triton"):
+        ref = TJ.transducer_joint(f, g, f_len, g_len, relu=True)
+        ref_df, ref_dg = torch.autograd.grad(ref, (f, g), dh)
+    name, value = {"f_len_past_T": ("f_len", 6), "f_len_negative": ("f_len", -1), "g_len_past_U": ("g_len", 5),
+                   "g_len_negative": ("g_len", -2)}[case]
+    (f_len if name == "f_len" else g_len)[1] = value
+    with apex.backend("torch"), pytest.raises(ValueError, match=name):
+        TJ.transducer_joint(f.cpu(), g.cpu(), f_len.cpu(), g_len.cpu())
+    probe: list = []
+    with monkeypatch.context() as m, apex.backend("triton"):
+        for cls, attr in ((torch, "equal"), (torch.Tensor, "tolist"), (torch.Tensor, "item")):
+            m.setattr(cls, attr, lambda *a, _n=attr: pytest.fail(f"host read ({_n}) on the Triton path"))
+        h = TJ.transducer_joint(f, g, f_len, g_len, relu=True, mask_probe=probe)
+        df, dg = torch.autograd.grad(h, (f, g), dh)
+    assert torch.isnan(h[1]).all() and torch.equal(h[[0, 2]], ref[[0, 2]])
+    assert (probe[0][1] == 0).all()
+    assert (df[1] == 0).all() and (dg[1] == 0).all()
+    assert torch.equal(df[[0, 2]], ref_df[[0, 2]]) and torch.equal(dg[[0, 2]], ref_dg[[0, 2]])

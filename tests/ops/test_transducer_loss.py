@@ -295,3 +295,43 @@ def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
         loss = mod(x, label, f_len, y_len, 4, debug_list=debug)
     assert loss.grad_fn is None and torch.equal(loss, ref.detach())
     assert len(debug) == 2 and all(torch.equal(a, b) for a, b in zip(debug, ref_debug))
+
+
+_OUT_OF_RANGE = {  # entry 1 of _case(3, 4, 3, 5, [4, 3, 2], [2, 1, 2]) made out of range
+    "f_len_past_T": ("f_len", 5), "f_len_zero": ("f_len", 0), "f_len_negative": ("f_len", -3),
+    "y_len_past_U": ("y_len", 3), "y_len_negative": ("y_len", -1), "label_v": ("label", 5),
+    "label_negative": ("label", -1),
+}
+
+
+def _no_host_reads(monkeypatch):
+    for cls, name in ((torch, "equal"), (torch.Tensor, "tolist"), (torch.Tensor, "item")):
+        monkeypatch.setattr(cls, name, lambda *a, _n=name: pytest.fail(f"host read ({_n}) on the Triton path"))
+
+
+@pytest.mark.parametrize("case", list(_OUT_OF_RANGE))
+def test_triton_checks_ranges_in_its_kernels(triton_device, case, monkeypatch):
+    """The Triton path reads no length or label back (a GPU synchronisation per call): its kernels check
+    them. An entry out of range gets a NaN loss, -inf alpha and beta and a zero gradient, reading nothing out
+    of bounds; the other entries are unchanged. The PyTorch path raises the ValueError naming the value."""
+    x, label, f_len, y_len = (t.to(triton_device) for t in _case(3, 4, 3, 5, [4, 3, 2], [2, 1, 2]))
+    label[1] = torch.tensor([1, 99])  # past y_len[1] = 1: padding, never read
+    x.requires_grad_()
+    refs = {}
+    with apex.backend("triton"):
+        for fused in (True, False):
+            ref = TL.transducer_loss(x, label, f_len, y_len, 4, fuse_softmax_backward=fused)
+            refs[fused] = ref, torch.autograd.grad(ref.sum(), x)[0]
+    what, value = _OUT_OF_RANGE[case]
+    {"f_len": f_len, "y_len": y_len, "label": label[1]}[what][0 if what == "label" else 1] = value
+    with apex.backend("torch"), pytest.raises(ValueError, match=what):
+        TL.transducer_loss(x.cpu(), label.cpu(), f_len.cpu(), y_len.cpu(), 4)
+    for fused, (ref, ref_g) in refs.items():
+        debug: list = []
+        with monkeypatch.context() as m, apex.backend("triton"):
+            _no_host_reads(m)
+            loss = TL.transducer_loss(x, label, f_len, y_len, 4, fuse_softmax_backward=fused, debug_list=debug)
+            (grad,) = torch.autograd.grad(loss.sum(), x)
+        assert torch.isnan(loss[1]) and torch.equal(loss[[0, 2]], ref[[0, 2]])
+        assert (grad[1] == 0).all() and torch.equal(grad[[0, 2]], ref_g[[0, 2]])
+        assert all((t[1] == float("-inf")).all() for t in debug)
