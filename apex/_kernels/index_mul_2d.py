@@ -19,16 +19,18 @@ from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
-def _gather_mul(a_ptr, b_ptr, idx_ptr, out_ptr, M, F, sa, sb, so, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+def _gather_mul(a_ptr, b_ptr, idx_ptr, out_ptr, R, M, F, sa, sb, so, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     rmask = rows < M
     mask = rmask[:, None] & (cols < F)[None, :]
     src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    a = tl.load(a_ptr + src[:, None] * sa + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # An index outside a's R rows is not read (no host check runs before the launch): its row is NaN.
+    ok = ((src >= 0) & (src < R))[:, None]
+    a = tl.load(a_ptr + src[:, None] * sa + cols[None, :], mask=mask & ok, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + rows.to(tl.int64)[:, None] * sb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], (a * b).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out = tl.where(ok, a * b, float("nan"))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
@@ -75,6 +77,27 @@ def _segment_mul_sum(g_ptr, b_ptr, perm_ptr, sorted_ptr, out_ptr, a_ptr, out2_pt
             tl.store(out2_ptr + i[:, None] * so2 + cols[None, :], (g * a).to(out2_ptr.dtype.element_ty), mask=m)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & fmask)
+    if PAIR:
+        # Indices outside [0, R) (sorted before the first segment and after the last) belong to no target row:
+        # the first and last programs write their out2 rows as zeros, so that every row of out2 is defined.
+        zero = tl.zeros((ROWS, BLOCK_F), tl.float32).to(out2_ptr.dtype.element_ty)
+        if tl.program_id(0) == 0:
+            first = tl.min(tl.where(rmask, lo, M), axis=0)  # lower bound of 0
+            for s in range(0, first, ROWS):
+                _zero_rows(perm_ptr, out2_ptr, s, first, cols, fmask, so2, zero, ROWS)
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            last = tl.max(tl.where(rmask, hi, 0), axis=0)  # lower bound of R
+            for s in range(last, M, ROWS):
+                _zero_rows(perm_ptr, out2_ptr, s, M, cols, fmask, so2, zero, ROWS)
+
+
+@triton.jit
+def _zero_rows(perm_ptr, out_ptr, start, end, cols, fmask, so, zero, ROWS: tl.constexpr):
+    """Zeros into the rows ``perm[start:end]`` (at most ROWS of them) of ``out``."""
+    pos = start + tl.arange(0, ROWS)
+    pm = pos < end
+    i = tl.load(perm_ptr + pos, mask=pm, other=0).to(tl.int64)
+    tl.store(out_ptr + i[:, None] * so + cols[None, :], zero, mask=pm[:, None] & fmask)
 
 
 def _tiles(m: int, f: int):
@@ -99,13 +122,14 @@ def _plan(m: int, f: int, segment: bool) -> tuple:
 
 
 def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a[idx] * b`` for 2-D ``a``, ``b`` with unit feature stride; ``idx`` int64, in range (checked)."""
+    """``a[idx] * b`` for 2-D ``a``, ``b`` with unit feature stride; ``idx`` int64 (a row of ``out`` whose index
+    is outside ``a``'s rows is NaN)."""
     m, f = b.shape
     # new_empty with integer sizes: ~1 µs less than torch.empty((m, f), device=..., dtype=...).
     out = b.new_empty(m, f) if out_dtype == b.dtype else b.new_empty(m, f, dtype=out_dtype)
     if m and f:
         grid, rows, bf = _plan(m, f, False)
-        _gather_mul[grid](a, b, idx, out, m, f, a.stride(0), b.stride(0), f, ROWS=rows, BLOCK_F=bf)
+        _gather_mul[grid](a, b, idx, out, a.shape[0], m, f, a.stride(0), b.stride(0), f, ROWS=rows, BLOCK_F=bf)
     return out
 
 
@@ -113,13 +137,16 @@ def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_ou
                     out_dtype: torch.dtype, a: torch.Tensor | None = None, order=None):
     """``out[r] = Σ_{i: idx[i] = r} g[i] * b[i]`` (fp32 accumulation, sorted order). With ``a`` (the gathered
     tensor), also ``out2 = a[idx] * g`` from the same pass, returned as ``(out, out2)``. ``order``: the
-    caller's ``torch.sort(idx, stable=True)`` (sorted values, permutation), if it has one."""
+    caller's ``torch.sort(idx, stable=True)`` (sorted values, permutation), if it has one. An index outside
+    ``[0, rows_out)`` adds to no row of ``out``, and its row of ``out2`` is zero."""
     m, f = b.shape
     same = out_dtype == b.dtype
     out = b.new_empty(rows_out, f) if same else b.new_empty(rows_out, f, dtype=out_dtype)
     pair = a is not None
     out2 = (b.new_empty(m, f) if same else b.new_empty(m, f, dtype=out_dtype)) if pair else None
     if rows_out == 0 or f == 0:
+        if pair:
+            out2.zero_()  # every index is out of range (or no features)
         return (out, out2) if pair else out
     ordered, perm = order if order else torch.sort(idx, stable=True)
     grid, rows, bf = _plan(rows_out, f, True)
