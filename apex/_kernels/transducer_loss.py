@@ -108,7 +108,7 @@ def _alpha_beta(lp_ptr, lse_ptr, lab_ptr, flen_ptr, ylen_ptr, boff_ptr, alpha_pt
         tl.store(beta_ptr + base + t * U + u, _lae(b_down + lp_b, b_right + lp_l), mask=ok)
         tl.debug_barrier()
     z = tl.load(beta_ptr + base, mask=bm, other=0.0)
-    tl.store(loss_ptr + b, tl.where(bad, float("nan"), -z), mask=bm)
+    tl.store(loss_ptr + b, tl.where(bad, float("nan"), -z).to(loss_ptr.dtype.element_ty), mask=bm)
 
 
 @triton.jit
@@ -220,6 +220,37 @@ def row_lse(x, acc_dtype: torch.dtype):
     return lse
 
 
+def forward_dense(x, label, f_len, y_len, B: int, T: int, U: int, V: int, blank_idx: int, acc_dtype: torch.dtype):
+    """``(loss, lse, alpha, beta)`` of dense logits: :func:`row_lse`, then :func:`alpha_beta`, on the
+    contiguous ``x`` (B, T, U, V) of sizes read once by the caller, the contiguous ``label`` (B, L) and int32
+    lengths on its device. The loss comes in ``x``'s dtype (the kernel rounds it once: no cast)."""
+    if acc_dtype is x.dtype:  # (x's own dtype and device: new_empty skips parsing both, ~2 µs an allocation)
+        lse, alpha, beta = x.new_empty(B, T, U), x.new_empty(B, T, U), x.new_empty(B, T, U)
+    else:
+        dev = x.device
+        lse = torch.empty(B, T, U, dtype=acc_dtype, device=dev)
+        alpha = torch.empty(B, T, U, dtype=acc_dtype, device=dev)
+        beta = torch.empty(B, T, U, dtype=acc_dtype, device=dev)
+    loss = x.new_empty(B)
+    rows = B * T * U
+    grid, per, bv = _row_plan(rows, V)
+    _row_lse[grid](x, lse, rows, V, per, bv)  # ROWS, BLOCK_V
+    plan = _LATTICE_PLANS.get((B, U))
+    if plan is None:
+        plan = _lattice_plan(B, U)
+    grid, bb, block_u = plan
+    L = label.shape[1]  # (contiguous: L is also the row stride)
+    _alpha_beta[grid](x, lse, label, f_len, y_len, f_len, alpha, beta, loss, B, T, U, T, U, V, L, L, blank_idx,
+                      False, bb, block_u)  # PACKED, BB, BLOCK_U
+    return loss, lse, alpha, beta
+
+
+def _lattice_plan(B: int, U: int) -> tuple:
+    bb = next_power_of_2(B) if _INTERP else 1
+    plan = _LATTICE_PLANS[(B, U)] = ((cdiv(B, bb),), bb, next_power_of_2(max(U, 2)))
+    return plan
+
+
 def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, blank_idx: int, packed: bool,
                acc_dtype: torch.dtype):
     """``(alpha, beta, loss)`` of logits ``logp`` with row log-sum-exps ``lse`` (zeros for log-probabilities):
@@ -236,12 +267,22 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
     if B:
         plan = _LATTICE_PLANS.get((B, U))
         if plan is None:
-            bb = next_power_of_2(B) if _INTERP else 1
-            plan = _LATTICE_PLANS[(B, U)] = ((cdiv(B, bb),), bb, next_power_of_2(max(U, 2)))
+            plan = _lattice_plan(B, U)
         grid, bb, block_u = plan
         _alpha_beta[grid](logp, lse, label, f_len, y_len, boff, alpha, beta, loss, B, T, U, tx, ux, V,
                           label.shape[1], label.stride(0), blank_idx, packed, bb, block_u)  # PACKED, BB, BLOCK_U
     return alpha, beta, loss
+
+
+def grad_dense(x, lse, loss_grad, alpha, beta, label, f_len, y_len, B: int, T: int, U: int, V: int, blank_idx: int):
+    """:func:`grad` of :func:`forward_dense`'s call (fused, in ``x``'s dtype), its sizes passed as integers."""
+    out = x.new_empty(B, T, U, V)
+    rows = B * T * U
+    grid, per, bv = _row_plan(rows, V)
+    L = label.shape[1]
+    _grad[grid](x, lse, label, f_len, y_len, f_len, f_len, alpha, beta, loss_grad, out, rows, T, U, T, U, V, L,
+                blank_idx, False, True, per, bv)  # PACKED, FUSED, ROWS, BLOCK_V
+    return out
 
 
 def grad(logp, lse, loss_grad, alpha, beta, label, f_len, y_len, batch_offset, row_batch, blank_idx: int,

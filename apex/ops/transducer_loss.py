@@ -285,7 +285,13 @@ def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, d
     as the Triton kernels read them (on ``x``'s device, the lengths int32), None on the PyTorch path."""
     _check_opt(opt)
     # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
-    if _backend.select(x) == "triton":
+    if (_backend.select_tensor(x) if isinstance(x, Tensor) else _backend.select(x)) == "triton":
+        if not packed_input:
+            out = _usual_dense(x, label, f_len, y_len, blank_idx)
+            if out is not None:
+                if debug_list == []:
+                    debug_list += out[2:4]
+                return out
         kernels = _kernels()
         T, U = check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input, False)
         dtype = x.dtype
@@ -312,6 +318,31 @@ def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, d
     return loss, lse, alpha, beta, None
 
 
+def _usual_dense(x, label, f_len, y_len, blank_idx) -> tuple | None:
+    """The Triton path of the usual call, :func:`loss_and_saved`'s answer: dense logits of a float dtype, integer
+    labels and lengths of one batch size, ``blank_idx`` in range; None for any other call (the full checks
+    then word the error). Each fact is read once and the sizes go to the launcher as integers; the values'
+    ranges are checked in the kernels."""
+    if not (type(blank_idx) is int and isinstance(label, Tensor) and isinstance(f_len, Tensor)
+            and isinstance(y_len, Tensor)):
+        return None
+    shape, ls, fs = x.shape, label.shape, f_len.shape
+    if not (len(shape) == 4 and len(ls) == 2 and len(fs) == 1 and ls[0] == fs[0] == shape[0] > 0
+            and y_len.shape == fs and 0 <= blank_idx < shape[3]):
+        return None
+    dtype, ldt, fdt, ydt = x.dtype, label.dtype, f_len.dtype, y_len.dtype
+    if not (dtype in _FLOATS and ldt in _INTS and fdt in _INTS and ydt in _INTS):
+        return None
+    where = x.get_device()  # (an integer, -1 for the CPU: cheaper to read and compare than a torch.device)
+    if label.get_device() != where or f_len.get_device() != where or y_len.get_device() != where:
+        return None  # (the general path moves them to x's device)
+    f32 = f_len if fdt is torch.int32 else f_len.to(torch.int32)
+    y32 = y_len if ydt is torch.int32 else y_len.to(torch.int32)
+    lengths = label.contiguous(), f32.contiguous(), y32.contiguous()
+    return (*_kernels().forward_dense(x.contiguous(), *lengths, *shape, blank_idx,
+                                      torch.float64 if dtype is torch.float64 else torch.float32), lengths)
+
+
 _NO_GRADS = (None,) * 10  # the gradients of the Function's arguments after x
 
 
@@ -323,30 +354,35 @@ class TransducerLossFunc(torch.autograd.Function):
                                                          blank_idx, debug_list, opt, packed_input)
         # The Triton path saves the labels and lengths as its kernels read them, so that its backward (same
         # path: the backend is chosen once) launches without converting them again.
-        ctx.triton = lengths is not None
-        if lengths is not None:
+        triton = lengths is not None
+        if triton:
             label, f_len, y_len = lengths
-        ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
-        ctx.blank_idx = blank_idx
-        ctx.fused = fuse_softmax_backward
-        ctx.packed_input = packed_input
+        # (one attribute: each costs a dictionary entry on the context, set and read)
+        ctx.args = triton, blank_idx, fuse_softmax_backward, packed_input
+        if triton and fuse_softmax_backward and not packed_input:
+            ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label)
+        else:
+            ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
         return loss
 
     @staticmethod
     def backward(ctx, loss_grad):
-        x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
-        if ctx.triton and ctx.fused and not ctx.packed_input:
+        triton, blank_idx, fused, packed_input = ctx.args
+        if triton and fused and not packed_input:
             # alpha, beta and lse as the forward's kernels wrote them (contiguous), the labels and lengths as
             # they read them: only x and the incoming gradient may need a copy.
-            dx = _kernels().grad(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len, y_len,
-                                 None, None, ctx.blank_idx, False, True, x.dtype)
-        elif ctx.fused:
-            dx = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, ctx.blank_idx,
-                               True, ctx.packed_input, lse=lse)
+            x, lse, alpha, beta, f_len, y_len, label = ctx.saved_tensors
+            B, T, U = alpha.shape
+            return (_kernels().grad_dense(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len,
+                                          y_len, B, T, U, x.shape[3], blank_idx), *_NO_GRADS)
+        x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
+        if fused:
+            dx = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx,
+                               True, packed_input, lse=lse)
         else:  # the sparse gradient of the log-probabilities, then the log-softmax backward (in fp32)
             acc = alpha.dtype
-            dlp = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, ctx.blank_idx,
-                                False, ctx.packed_input, out_dtype=acc, lse=lse)
+            dlp = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx,
+                                False, packed_input, out_dtype=acc, lse=lse)
             prob = torch.softmax(x.to(acc), dim=-1)
             dx = dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
         return (dx, *_NO_GRADS)
