@@ -215,11 +215,14 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
     full = check_args(query, key, value, mask, bias)
     if not isinstance(inf, (int, float)) or not inf > 0:
         raise ValueError(f"inf must be a positive number, got {inf!r}")
-    # (check_args passed: query is a tensor and decides, as select(query, key, value) did)
-    if _backend.select_tensor(query) == "triton" and query.dtype != torch.float64:
+    # (check_args passed: query is a tensor and decides, as select(query, key, value) did.) While Dynamo traces,
+    # the backend context cannot be read (a ContextVar: a graph break): GPU tensors take the kernels, CPU
+    # tensors PyTorch's path, as "auto" chooses.
+    compiling = torch.compiler.is_compiling()
+    if (query.is_cuda if compiling else _backend.select_tensor(query) == "triton") and query.dtype != torch.float64:
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper
         # (which unwraps torch.func's dead wrappers, ~4 µs).
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        if compiling or torch._C._are_functorch_transforms_active():
             return _AttentionTriton.apply(query, key, value, mask, bias, float(inf), full)
         if not (torch.is_grad_enabled() and torch._C._any_requires_grad(query, key, value, bias)):
             # Nothing to record: the kernels alone, without the Function's context and saved tensors.

@@ -26,16 +26,17 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_N = 16384  # mirrors apex._kernels.openfold_layer_norm.MAX_N, without importing Triton here
 
 
-def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Tensor | None
+def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Tensor | None, cache: bool = True
                ) -> tuple[tuple[int, ...], int, int]:
-    """Validate the arguments; returns ``(normalized_shape, M rows, N per row)``."""
+    """Validate the arguments; returns ``(normalized_shape, M rows, N per row)``. ``cache``: False where Dynamo
+    may be tracing (the tuple cache below goes by ``id()``, which Dynamo cannot carry into a graph)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"inputs must be a tensor, got {type(input).__name__}")
     if not input.is_floating_point():
         raise TypeError(f"inputs must be a floating-point tensor, got {input.dtype}")
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    if _INT_TUPLES.get(id(normalized_shape)) is normalized_shape:  # this very tuple, seen to hold ints
+    if cache and _INT_TUPLES.get(id(normalized_shape)) is normalized_shape:  # this very tuple, seen to hold ints
         shape = normalized_shape
     else:
         try:
@@ -43,7 +44,7 @@ def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Ten
         except TypeError:
             raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
                             ) from None
-        if type(normalized_shape) is tuple and all(type(s) is int for s in normalized_shape) and \
+        if cache and type(normalized_shape) is tuple and all(type(s) is int for s in normalized_shape) and \
                 len(_INT_TUPLES) < 256:
             _INT_TUPLES[id(normalized_shape)] = normalized_shape
     if not shape or len(shape) > input.dim() or input.shape[input.dim() - len(shape):] != shape:
@@ -67,10 +68,17 @@ def check_args(input: Tensor, normalized_shape, weight: Tensor | None, bias: Ten
 _INT_TUPLES: dict = {}
 
 
-def _use_kernel(x: Tensor, n: int) -> bool:
+def use_kernel(x: Tensor, n: int, compiling: bool | None = None) -> bool:
+    """Whether the kernels take ``x``; ``compiling``: ``torch.compiler.is_compiling()`` where the caller knows it
+    (None: asked here)."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
+        # The backend context cannot be read while Dynamo traces (a ContextVar: a graph break); GPU tensors take
+        # the kernels and CPU tensors PyTorch's path, as "auto" chooses.
+        if not x.is_cuda:
+            return False
     # The input decides the device (select's first tensor): select_tensor, without select's search through
     # the other tensors (two frames a call).
-    if _backend.select_tensor(x) != "triton":
+    elif _backend.select_tensor(x) != "triton":
         return False
     return x.dtype in _KERNEL_DTYPES and 0 < n <= _MAX_N
 
@@ -123,14 +131,17 @@ def layer_norm_forward(input: Tensor, normalized_shape, weight: Tensor | None = 
                        eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)`` without autograd; ``mean``/``rstd`` have one entry per row."""
     shape, _, n = check_args(input, normalized_shape, weight, bias)
-    return forward_checked(input, shape, n, weight, bias, eps)
+    y, mean, rstd = forward_checked(input, shape, n, weight, bias, eps)
+    return y, mean.reshape(-1), rstd.reshape(-1)
 
 
 def forward_checked(input: Tensor, shape: tuple[int, ...], n: int, weight: Tensor | None, bias: Tensor | None,
-                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                    eps: float, kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`layer_norm_forward` on arguments :func:`check_args` passed (``shape``, ``n`` its answers): the
-    autograd Function checks once per call, not once per layer."""
-    if _use_kernel(input, n):
+    autograd Function checks once per call, not once per layer. ``kernel``: :func:`use_kernel`'s answer where the
+    caller has it (None: asked here). The statistics hold one entry per row: 1-D from the kernels, shaped
+    ``[*leading, 1, ...]`` from PyTorch's path."""
+    if use_kernel(input, n) if kernel is None else kernel:
         xv = _kernel_view(input, shape)
         y, mean, rstd = (_KERNELS or _kernels())[0].forward(xv, _flat(weight), _flat(bias), eps)
         # y has xv's shape, which is the input's unless the rows were flattened (a view costs ~5 µs).
@@ -141,7 +152,9 @@ def forward_checked(input: Tensor, shape: tuple[int, ...], n: int, weight: Tenso
     else:
         y, mean, rstd = torch.native_layer_norm(input.to(ct), list(shape), _as(weight, ct), _as(bias, ct), eps)
         y = y.to(input.dtype)
-    return y, mean.reshape(-1), rstd.reshape(-1)
+    # The statistics as native_layer_norm shapes them ([*leading, 1, ...]; the backward views either form): a
+    # flattening view saved by the Function is an alias Dynamo's autograd.Function tracing rejects.
+    return y, mean, rstd
 
 
 def layer_norm_backward(grad_output: Tensor, input: Tensor, normalized_shape, weight: Tensor | None,
@@ -154,14 +167,15 @@ def layer_norm_backward(grad_output: Tensor, input: Tensor, normalized_shape, we
 
 
 def backward_checked(grad_output: Tensor, input: Tensor, shape: tuple[int, ...], n: int, weight: Tensor | None,
-                     bias: Tensor | None, mean: Tensor, rstd: Tensor, needs: tuple[bool, bool, bool]
-                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """:func:`layer_norm_backward` on arguments :func:`check_args` passed (``shape``, ``n`` its answers)."""
+                     bias: Tensor | None, mean: Tensor, rstd: Tensor, needs: tuple[bool, bool, bool],
+                     kernel: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`layer_norm_backward` on arguments :func:`check_args` passed (``shape``, ``n`` its answers);
+    ``kernel``: the forward's path (None: chosen here)."""
     if grad_output.shape != input.shape:
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected {list(input.shape)}")
     need_dw = needs[1] and weight is not None
     need_db = needs[2] and bias is not None
-    if _use_kernel(input, n):
+    if use_kernel(input, n) if kernel is None else kernel:
         xv = _kernel_view(input, shape)
         dy = grad_output.contiguous()
         if xv is not input:

@@ -180,3 +180,12 @@ def test_mha_switch_and_can_schedule():
     assert not CanSchTriMHA([2, 256, 4, 256, 16])        # 5-D needs a leading 1 (as upstream)
     assert not CanSchTriMHA([1, 16, 4, 64, 512])         # head dim too large
     assert not CanSchTriMHA([1, 16, 4, 64, 32], inf=float("inf"))
+
+
+def test_attn_compiles_in_one_graph():
+    """``torch.compile(fullgraph=True)`` of ``AttnTri`` (CPU tensors: PyTorch's path, as "auto" chooses while
+    tracing): no graph break on apex's backend context (a ContextVar Dynamo cannot read), and the values and
+    gradients of the float64 formula."""
+    q, k, v, mask, b = _attn_inputs((1, 2), 2, 8, 8, 16, torch.float32)
+    fn = torch.compile(lambda q, k, v, m, b, inf: AttnTri(q, k, v, m, b, inf), fullgraph=True, backend="eager")
+    _check_attn(fn, q, k, v, mask, b, torch.float32)

@@ -262,3 +262,23 @@ def test_layer_norm_under_torch_compile():
     ref = torch.autograd.grad(y_ref, (x, w), torch.ones_like(y_ref))
     for g, r in zip((y, *got), (y_ref, *ref)):
         assert_rel_close(g, r, torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("backend_choice", ["auto", "triton"])
+def test_layer_norm_compiles_in_one_graph(backend_choice):
+    """``torch.compile(fullgraph=True)`` of a caller of ``apply`` (CPU tensors: PyTorch's path, as "auto"
+    chooses while tracing): no graph break (apex's backend context, a ContextVar, is not read while Dynamo
+    traces; the shape cache by ``id()`` is not used there) and the same values and gradients as float64."""
+    x = torch.randn(6, 64, requires_grad=True)
+    w, b = _param(64, torch.float32), _param(64, torch.float32)
+    fn = torch.compile(lambda x, w, b: LayerNormSmallShapeOptImpl.apply(x, (64,), w, b, 1e-5), fullgraph=True,
+                       backend="eager")
+    with apex.backend(backend_choice):
+        y = fn(x, w, b)
+    dy = torch.randn(6, 64)
+    got = [y, *torch.autograd.grad(y, (x, w, b), dy)]
+    d64 = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    y64 = F.layer_norm(d64[0], (64,), d64[1], d64[2], 1e-5)
+    ref = [y64, *torch.autograd.grad(y64, d64, dy.double())]
+    for g, r in zip(got, ref):
+        assert_rel_close(g, r, torch.float32, tol=1e-5)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from apex.ops.openfold_layer_norm import backward_checked, check_args, forward_checked
+from apex.ops.openfold_layer_norm import backward_checked, check_args, forward_checked, use_kernel
 
 
 class LayerNormSmallShapeOptImpl(Function):
@@ -27,17 +27,21 @@ class LayerNormSmallShapeOptImpl(Function):
                 or torch.compiler.is_compiling():
             return _py_apply(cls, *args, **kwargs)
         inputs, normalized_shape, weight, bias = args[:4]
+        eps = args[4] if len(args) == 5 else 1e-5
         if torch.is_grad_enabled() and torch._C._any_requires_grad(inputs, weight, bias):
-            return _c_apply(*args)
+            return _c_apply(inputs, normalized_shape, weight, bias, eps, False)
         shape, _, n = check_args(inputs, normalized_shape, weight, bias)
-        return forward_checked(inputs, shape, n, weight, bias, args[4] if len(args) == 5 else 1e-5)[0]
+        return forward_checked(inputs, shape, n, weight, bias, eps, use_kernel(inputs, n, False))[0]
 
     @staticmethod
-    def forward(ctx, inputs, normalized_shape, weight, bias, eps=1e-05):
-        shape, _, n = check_args(inputs, normalized_shape, weight, bias)
-        y, mean, rstd = forward_checked(inputs, shape, n, weight, bias, eps)
+    def forward(ctx, inputs, normalized_shape, weight, bias, eps=1e-05, _compiling=None):
+        # _compiling: False from the eager apply above; None (asked) where Dynamo traces this forward, which
+        # must not read apex's backend context (a ContextVar: a graph break).
+        shape, _, n = check_args(inputs, normalized_shape, weight, bias, _compiling is False)
+        kernel = use_kernel(inputs, n, _compiling)
+        y, mean, rstd = forward_checked(inputs, shape, n, weight, bias, eps, kernel)
         ctx.save_for_backward(inputs, weight, bias, mean, rstd)
-        ctx.normalized_shape, ctx.n = shape, n
+        ctx.normalized_shape, ctx.n, ctx.kernel = shape, n, kernel
         return y
 
     @staticmethod
@@ -45,8 +49,10 @@ class LayerNormSmallShapeOptImpl(Function):
         inputs, weight, bias, mean, rstd = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         # The saved tensors passed check_args in the forward: only grad_output's shape is new.
-        dx, dw, db = backward_checked(d_y, inputs, ctx.normalized_shape, ctx.n, weight, bias, mean, rstd, needs)
-        return dx, None, dw, db, None
+        # The forward's path (its saved statistics' layout), not a second backend choice.
+        dx, dw, db = backward_checked(d_y, inputs, ctx.normalized_shape, ctx.n, weight, bias, mean, rstd, needs,
+                                      ctx.kernel)
+        return dx, None, dw, db, None, None
 
 
 # Function.apply's Python wrapper (a plain function: Dynamo, inlining the override above after a graph break,
