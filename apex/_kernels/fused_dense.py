@@ -141,7 +141,7 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, next_power_of_2(max(n, 1))))
 
 
-# (m, n, k, dtype) -> (launcher of the grid, constexprs ieee, constexprs tf32 allowed, num_warps, num_stages)
+# (m, n, k, dtype) -> (launcher of the grid, constexprs ieee, constexprs tf32 allowed, launch options)
 _PLANS = _tuning.plan_cache()
 
 
@@ -153,12 +153,13 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
     bm = 128 if m > 64 else 64
     bn = 128 if n > 64 else 64
     warps = 8 if bm * bn >= 128 * 128 else 4
+    # num_stages None: the backend's default, which is the number wanted (Triton's HIPOptions 2, CUDAOptions 3).
     if triton.runtime.driver.active.get_current_target().backend == "hip":
         # AMD GPUs have 64 KB of LDS per workgroup: two stages of (BM + BN) x BK tiles must fit in it.
         return dict(BM=bm, BN=bn, BK=16 if dtype == torch.float32 else 32, GROUP_M=8, num_warps=warps,
-                    num_stages=2)
+                    num_stages=None)
     # NVIDIA (sm_80+: 164-228 KB of shared memory per block): three stages in flight.
-    return dict(BM=bm, BN=bn, BK=32 if dtype == torch.float32 else 64, GROUP_M=8, num_warps=warps, num_stages=3)
+    return dict(BM=bm, BN=bn, BK=32 if dtype == torch.float32 else 64, GROUP_M=8, num_warps=warps, num_stages=None)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, epi_act: int = NONE,
@@ -197,7 +198,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     plan = _PLANS.get((m, n, k, dt))
     if plan is None:
         plan = _plan(m, n, k, dt)
-    launch, ieee, tf32, warps, stages = plan
+    launch, ieee, tf32, options = plan
     # The aux operands are read at the strides their contiguous layout implies (see the kernel); absent, a
     # pointer the kernel does not read. AUX_T only where AuxA is read (no second compile of one kernel).
     if dact_a:
@@ -216,7 +217,88 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
     # dictionary building and binding.
     launch(a, b, c, c if bias is None else bias, aux_a, aux_c, c if rowsum is None else rowsum, m, n, k,
            sa0, sa1, sb0, sb1, pro_a, dact_a, aux_t, pro_b, bias is not None, epi_act, dact_c,
-           rowsum is not None, *(tf32 if allow_tf32 else ieee), num_warps=warps, num_stages=stages)
+           rowsum is not None, *(tf32 if allow_tf32 else ieee), **options)
+    return c
+
+
+# The chain's three GEMMs, positionally (a keyword argument costs its binding, each call): gemm's work for
+# those calls without its general branches. Operands come checked (apex.ops.fused_dense.check_chain).
+def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epi_act: int, pro_a: int,
+           allow_tf32: bool) -> torch.Tensor:
+    """A layer's forward: ``gemm(a, w, bias=bias, epi_act=epi_act, pro_a=pro_a, allow_tf32=allow_tf32,
+    trans_b=True)`` (``a`` ``[M, K]``, ``w`` ``[N, K]``)."""
+    m, k = a.shape
+    sa0, sa1 = a.stride()
+    sb1, sb0 = w.stride()
+    n = w.shape[0]
+    c = a.new_empty(m, n)
+    if m == 0 or n == 0:
+        return c
+    plan = _PLANS.get((m, n, k, a.dtype))
+    if plan is None:
+        plan = _plan(m, n, k, a.dtype)
+    launch, ieee, tf32, options = plan
+    if bias is None:
+        launch(a, w, c, c, a, c, c, m, n, k, sa0, sa1, sb0, sb1, pro_a, NONE, False, NONE, False, epi_act, NONE,
+               False, *(tf32 if allow_tf32 else ieee), **options)
+    else:
+        launch(a, w, c, bias, a, c, c, m, n, k, sa0, sa1, sb0, sb1, pro_a, NONE, False, NONE, True, epi_act, NONE,
+               False, *(tf32 if allow_tf32 else ieee), **options)
+    return c
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor | None, pro_b: int,
+                db: torch.Tensor | None, allow_tf32: bool) -> torch.Tensor:
+    """A layer's weight gradient ``(g · act'(aux))ᵀ @ pro_b(x)`` and, into ``db``, the bias gradient:
+    ``gemm(g, x, dact_a=dact, aux_a=aux, pro_b=pro_b, rowsum=db, allow_tf32=allow_tf32, trans_a=True)``."""
+    k, m = g.shape
+    sa1, sa0 = g.stride()
+    sb0, sb1 = x.stride()
+    n = x.shape[1]
+    c = g.new_empty(m, n)
+    if m == 0 or n == 0:
+        return c
+    plan = _PLANS.get((m, n, k, g.dtype))
+    if plan is None:
+        plan = _plan(m, n, k, g.dtype)
+    launch, ieee, tf32, options = plan
+    if dact:
+        if not aux.is_contiguous():
+            aux = aux.contiguous()
+    else:
+        aux = g
+    launch(g, x, c, c, aux, c, c if db is None else db, m, n, k, sa0, sa1, sb0, sb1, NONE, dact, dact != NONE,
+           pro_b, False, NONE, NONE, db is not None, *(tf32 if allow_tf32 else ieee), **options)
+    return c
+
+
+def input_grad(g: torch.Tensor, w: torch.Tensor, dact_a: int, aux_a: torch.Tensor | None, dact_c: int,
+               aux_c: torch.Tensor | None, allow_tf32: bool) -> torch.Tensor:
+    """A layer's input gradient ``(g · act'(aux_a)) @ w · act'(aux_c)``: ``gemm(g, w, dact_a=dact_a,
+    aux_a=aux_a, dact_c=dact_c, aux_c=aux_c, allow_tf32=allow_tf32)``."""
+    m, k = g.shape
+    sa0, sa1 = g.stride()
+    sb0, sb1 = w.stride()
+    n = w.shape[1]
+    c = g.new_empty(m, n)
+    if m == 0 or n == 0:
+        return c
+    plan = _PLANS.get((m, n, k, g.dtype))
+    if plan is None:
+        plan = _plan(m, n, k, g.dtype)
+    launch, ieee, tf32, options = plan
+    if dact_a:
+        if not aux_a.is_contiguous():
+            aux_a = aux_a.contiguous()
+    else:
+        aux_a = g
+    if dact_c:
+        if not aux_c.is_contiguous():
+            aux_c = aux_c.contiguous()
+    else:
+        aux_c = c
+    launch(g, w, c, c, aux_a, aux_c, c, m, n, k, sa0, sa1, sb0, sb1, NONE, dact_a, False, NONE, False, NONE, dact_c,
+           False, *(tf32 if allow_tf32 else ieee), **options)
     return c
 
 
@@ -230,6 +312,13 @@ def _plan(m: int, n: int, k: int, dt: torch.dtype) -> tuple:
     ieee = (upcast, "ieee", *tail)
     tf32 = (upcast, "tf32", *tail) if dt == torch.float32 and not _INTERP else ieee
     # The grid's launcher (kernel[grid] builds it anew at every call) kept with the plan.
-    plan = _PLANS[(m, n, k, dt)] = (_gemm_kernel[(cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)], ieee, tf32,
-                                    cfg["num_warps"], cfg["num_stages"])
+    # Launch options only where they differ from Triton's defaults (4 warps, the backend's stages): a keyword
+    # argument costs a launch ~2,000 instructions; the interpreter takes none.
+    options = {}
+    if not _INTERP:
+        if cfg["num_warps"] != 4:
+            options["num_warps"] = cfg["num_warps"]
+        if cfg["num_stages"] is not None:
+            options["num_stages"] = cfg["num_stages"]
+    plan = _PLANS[(m, n, k, dt)] = (_gemm_kernel[(cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)], ieee, tf32, options)
     return plan

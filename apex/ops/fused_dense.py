@@ -164,13 +164,16 @@ def chain_forward(x2: Tensor, weights, biases, acts) -> tuple[Tensor, list, list
 
 def _forward_triton(x2: Tensor, weights, biases, acts, compiling: bool = True) -> tuple[Tensor, list]:
     """The Triton chain: one GEMM launch a layer; returns the output and every layer's stored output."""
-    gemm, tf32 = _gemm(compiling), _allow_tf32()
+    linear, tf32 = _kernels(compiling).linear, _allow_tf32()
+    if len(weights) == 1:  # one layer (FusedDense): no loop
+        act = acts[0]
+        out = linear(x2, weights[0], biases[0] if biases else None, NONE if act == GELU else act, NONE, tf32)
+        return out, [out]
     outs = []
     inp, pro = x2, NONE
     for i, w in enumerate(weights):
         act = acts[i]
-        inp = gemm(inp, w, bias=biases[i] if biases else None, epi_act=NONE if act == GELU else act, pro_a=pro,
-                   allow_tf32=tf32, trans_b=True)
+        inp = linear(inp, w, biases[i] if biases else None, NONE if act == GELU else act, pro, tf32)
         outs.append(inp)
         pro = GELU if act == GELU else NONE
     return inp, outs
@@ -218,14 +221,14 @@ _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends
 _LOADED: list = []  # the kernels' module, once an eager call has loaded it
 
 
-def _gemm(compiling: bool):
-    """``_K().gemm``; where the caller knows it is not tracing, without ``_K``'s tracing query (the list is not
+def _kernels(compiling: bool):
+    """``_K()``; where the caller knows it is not tracing, without ``_K``'s tracing query (the list is not
     read while tracing: the graph would guard on it, which a later eager call fills)."""
     if compiling:
-        return _K().gemm
+        return _K()
     if not _LOADED:
         _LOADED.append(_K())
-    return _LOADED[0].gemm
+    return _LOADED[0]
 
 
 # -------------------------------------------------------------------------------------------- backward
@@ -259,8 +262,9 @@ def chain_backward(dy2: Tensor, x2: Tensor, weights, has_bias: bool, outs, pres,
     return dx, dws, dbs
 
 
-def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
-    gemm, tf32 = _K().gemm, _allow_tf32()
+def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w, compiling=True):
+    k, tf32 = _kernels(compiling), _allow_tf32()
+    weight_grad, input_grad = k.weight_grad, k.input_grad
     n = len(weights)
     dws: list = [None] * n
     dbs: list = [None] * n
@@ -275,15 +279,14 @@ def _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w):
         if need_w:
             db = w.new_empty(w.shape[0]) if has_bias else None
             if i > 0:
-                dws[i] = gemm(g, outs[i - 1], dact_a=dact, aux_a=aux, pro_b=GELU if acts[i - 1] == GELU else NONE,
-                              rowsum=db, allow_tf32=tf32, trans_a=True)
+                dws[i] = weight_grad(g, outs[i - 1], dact, aux, GELU if acts[i - 1] == GELU else NONE, db, tf32)
             else:
-                dws[i] = gemm(g, x2, dact_a=dact, aux_a=aux, rowsum=db, allow_tf32=tf32, trans_a=True)
+                dws[i] = weight_grad(g, x2, dact, aux, NONE, db, tf32)
             dbs[i] = db
         if i > 0:
-            g = gemm(g, w, dact_a=dact, aux_a=aux, dact_c=acts[i - 1], aux_c=outs[i - 1], allow_tf32=tf32)
+            g = input_grad(g, w, dact, aux, acts[i - 1], outs[i - 1], tf32)
         elif need_dx:
-            dx = gemm(g, w, dact_a=dact, aux_a=aux, allow_tf32=tf32)
+            dx = input_grad(g, w, dact, aux, NONE, None, tf32)
         dact, aux = NONE, None
     return dx, dws, dbs
 
@@ -302,7 +305,9 @@ def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
         out, outs = _forward_triton(x2, weights, params[n:] if has_bias else None, acts, compiling)
         # The top layer's output only where its activation's derivative needs it; no GELU pre-activations.
         ctx.save_for_backward(x2, *weights, *outs[:-1], out if acts[-1] != NONE else None)
-        ctx.chain = (acts, has_bias, True, None if two_d else input.shape, None)
+        # (last: whether the forward was traced; an eager forward has loaded the kernels' module the
+        # backward then reads without the tracing query)
+        ctx.chain = (acts, has_bias, True, None if two_d else input.shape, compiling)
     else:
         out, outs, pres, _ = _forward_torch(x2, list(weights), list(params[n:]) if has_bias else [], acts)
         ctx.chain = (acts, has_bias, False, None if two_d else input.shape, [p is not None for p in pres])
@@ -313,7 +318,7 @@ def save_chain(ctx, acts, has_bias: bool, input: Tensor, params) -> Tensor:
 def chain_grads(ctx, grad_out: Tensor, input_index: int) -> tuple[Tensor | None, list, list]:
     """The gradients ``(dx, dweights, dbiases)`` for a ``Function`` whose forward called :func:`save_chain`;
     ``input_index`` is the position of the input among ``forward``'s arguments (the parameters follow it)."""
-    acts, has_bias, triton, in_shape, has_pre = ctx.chain
+    acts, has_bias, triton, in_shape, extra = ctx.chain  # extra: the forward's tracing answer, or has_pre
     n = len(acts)
     saved = ctx.saved_tensors
     x2, weights, outs = saved[0], saved[1:1 + n], saved[1 + n:1 + 2 * n]
@@ -324,10 +329,10 @@ def chain_grads(ctx, grad_out: Tensor, input_index: int) -> tuple[Tensor | None,
     if dy2.dtype != x2.dtype:
         dy2 = dy2.to(x2.dtype)
     if triton:  # kernels only: torch.autocast changes nothing there
-        dx, dws, dbs = _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w)
+        dx, dws, dbs = _backward_triton(dy2, x2, weights, has_bias, outs, acts, need_dx, need_w, extra)
     else:
-        extra = iter(saved[1 + 2 * n:])
-        pres = [next(extra) if has else None for has in has_pre]
+        more = iter(saved[1 + 2 * n:])
+        pres = [next(more) if has else None for has in extra]
         dev = x2.device.type
         # Entering torch.autocast costs more than a launch: only where it is on (off it changes nothing).
         with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():

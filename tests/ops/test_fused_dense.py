@@ -196,8 +196,8 @@ def test_tf32_follows_pytorch_flag(monkeypatch, triton_device):
     from apex._kernels import fused_dense as K
 
     seen = []
-    real = K.gemm
-    monkeypatch.setattr(K, "gemm", lambda *a, **k: seen.append(k["allow_tf32"]) or real(*a, **k))
+    real = K.linear  # a layer's forward GEMM: (a, w, bias, epi_act, pro_a, allow_tf32)
+    monkeypatch.setattr(K, "linear", lambda *a: seen.append(a[5]) or real(*a))
     x, ws, bs = _make(4, [7, 5], torch.float32)
     # torch's cuBLAS flag object refuses ``delattr``, which is how pytest >= 9.2's monkeypatch undoes an
     # attribute it did not find in the instance's ``__dict__``; set and restore it by hand.
@@ -296,3 +296,19 @@ def test_gemm_transposed_operands_by_strides(triton_device):
     assert torch.equal(K.gemm(a.t(), w.t(), trans_a=False), K.gemm(a, w, trans_a=True, trans_b=True))
     assert torch.equal(K.gemm(a, b, dact_a=1, aux_a=aux, trans_a=True),
                        K.gemm(a.t(), b, dact_a=1, aux_a=aux.t()))
+
+
+def test_gemm_launch_options_only_where_not_default(monkeypatch):
+    """A GPU plan passes ``num_warps``/``num_stages`` only where they differ from Triton's defaults (4 warps,
+    the backend's stages; a keyword costs every launch): a 128x128 tile still gets its 8 warps."""
+    from apex._kernels import fused_dense as K
+
+    monkeypatch.setattr(K, "_INTERP", False)
+    cfgs = {64: dict(BM=64, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=None),
+            128: dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=None),
+            2: dict(BM=64, BN=64, BK=16, GROUP_M=8, num_warps=4, num_stages=2)}
+    monkeypatch.setattr(K, "_config", lambda m, n, k, dt: cfgs[m])
+    monkeypatch.setattr(K, "_PLANS", {})
+    assert K._plan(64, 64, 64, torch.float32)[3] == {}
+    assert K._plan(128, 64, 64, torch.float32)[3] == {"num_warps": 8}
+    assert K._plan(2, 64, 64, torch.float32)[3] == {"num_stages": 2}
