@@ -6,7 +6,8 @@ classes ``j ≥ num_real_classes`` are padding), with ``σ = sigmoid(p)`` and ``
 negative (``j ≠ y``): ``(1−α)·σ^γ·(n·p + sp)``; positive: ``α·(1−σ)^γ·(q·p + sp)``, where label smoothing
 ``ε`` gives ``n = 1 − ε/2``, ``q = ε/2`` (``n = 1``, ``q = 0`` without): the BCE against targets
 ``1 − ε/2`` and ``ε/2``. The gradient is the exact
-derivative of that loss. Each program writes one partial loss sum; they are added in a fixed order.
+derivative of that loss. Each program writes one partial loss sum; they are added in a fixed order. A target
+outside ``[−2, num_real_classes)`` makes the loss NaN and its row's gradient zero.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def _focal_fwd(x_ptr, y_ptr, grad_ptr, part_ptr, npos_ptr, M, K, K_REAL, alpha, 
     coeff_f = w1 * qg
     coeff_b = tl.where(pos, -gamma * sig, gamma * (1.0 - sig))
     bce = base_coef * p + sp
-    valid = mask & (y[:, None] != -2) & (cols[None, :] < K_REAL)
-    loss = tl.where(valid, coeff_f * bce, 0.0)
+    # A target outside [-2, K_REAL) (not checked on the host): a NaN loss, and no gradient for its row.
+    bad = ((y < -2) | (y >= K_REAL))[:, None]
+    valid = mask & (y[:, None] != -2) & (cols[None, :] < K_REAL) & ~bad
+    loss = tl.where(bad, float("nan"), tl.where(valid, coeff_f * bce, 0.0))
     grad = tl.where(valid, coeff_f * (coeff_b * bce - off_b), 0.0)
     tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
     part = tl.sum(tl.sum(loss, axis=1), axis=0)
@@ -87,7 +90,7 @@ def forward(x: torch.Tensor, labels: torch.Tensor, num_positives_sum: torch.Tens
         plan = _PLANS[(m, k)] = _plan(m, k)
     rows, block_k, progs = plan
     if progs == 1:  # one program sums and normalises: no reduction or division around the launch
-        loss = torch.empty((), device=x.device, dtype=torch.float32)
+        loss = x.new_empty((), dtype=torch.float32)  # ~2k instructions less than torch.empty(..., device=)
         _focal_fwd[(1,)](x, labels, grad, loss, num_positives_sum, m, k, int(num_real_classes), float(alpha),
                          float(gamma), float(smoothing), rows, block_k, True)  # ROWS, BLOCK_K, FINISH
         return loss, grad

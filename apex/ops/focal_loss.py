@@ -6,6 +6,9 @@ row: ``0 ≤ y < num_real_classes`` a positive for class ``y``, ``−1`` backgro
 ``σ = sigmoid(p)`` and label smoothing ``ε`` (BCE targets ``1 − ε/2`` / ``ε/2``), an element's loss is
 ``α·(1−σ)^γ·BCE`` for the positive class and ``(1−α)·σ^γ·BCE`` otherwise; the result is
 ``Σ loss / num_positives_sum`` (a 0-d fp32 tensor; ``num_positives_sum`` is a one-element tensor).
+A target outside ``[−2, num_real_classes)``: the PyTorch path raises ``ValueError``; the Triton path reads
+nothing on the host (a read is a GPU synchronisation per call; Apex's kernel checks nothing): the loss is
+NaN and that row's gradient zero.
 
 As Apex, the forward also produces the un-normalised gradient (the expensive transcendental work is the
 same), kept in the logits' dtype; the backward only scales it (in place) by ``grad / num_positives_sum``.
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
-from apex.ops._norm import _same_device, select
+from apex.ops._norm import select
 
 Tensor = torch.Tensor
 # The kernels' module, imported at the first call (an import statement costs ~1 µs a call).
@@ -44,9 +47,8 @@ def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamm
     if not isinstance(num_positives_sum, torch.Tensor) or num_positives_sum.numel() != 1 or \
             not num_positives_sum.is_floating_point():
         raise RuntimeValueError("num_positives_sum must be a one-element floating-point tensor")
-    # Devices compared by flags and index: no torch.device objects built unless the check fails.
-    if not (_same_device(targets, cls_output) and _same_device(num_positives_sum, cls_output)):
-        dev = cls_output.device
+    dev = cls_output.device  # one device object, compared with the others' (cheaper than flags and indices)
+    if not targets.device == dev == num_positives_sum.device:
         name, t = ("cls_targets_at_level", targets) if targets.device != dev else ("num_positives_sum",
                                                                                   num_positives_sum)
         raise RuntimeValueError(f"{name} is on {t.device} but cls_output is on {dev}")
@@ -59,10 +61,16 @@ def _check(cls_output, targets, num_positives_sum, num_real_classes, alpha, gamm
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if float(gamma) < 0:
         raise ValueError(f"gamma must be non-negative, got {gamma!r}")
+
+
+def _check_targets(targets: Tensor, num_real_classes: int) -> None:
+    """The targets' range, on the PyTorch path only: the Triton kernel gives an out-of-range target a defined
+    result instead (a NaN loss, a zero gradient for its row), without this host read (on a GPU a
+    synchronisation per call; Apex's kernel checks nothing)."""
     if targets.numel():
         # Targets clamped to [-2, num_real_classes) and compared with themselves: two operators and one host
-        # read (torch.equal; a sync on GPUs) instead of aminmax, a stack and a transfer. The message's first
-        # bad target is looked up only on failure.
+        # read (torch.equal) instead of aminmax, a stack and a transfer. The message's first bad target is looked
+        # up only on failure.
         if not torch.equal(targets.clamp(-2, num_real_classes - 1), targets):
             bad = (targets < -2) | (targets >= num_real_classes)
             first = int(targets.reshape(-1)[bad.reshape(-1)][0])
@@ -93,6 +101,14 @@ def focal_loss_forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_pos
                        num_real_classes: int, alpha: float, gamma: float, label_smoothing: float = 0.0
                        ) -> tuple[Tensor, Tensor]:
     """``(loss, partial_grad)``: the normalised loss and the gradient before the ``grad / N⁺`` scaling."""
+    return _forward(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma,
+                    label_smoothing)[:2]
+
+
+def _forward(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma,
+             label_smoothing):
+    # (loss, partial_grad, whether the Triton kernel ran): the backward launches the same path without asking
+    # for the backend again.
     _check(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, label_smoothing)
     k = cls_output.shape[-1]
     if select(cls_output) == "triton" and cls_output.dtype != torch.float64:
@@ -102,10 +118,11 @@ def focal_loss_forward(cls_output: Tensor, cls_targets_at_level: Tensor, num_pos
                                      (cls_targets_at_level if two_d else cls_targets_at_level.reshape(-1)
                                       ).contiguous(), num_positives_sum,
                                      num_real_classes, float(alpha), float(gamma), float(label_smoothing))
-        return loss, grad if two_d else grad.view(cls_output.shape)
+        return loss, grad if two_d else grad.view(cls_output.shape), True
+    _check_targets(cls_targets_at_level, num_real_classes)
     loss, grad = _forward_torch(cls_output, cls_targets_at_level, num_real_classes, float(alpha), float(gamma),
                                 float(label_smoothing))
-    return loss / num_positives_sum.reshape(()).to(loss.dtype), grad
+    return loss / num_positives_sum.reshape(()).to(loss.dtype), grad, False
 
 
 def focal_loss_backward(grad_output: Tensor, partial_grad: Tensor, num_positives_sum: Tensor) -> Tensor:
@@ -129,8 +146,8 @@ class FocalLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma,
                 label_smoothing=0.0):
-        loss, partial_grad = focal_loss_forward(cls_output, cls_targets_at_level, num_positives_sum,
-                                                num_real_classes, alpha, gamma, label_smoothing)
+        loss, partial_grad, ctx.triton = _forward(cls_output, cls_targets_at_level, num_positives_sum,
+                                                  num_real_classes, alpha, gamma, label_smoothing)
         ctx.save_for_backward(partial_grad, num_positives_sum)
         return loss
 
@@ -139,7 +156,10 @@ class FocalLoss(torch.autograd.Function):
         partial_grad, num_positives_sum = ctx.saved_tensors
         # As Apex, the saved buffer is scaled in place and becomes the gradient: no second logits-sized buffer.
         # A second backward through the same graph is refused by autograd's version check on that buffer.
-        grad = focal_loss_backward(grad_loss, partial_grad, num_positives_sum)
+        if ctx.triton:  # the kernel's contiguous buffer and autograd's 0-d gradient: nothing to check
+            grad = _kernels().backward(grad_loss, partial_grad, num_positives_sum)
+        else:
+            grad = focal_loss_backward(grad_loss, partial_grad, num_positives_sum)
         return grad, None, None, None, None, None, None
 
 
@@ -153,8 +173,8 @@ def focal_loss(cls_output: Tensor, cls_targets_at_level: Tensor, num_positive_su
                                label_smoothing)
     if not (torch.is_grad_enabled() and torch._C._any_requires_grad(cls_output)):
         # Nothing to record: the loss alone (its partial gradient dropped), without the Function's context.
-        return focal_loss_forward(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha,
-                                  gamma, label_smoothing)[0]
+        return _forward(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
+                        label_smoothing)[0]
     return _apply(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
                   label_smoothing)
 
