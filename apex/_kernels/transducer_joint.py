@@ -137,6 +137,41 @@ def forward(f, g, f_len, g_len, batch_offset, packed_batch: int, pack_output: bo
     return h, (mask if masked else None)
 
 
+def forward_dense(f, g, f_len, g_len, B: int, T: int, U: int, H: int, relu: bool, dropout: bool,
+                  dropout_prob: float, tile_size: int, seed: int):
+    """:func:`forward` of a dense output, the sizes read once by the caller and passed as integers."""
+    masked = relu or dropout
+    h = f.new_empty(B, T, U, H)  # (f's own dtype and device: no parsing of either)
+    mask = f.new_zeros(B, T, U, H, dtype=torch.uint8) if masked else h
+    plan = _PLANS.get((B, T, U, H, tile_size))
+    if plan is None:
+        bh = _block_h(H)
+        plan = _PLANS[(B, T, U, H, tile_size)] = ((B * T, cdiv(U, tile_size), cdiv(H, bh)), bh)
+    grid, bh = plan
+    _joint_fwd[grid](f, g, f_len, g_len, f_len, h, mask, T, U, H, 1.0 - dropout_prob, seed,
+                     False, relu, dropout, tile_size, bh)  # PACKED, RELU, DROPOUT, TILE_U, BLOCK_H
+    return h, (mask if masked else None)
+
+
+_BWD_PLANS = _tuning.plan_cache()
+
+
+def backward_dense(dh, mask, f_len, g_len, B: int, T: int, U: int, H: int, scale: float):
+    """:func:`backward` of a dense output (``dh`` contiguous), the sizes passed as integers."""
+    df, dg = dh.new_empty(B, T, H), dh.new_empty(B, U, H)  # (dh has the inputs' dtype and device)
+    plan = _BWD_PLANS.get((B, T, U, H))
+    if plan is None:
+        bh = _block_h(H)
+        plan = _BWD_PLANS[(B, T, U, H)] = ((B * T, cdiv(H, bh)), (B * U, cdiv(H, bh)), bh)
+    grid_f, grid_g, bh = plan
+    masked = mask is not None
+    m = mask if masked else dh
+    # PACKED, MASKED, FOR_F, BLOCK_H
+    _joint_bwd[grid_f](dh, m, f_len, g_len, f_len, df, dg, T, U, H, scale, False, masked, True, bh)
+    _joint_bwd[grid_g](dh, m, f_len, g_len, f_len, df, dg, T, U, H, scale, False, masked, False, bh)
+    return df, dg
+
+
 def backward(dh, mask, f_len, g_len, batch_offset, T: int, U: int, pack_output: bool, scale: float):
     """``(df, dg)`` of shapes (B, T, H) and (B, U, H), zero outside the lengths."""
     B = f_len.shape[0]

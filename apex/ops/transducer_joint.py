@@ -182,8 +182,13 @@ def joint_forward(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_offs
 
 def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, relu, dropout, dropout_prob,
                         tile_size):
-    """:func:`joint_forward`'s ``(h, mask)`` and, on the Triton path, ``(f_len, g_len, batch_offset)`` as its
-    kernels read them (None on the PyTorch path): the Function saves those for its backward."""
+    """:func:`joint_forward`'s ``(h, mask)`` and, on the Triton path, ``(f_len, g_len, batch_offset, sizes)``:
+    the lengths and offsets as its kernels read them, and ``(B, T, U, H)`` for a dense output (None otherwise);
+    None on the PyTorch path. The Function saves those for its backward."""
+    if not pack_output and isinstance(f, Tensor) and _backend.select_tensor(f) == "triton":
+        out = _usual_dense(f, g, f_len, g_len, relu, dropout, dropout_prob, tile_size)
+        if out is not None:
+            return out
     # (f decides the backend, as select(f, g) did: no search of the arguments)
     triton = isinstance(f, Tensor) and _backend.select_tensor(f) == "triton"
     _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob if dropout else 0.0,
@@ -197,8 +202,33 @@ def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_out
         f32, g32 = _int32(f_len), _int32(g_len)
         h, mask = kernels.forward(f.contiguous(), g.contiguous(), f32, g32, boff, int(packed_batch), pack_output,
                                   relu, dropout, dropout_prob, tile_size, seed)
-        return h, mask, (f32, g32, boff)
+        return h, mask, (f32, g32, boff, None)
     return (*_forward_torch(f, g, f_len, g_len, pack_output, relu, dropout, dropout_prob), None)
+
+
+def _usual_dense(f, g, f_len, g_len, relu, dropout, dropout_prob, tile_size) -> tuple | None:
+    """The Triton path of the usual dense call, :func:`joint_forward_saved`'s answer: 3-D ``f`` and ``g`` of
+    one float dtype and batch, 1-D integer lengths of that batch on one device, valid options; None for any
+    other call (the full checks then word the error). Each fact is read once, the sizes go to the launcher
+    as integers; the lengths' ranges are checked in the kernels."""
+    if not (isinstance(g, Tensor) and isinstance(f_len, Tensor) and isinstance(g_len, Tensor)
+            and tile_size in (1, 2, 4) and (not dropout or 0.0 <= dropout_prob < 1.0)):
+        return None
+    fs, gs, ls = f.shape, g.shape, f_len.shape
+    if not (len(fs) == 3 and len(gs) == 3 and len(ls) == 1 and gs[0] == ls[0] == fs[0] > 0 and gs[2] == fs[2]
+            and g_len.shape == ls):
+        return None
+    dtype, fdt, gdt = f.dtype, f_len.dtype, g_len.dtype
+    if not (dtype in _FLOATS and g.dtype is dtype and fdt in _INTS and gdt in _INTS
+            and f_len.get_device() == g_len.get_device()):
+        return None
+    f32 = (f_len if fdt is torch.int32 else f_len.to(torch.int32)).contiguous()
+    g32 = (g_len if gdt is torch.int32 else g_len.to(torch.int32)).contiguous()
+    B, T, H = fs
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
+    h, mask = _kernels().forward_dense(f.contiguous(), g.contiguous(), f32, g32, B, T, gs[1], H, relu, dropout,
+                                       dropout_prob if dropout else 0.0, tile_size, seed)
+    return h, mask, (f32, g32, None, (B, T, gs[1], H))
 
 
 def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor, batch_offset: Tensor | None,
@@ -226,13 +256,14 @@ class TransducerJointFunc(torch.autograd.Function):
             mask_probe.append(mask)
         # The Triton path saves the lengths (and offsets) as its kernels read them, so that its backward (same
         # path: the backend is chosen once) launches without converting them again.
-        ctx.triton = lengths is not None
+        sizes = None
         if lengths is not None:
-            f_len, g_len, batch_offset = lengths
+            f_len, g_len, batch_offset, sizes = lengths
+        # One context attribute (each costs a dictionary entry, set and read): the Triton path's dense sizes
+        # (B, T, U, H), or which path and (T, U).
+        ctx.args = (sizes if sizes is not None else (lengths is not None, f.shape[1], g.shape[1]), pack_output,
+                    1.0 / (1.0 - dropout_prob) if dropout else 1.0)
         ctx.save_for_backward(mask, f_len, g_len, batch_offset)
-        ctx.shape = (f.shape[1], g.shape[1])
-        ctx.pack_output = pack_output
-        ctx.scale = 1.0 / (1.0 - dropout_prob) if dropout else 1.0
         if mask is not None:
             ctx.mark_non_differentiable(mask)
         return h
@@ -240,11 +271,15 @@ class TransducerJointFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         mask, f_len, g_len, batch_offset = ctx.saved_tensors
-        if ctx.triton:  # the mask as the forward's kernel wrote it (contiguous): only dh may need a copy
-            df, dg = _kernels().backward(dh.contiguous(), mask, f_len, g_len, batch_offset, *ctx.shape,
-                                         ctx.pack_output, ctx.scale)
+        sizes, pack_output, scale = ctx.args
+        # The mask as the forward's kernel wrote it (contiguous): only dh may need a copy.
+        if len(sizes) == 4:
+            df, dg = _kernels().backward_dense(dh.contiguous(), mask, f_len, g_len, *sizes, scale)
+        elif sizes[0]:
+            df, dg = _kernels().backward(dh.contiguous(), mask, f_len, g_len, batch_offset, *sizes[1:], pack_output,
+                                         scale)
         else:
-            df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *ctx.shape, ctx.pack_output, ctx.scale)
+            df, dg = joint_backward(dh, mask, f_len, g_len, batch_offset, *sizes[1:], pack_output, scale)
         return (df, dg, *_NO_GRADS)
 
 
