@@ -19,7 +19,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import kept_per_key
+from apex.ops._dispatch import kept_per_key, lazy_module
 from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
@@ -287,8 +287,19 @@ def transducer_joint(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_o
                      packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
                      dropout_prob: float = 0.0, tile_size: int = 4, mask_probe: list | None = None) -> Tensor:
     """The joint with autograd; see the module docstring."""
-    return TransducerJointFunc.apply(f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch,
-                                     tile_size, dropout_prob, mask_probe)
+    return traced_apply(f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch, tile_size,
+                        dropout_prob, mask_probe)
+
+
+_traced = lazy_module("apex.ops._transducer_traced")
+
+
+def traced_apply(*args) -> Tensor:
+    """:class:`TransducerJointFunc`'s ``apply``, or its custom ops while ``torch.compile`` or ``torch.export``
+    traces (the Function's Python cannot be traced in one graph: see :mod:`apex.ops._transducer_traced`)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return _traced().joint(*args)
+    return TransducerJointFunc.apply(*args)
 
 
 # ------------------------------------------------------------------ compat: transducer_joint_cuda.*

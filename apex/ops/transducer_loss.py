@@ -26,8 +26,16 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._dispatch import kept_per_key
-from apex.ops._transducer_lattice import _NEG, _alpha_beta_torch, _coefficients, _gather, _padded
+from apex.ops._dispatch import lazy_module
+from apex.ops._transducer_lattice import (
+    _NEG,
+    _alpha_beta_torch,
+    _coefficients,
+    _gather,
+    _in_bounds,
+    _out_of_range,
+    _padded,
+)
 
 Tensor = torch.Tensor
 
@@ -87,86 +95,6 @@ def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packe
         if _in_bounds(label, f_len, y_len, B, label.shape[1], T, U, V):
             return T, U
     return _out_of_range(x, label, f_len, y_len, batch_offset, max_f_len, packed_input)
-
-
-def _out_of_range(x, label, f_len, y_len, batch_offset, max_f_len, packed_input) -> tuple[int, int]:
-    """:func:`check_args`'s range checks by the values' extremes: a packed input's, and a dense input's that
-    failed the bounds (the reads find what is out of range, for the message)."""
-    B, V = f_len.shape[0], x.shape[-1]
-    # The lengths' extremes and those of the used labels in one host read (each int(t.min()) is a reduction
-    # and, on a GPU, a sync). Unused label entries read as 0 (in range), so the extremes of all entries decide:
-    # no boolean indexing (a nonzero and a sync on GPUs).
-    extremes = [*f_len.aminmax(), *y_len.aminmax()]
-    if label.shape[1]:
-        unused = _positions(label.shape[1], label.device) >= y_len.to(label.device).unsqueeze(1)
-        lab = label.masked_fill(unused, 0).aminmax()
-        extremes += lab if label.device == f_len.device == y_len.device else (t.to(f_len.device) for t in lab)
-    else:  # no label entries: y_len must be 0 (checked below), nothing to read
-        extremes += extremes[:2]
-    f_min, f_max, y_min, y_max, lo, hi = torch.stack(extremes).tolist()
-    if f_min < 1:
-        raise ValueError(f"f_len values must be at least 1, got {f_min}")
-    if y_min < 0 or y_max > label.shape[1]:
-        raise ValueError(f"y_len values must lie in [0, {label.shape[1]}] (the label length), got "
-                         f"[{y_min}, {y_max}]")
-    if packed_input:
-        if batch_offset is None or max_f_len is None:
-            raise ValueError("batch_offset and max_f_len are required when packed_input=True")
-        T, U = int(max_f_len), y_max + 1
-        expect = torch.cumsum(f_len.long() * (y_len.long() + 1), 0)
-        if not isinstance(batch_offset, Tensor) or not torch.equal(batch_offset.long().cpu(), expect.cpu()):
-            raise ValueError("batch_offset must equal cumsum(f_len * (y_len + 1))")
-        if int(expect[-1]) != x.shape[0]:
-            raise ValueError(f"packed x has {x.shape[0]} rows but the lengths need {int(expect[-1])}")
-    else:
-        if x.shape[0] != B:
-            raise ValueError(f"x has batch size {x.shape[0]} but f_len has {B}")
-        T, U = x.shape[1], x.shape[2]
-        if y_max + 1 > U:
-            raise ValueError(f"y_len + 1 must be at most x.size(2) = {U}, got {y_max + 1}")
-    if f_max > T:
-        raise ValueError(f"f_len values must be at most {'max_f_len' if packed_input else 'x.size(1)'} = {T}, "
-                         f"got {f_max}")
-    if y_max > 0 and (lo < 0 or hi >= V):
-        used = label[~unused]
-        raise ValueError(f"label values must lie in [0, {V}), got [{int(used.min())}, {int(used.max())}]")
-    return T, U
-
-
-def _in_bounds(label: Tensor, f_len: Tensor, y_len: Tensor, B: int, L: int, T: int, U: int, V: int) -> bool:
-    """Whether ``1 ≤ f_len ≤ T``, ``0 ≤ y_len ≤ min(label length, U − 1)`` and the used labels (those before
-    each row's ``y_len``) lie in ``[0, V)``: the checks of a dense input in a few small operators and one
-    host read (``torch.equal``; a GPU synchronisation), the lengths and the labels clamped to their bounds at
-    once and compared with themselves. Every label is tried first (no mask to build); only when one is out
-    of range are the unused ones, which may hold anything (padding), masked and the values tried again."""
-    values = torch.cat((f_len, y_len, label.reshape(-1)))
-    lo, hi = _bounds(B, L, T, U, V, values.dtype, values.device)
-    if torch.equal(values.clamp(lo, hi), values):
-        return True
-    if not L:
-        return False
-    unused = _positions(L, label.device, y_len.dtype) >= y_len.unsqueeze(1)  # (same dtypes: no promotion)
-    values = torch.cat((f_len, y_len, label.masked_fill(unused, 0).view(-1)))
-    return torch.equal(values.clamp(lo, hi), values)
-
-
-@kept_per_key
-def _bounds(B: int, L: int, T: int, U: int, V: int, dtype: torch.dtype, device: torch.device
-            ) -> tuple[Tensor, Tensor]:
-    """The lower and upper bounds of :func:`_in_bounds`'s values (B frame lengths, B label lengths, B·L
-    labels), kept per sizes, dtype and device."""
-    top = torch.iinfo(dtype).max  # (a bound past the dtype's range is no bound)
-    lo = torch.tensor([1] * B + [0] * (B + B * L), dtype=dtype, device=device)
-    hi = torch.tensor([min(T, top)] * B + [min(L, U - 1, top)] * B + [min(V - 1, top)] * (B * L), dtype=dtype,
-                      device=device)
-    return lo, hi
-
-
-@kept_per_key
-def _positions(n: int, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    """``arange(n)`` as a (1, n) row on ``device``, kept per (n, device, dtype): the label mask needs it every
-    call."""
-    return torch.arange(n, device=device, dtype=dtype).unsqueeze(0)
 
 
 # --------------------------------------------------------------------------------- dispatch (no autograd)
@@ -376,16 +304,34 @@ class TransducerLossFunc(torch.autograd.Function):
             return (_kernels().grad_dense(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len,
                                           y_len, B, T, U, x.shape[3], blank_idx), *_NO_GRADS)
         x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
-        if fused:
-            dx = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx,
-                               True, packed_input, lse=lse)
-        else:  # the sparse gradient of the log-probabilities, then the log-softmax backward (in fp32)
-            acc = alpha.dtype
-            dlp = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx,
-                                False, packed_input, out_dtype=acc, lse=lse)
-            prob = torch.softmax(x.to(acc), dim=-1)
-            dx = dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
+        dx = gradient(x, loss_grad, lse, alpha, beta, label, f_len, y_len, batch_offset, blank_idx, fused,
+                      packed_input)
         return (dx, *_NO_GRADS)
+
+
+def gradient(x, loss_grad, lse, alpha, beta, label, f_len, y_len, batch_offset, blank_idx, fused, packed_input
+             ) -> Tensor:
+    """The logits' gradient from :func:`loss_and_saved`'s ``lse``, ``alpha`` and ``beta``."""
+    if fused:
+        return loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx, True,
+                             packed_input, lse=lse)
+    # the sparse gradient of the log-probabilities, then the log-softmax backward (in fp32)
+    acc = alpha.dtype
+    dlp = loss_backward(x, loss_grad, alpha, beta, f_len, y_len, label, batch_offset, blank_idx, False,
+                        packed_input, out_dtype=acc, lse=lse)
+    prob = torch.softmax(x.to(acc), dim=-1)
+    return dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
+
+
+_traced = lazy_module("apex.ops._transducer_traced")
+
+
+def traced_apply(*args) -> Tensor:
+    """:class:`TransducerLossFunc`'s ``apply``, or its custom ops while ``torch.compile`` or ``torch.export``
+    traces (the Function's Python cannot be traced in one graph: see :mod:`apex.ops._transducer_traced`)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return _traced().loss(*args)
+    return TransducerLossFunc.apply(*args)
 
 
 def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blank_idx: int,
@@ -394,8 +340,8 @@ def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blan
     """Per-sequence RNN-T loss (B,) of logits ``x`` with autograd; see the module docstring."""
     if not packed_input:
         max_f_len = x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
-    return TransducerLossFunc.apply(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx,
-                                    fuse_softmax_backward, debug_list, 1, packed_input)
+    return traced_apply(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
+                        debug_list, 1, packed_input)
 
 
 # ------------------------------------------------------------------- compat: transducer_loss_cuda.*

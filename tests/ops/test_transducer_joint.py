@@ -223,3 +223,34 @@ def test_triton_checks_ranges_in_its_kernels(triton_device, case, monkeypatch):
     assert (probe[0][1] == 0).all()
     assert (df[1] == 0).all() and (dg[1] == 0).all()
     assert torch.equal(df[[0, 2]], ref_df[[0, 2]]) and torch.equal(dg[[0, 2]], ref_dg[[0, 2]])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_compiles_in_one_graph(backend_name, device, pack):
+    """torch.compile(fullgraph=True) records the joint as its custom ops (the Function's Python, its backend
+    choice and the PyTorch path's range checks cannot be traced); values, gradients and the mask as eager."""
+    from apex.contrib.transducer import TransducerJoint
+
+    f, g, f_len, g_len = (t.to(device) for t in _inputs(2, 5, 4, 8, [5, 3], [4, 2], torch.float32))
+    f, g = f.detach().requires_grad_(), g.detach().requires_grad_()
+    boff = torch.cumsum(f_len.long() * g_len.long(), 0)
+    mod = TransducerJoint(pack_output=pack, relu=True, probe_mask=True)
+    seen: list[str] = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    def step():
+        return mod(f, g, f_len, g_len, boff, 26) if pack else mod(f, g, f_len, g_len)
+
+    torch._dynamo.reset()
+    h = torch.compile(step, fullgraph=True, backend=record)()
+    grads = torch.autograd.grad(h.square().sum(), (f, g))
+    ref = step()
+    ref_grads = torch.autograd.grad(ref.square().sum(), (f, g))
+    assert "apex.transducer_joint_fwd.default" in seen
+    torch.testing.assert_close(h, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grads, ref_grads, rtol=0, atol=0)
+    assert len(mod.mask_probe) == 2 and torch.equal(mod.mask_probe[0], mod.mask_probe[1])
+    torch._dynamo.reset()

@@ -335,3 +335,40 @@ def test_triton_checks_ranges_in_its_kernels(triton_device, case, monkeypatch):
         assert torch.isnan(loss[1]) and torch.equal(loss[[0, 2]], ref[[0, 2]])
         assert (grad[1] == 0).all() and torch.equal(grad[[0, 2]], ref_g[[0, 2]])
         assert all((t[1] == float("-inf")).all() for t in debug)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_compiles_in_one_graph(backend_name, device, fused, packed):
+    """torch.compile(fullgraph=True) records the loss as its custom ops (the Function's Python, its backend
+    choice and the PyTorch path's range checks cannot be traced); values, gradients and debug_list as eager."""
+    from apex.contrib.transducer import TransducerLoss
+
+    x, label, f_len, y_len = (t.to(device) for t in _case(2, 4, 3, 5, [4, 3], [2, 1]))
+    kw = {}
+    if packed:
+        x, boff = _pack(x, f_len, y_len)
+        kw = dict(batch_offset=boff, max_f_len=4)
+    x.requires_grad_()
+    mod = TransducerLoss(fuse_softmax_backward=fused, packed_input=packed)
+    seen: list[str] = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    def step(debug):
+        return mod(x, label, f_len, y_len, 4, debug_list=debug, **kw)
+
+    torch._dynamo.reset()
+    debug: list = []
+    loss = torch.compile(lambda: step(debug), fullgraph=True, backend=record)()
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    ref_debug: list = []
+    ref = step(ref_debug)
+    (ref_g,) = torch.autograd.grad(ref.sum(), x)
+    assert "apex.transducer_loss_fwd.default" in seen
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad, ref_g, rtol=0, atol=0)
+    assert len(debug) == 2 and all(torch.equal(a, b) for a, b in zip(debug, ref_debug))
+    torch._dynamo.reset()

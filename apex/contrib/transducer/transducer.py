@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from apex._errors import RuntimeValueError
+from apex.ops import transducer_joint as _joint
+from apex.ops import transducer_loss as _loss
 from apex.ops.transducer_joint import TransducerJointFunc, joint_forward_saved
 from apex.ops.transducer_loss import TransducerLossFunc, loss_and_saved
 
@@ -60,7 +62,7 @@ class TransducerJoint(torch.nn.Module):
             if mask is not None and self.mask_probe is not None:
                 self.mask_probe.append(mask)
             return h
-        apply = _joint_apply if plain else TransducerJointFunc.apply
+        apply = _joint_apply if plain else _joint.traced_apply
         return apply(f, g, f_len, g_len, self.pack_output, self.relu, dropout,
                      batch_offset if self.pack_output else None, packed_batch, tile, self.dropout_prob,
                      self.mask_probe)
@@ -89,7 +91,7 @@ class TransducerLoss(torch.nn.Module):
         else:  # (a dense input's lattice size is x's: max_f_len is not read)
             offset = t_max = None
         if not _plain_call():
-            return TransducerLossFunc.apply(x, label, f_len, y_len, offset, t_max, blank_idx,
+            return _loss.traced_apply(x, label, f_len, y_len, offset, t_max, blank_idx,
                                             self.fuse_softmax_backward, debug_list, self.opt, self.packed_input)
         if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
             # Nothing to record: the loss alone, without the Function's context and saved tensors.
