@@ -67,6 +67,11 @@ def _module_plan(n: int, bias: bool, activation: int) -> tuple:
     return _names(n, bias), _layout(n, bias, activation)
 
 
+# _module_plan's answers for eager calls (not read or filled while tracing: a graph would guard on it); a few
+# keys per program (layer count, bias, activation).
+_MODULE_PLANS: dict = {}
+
+
 class MLP(nn.Module):
     """Multi-layer perceptron with fused GEMM + bias + activation layers.
 
@@ -120,12 +125,20 @@ class MLP(nn.Module):
         bias, activation = self.bias, self.activation
         if activation not in (0, 1, 2):
             raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
-        names, layout = _module_plan(self.num_layers, bool(bias), int(activation))
+        # The tracing query once a call (kept_per_key and apply_chain would each ask it).
+        compiling = torch.compiler.is_compiling()
+        key = (self.num_layers, bool(bias), int(activation))
+        plan = None if compiling else _MODULE_PLANS.get(key)
+        if plan is None:
+            plan = _module_plan(*key)
+            if not compiling:
+                _MODULE_PLANS[key] = plan
+        names, layout = plan
         try:
             args = (input, *map(self._parameters.__getitem__, names))
         except KeyError:
             args = (input, *self.weights, *self.biases)
-        return apply_chain(MlpFunction, (bias, activation), args, *layout)
+        return apply_chain(MlpFunction, (bias, activation), args, *layout, compiling)
 
     def extra_repr(self) -> str:
         return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

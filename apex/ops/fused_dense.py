@@ -53,7 +53,8 @@ def check_chain(input: Tensor, weights, biases, acts, compiling: bool | None = N
     ``torch.compiler.is_compiling()`` where the caller has read it already (a query of 1-2k instructions)."""
     # A dtype Apex's fused_dense_cuda / mlp_cuda did not take (AT_DISPATCH, then data_ptr<scalar_t> of every
     # weight and bias) was its RuntimeError: those errors are also one.
-    if not _quick_one_layer(input, weights, biases, acts):
+    if not (_quick_one_layer(input, weights, biases, acts) if len(weights) == 1 else
+            _quick_layers(input, weights, biases, acts)):
         _check_layers(input, weights, biases, acts)
     # A chain's codes are the same every call: checked once. Not while torch.compile traces: the graph would
     # guard on the set, which the next eager call changes (a second graph for the same code).
@@ -88,6 +89,46 @@ def _quick_one_layer(input: object, weights, biases, acts) -> bool:
             return False
         bs = b.shape
         return len(bs) == 1 and bs[0] == ws[0]
+    return True
+
+
+def _quick_layers(input: object, weights, biases, acts) -> bool:
+    """:func:`_quick_one_layer` for a chain of several layers (the MLP's): each fact read once, no device
+    objects; False sends the call to :func:`_check_layers`."""
+    n = len(weights)
+    if n == 0 or len(acts) != n or type(input) not in _PLAIN:
+        return False
+    dt = input.dtype
+    xs = input.shape
+    if dt not in _FLOATS or not xs or (biases and len(biases) != n):
+        return False
+    features = xs[-1]
+    # The input's device facts read once (_same_device would read them again for every weight).
+    on_cuda = input.is_cuda
+    if on_cuda:
+        index = input.get_device()
+    elif not input.is_cpu:
+        return False
+    for i in range(n):
+        w = weights[i]
+        if type(w) not in _PLAIN or w.dtype is not dt:
+            return False
+        ws = w.shape
+        if len(ws) != 2 or ws[1] != features:
+            return False
+        if on_cuda:
+            if not w.is_cuda or w.get_device() != index:
+                return False
+        elif not w.is_cpu:
+            return False
+        features = ws[0]
+        if biases:
+            b = biases[i]
+            if type(b) not in _PLAIN or b.dtype is not dt:
+                return False
+            bs = b.shape
+            if len(bs) != 1 or bs[0] != features:
+                return False
     return True
 
 
@@ -366,13 +407,15 @@ def autocast_args(*args):
 
 
 def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, weights: slice, biases: slice,
-                acts: tuple) -> Tensor:
+                acts: tuple, compiling: bool | None = None) -> Tensor:
     """``fn.apply(*lead, *args)`` for a chain's public entry: ``args`` (the input first) cast under
     ``torch.autocast``, then checked (``weights``/``biases``: slices of ``args``). Autocast is read once, and
     entered (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++
-    ``Function.apply`` is called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers)."""
+    ``Function.apply`` is called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers).
+    ``compiling``: ``torch.compiler.is_compiling()`` where the caller has asked it (None: asked here)."""
     x = args[0]
-    compiling = torch.compiler.is_compiling()
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
     # Whether any device's autocast is on, in one call; only then the input's device type (autocast is per
     # device: a CUDA input under CUDA autocast) and the cast.
     if compiling or _any_autocast():

@@ -247,6 +247,24 @@ def test_one_layer_calls_are_checked_in_full():
         FD.dense_chain(x, [w], [torch.nn.Parameter(torch.randn(3, 1))], ("relu",))
 
 
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda x, ws, bs: (x, ws, bs, ("relu",)), ValueError, "one activation per layer"),
+    (lambda x, ws, bs: (x, ws, bs[:1], ("relu", "none")), ValueError, "one per weight"),
+    (lambda x, ws, bs: (x, [ws[0], ws[1].to("meta")], bs, ("relu", "none")), ValueError, "weight 1 is on meta"),
+    (lambda x, ws, bs: (x, [ws[0], ws[1][:, :4]], bs, ("relu", "none")), ValueError, "weight 1 expects 4"),
+    (lambda x, ws, bs: (x, [ws[0], ws[1].double()], bs, ("relu", "none")), TypeError, "weight 1 has dtype"),
+    (lambda x, ws, bs: (x, ws, [bs[0], bs[1][:2]], ("relu", "none")), ValueError, "bias 1 must have shape"),
+    (lambda x, ws, bs: (x, ws, [bs[0], bs[1].half()], ("relu", "none")), TypeError, "bias 1 has dtype"),
+    (lambda x, ws, bs: (x, [ws[0], ws[1][0]], bs, ("relu", "none")), ValueError, "weight 1 must be a 2-D"),
+])
+def test_chain_calls_are_checked_in_full(bad, err, match):
+    """A chain of several layers passes a quick check, which must let every wrong call through to the full
+    checks and their errors (a wrong second layer included)."""
+    x, ws, bs = torch.randn(4, 5), [torch.randn(6, 5), torch.randn(3, 6)], [torch.randn(6), torch.randn(3)]
+    with pytest.raises(err, match=match):
+        FD.dense_chain(*bad(x, ws, bs))
+
+
 def test_compat_fused_dense_cuda(backend_name):
     import fused_dense_cuda
 
