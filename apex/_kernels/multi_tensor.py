@@ -19,7 +19,7 @@ launch per group, whatever the number of tensors.
 from __future__ import annotations
 
 import os
-from array import array
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,6 +112,10 @@ _layouts = _LRU()
 _groupings = _LRU()
 _indices = _LRU()
 _ranges: dict = {}
+# Facts of a sizes tuple by its identity (an optimizer hands its bucket's one tuple every step, whose hash,
+# not cached by Python, costs a pass over the sizes): id -> (the tuple, kept so the id stays its own, facts).
+_by_sizes: dict = {}
+_packers: dict = {}
 _col_dtype, _col_key, _col_ptrs = attrgetter("dtype"), attrgetter("key"), attrgetter("ptrs")
 
 
@@ -119,14 +123,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _pack(values: Sequence[int]) -> bytearray:
+    """``values`` as native int64 bytes: a struct of their number packs them at half the cost per element of
+    ``array("q", values)`` (which parses each through a format string), a third of ``torch.tensor``'s."""
+    n = len(values)
+    packer = _packers.get(n)
+    if packer is None:
+        if len(_packers) > 64:
+            _packers.clear()
+        packer = _packers[n] = struct.Struct(f"{n}q")
+    buf = bytearray(packer.size)
+    packer.pack_into(buf, 0, *values)
+    return buf
+
+
 def _upload(values, device: torch.device) -> torch.Tensor:
-    """An int64 device tensor of ``values`` (ints, or an ``array("q")`` never written again); on a GPU through
-    pinned memory without blocking the host (a pageable copy waits for the GPU to drain, and is not allowed
-    while a CUDA graph is being captured)."""
-    # (through an array: torch.tensor of a list of ints costs twice as much per element; the tensor keeps the
-    # array alive, and nothing writes either, so it needs no copy of its own)
-    if type(values) is not array:
-        values = array("q", values)
+    """An int64 device tensor of ``values`` (ints, or their :func:`_pack` never written again); on a GPU
+    through pinned memory without blocking the host (a pageable copy waits for the GPU to drain, and is not
+    allowed while a CUDA graph is being captured)."""
+    # (the tensor keeps the bytes alive, and nothing writes either, so it needs no copy of its own)
+    if type(values) is not bytearray:
+        values = _pack(values)
     host = torch.frombuffer(values, dtype=torch.int64) if len(values) else torch.zeros(0, dtype=torch.int64)
     if device.type == "cpu":
         return host
@@ -138,10 +155,13 @@ def _upload(values, device: torch.device) -> torch.Tensor:
 
 
 def _layout(numels: tuple, device: torch.device) -> _Layout:
+    held = _by_sizes.get(id(numels))
+    if held is not None and held[0] is numels and held[3] is not None and held[2] == device:
+        return held[3]
     key = (device, numels)
     cached = _layouts.get(key)
     if cached is not None:
-        return cached
+        return _held_layout(numels, device, cached)
     chunk = min(MAX_CHUNK, _next_pow2(max(max(numels), 1)))
     block = chunk if _interpreting() else min(chunk, GPU_BLOCK)
     chunk_tensor: list[int] = []
@@ -164,7 +184,23 @@ def _layout(numels: tuple, device: torch.device) -> _Layout:
                      chunk_first=tuple(chunk_first), first=dev[c0:], n_chunks=n_c, chunk=chunk, block=block,
                      max_chunks=max(1, -(-max(numels) // chunk)))
     _layouts.put(key, result)
-    return result
+    return _held_layout(numels, device, result)
+
+
+def _sizes_facts(numels: tuple) -> list:
+    """``[numels, whether none is 0, device of the layout, layout]`` of a sizes tuple, kept by its identity."""
+    held = _by_sizes.get(id(numels))
+    if held is None or held[0] is not numels:
+        if len(_by_sizes) > 64:
+            _by_sizes.clear()
+        held = _by_sizes[id(numels)] = [numels, 0 not in numels, None, None]
+    return held
+
+
+def _held_layout(numels: tuple, device: torch.device, layout: _Layout) -> _Layout:
+    held = _sizes_facts(numels)
+    held[2], held[3] = device, layout
+    return layout
 
 
 def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
@@ -188,8 +224,8 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
             cached[1] == tuple(map(_col_ptrs, cols)):
         return cached[2]
     lay = _layout(first.numels, device)
-    # One upload of every list's addresses, joined on the host from each Column's array (made once per
-    # Column: a step whose gradients moved converts only theirs; joining arrays is a copy of bytes), rather
+    # One upload of every list's addresses, joined on the host from each Column's bytes (made once per
+    # Column: a step whose gradients moved packs only theirs; joining them is a copy of bytes), rather
     # than a cached device tensor per list joined by torch.cat: an op and a tensor more per new table.
     host = _host_ptrs(first)
     for c in cols[1:]:
@@ -203,11 +239,11 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
     return result
 
 
-def _host_ptrs(col) -> array:
-    """A Column's addresses as an int64 host array, kept on the Column (its facts never change)."""
+def _host_ptrs(col) -> bytearray:
+    """A Column's addresses as int64 host bytes, kept on the Column (its facts never change)."""
     host = col.__dict__.get("host_ptrs")
     if host is None:
-        host = col.host_ptrs = array("q", col.ptrs)
+        host = col.host_ptrs = _pack(col.ptrs)
     return host
 
 
@@ -234,7 +270,7 @@ def group(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[tuple[list[int
     first = cols[0]
     if not first:
         return []
-    if first.device is not None and all(c.dtype is not None for c in cols) and 0 not in first.numels:
+    if first.device is not None and all(c.dtype is not None for c in cols) and _sizes_facts(first.numels)[1]:
         return [(_all_indices(len(first)), cols)]
     out = []
     for idx, pick, device, dtypes in _grouping(cols):

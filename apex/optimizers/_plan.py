@@ -227,12 +227,20 @@ class Bucket:
         return column(gs, ptrs=gptrs, numels=self.numels, dtype=self.dtype, device=self.device)
 
     def held_tables(self, gs: list, gptrs: tuple, make_tables) -> list:
-        """The tables of a launch the step makes itself over ``[grads] + lists``: held while this step's
-        gradient addresses are the tuple they were made with (the plan hands that same tuple on while the
-        addresses repeat), else ``make_tables`` (the kernels' ``tables``, whose engine caches them) makes them."""
+        """The tables of a launch the step makes itself over this step's gradients and the bucket's lists:
+        held while the gradients' addresses are those of the last step (the plan hands that same tuple on while
+        the addresses repeat) or of the step before (as when each step's new gradients take the memory the
+        one before last freed: compared as tuples, which differ early when they differ), else
+        ``make_tables(grads)`` (with the bucket's Column of gradients; the kernels' ``tables``, whose engine
+        caches them by a hash of every address) makes them."""
         held = self.__dict__.get("tables")
-        if held is not None and held[0] is gptrs:
-            return held[1]
-        tabs = make_tables([self.grads(gs, gptrs)] + self.lists)
-        self.tables = (gptrs, tabs)
+        if held is not None:
+            if held[0] is gptrs:
+                return held[1]
+            prev = self.__dict__.get("prev_tables")
+            if prev is not None and prev[0] == gptrs:
+                self.prev_tables, self.tables = held, (gptrs, prev[1])
+                return prev[1]
+        tabs = make_tables(self.grads(gs, gptrs))
+        self.prev_tables, self.tables = held, (gptrs, tabs)
         return tabs

@@ -312,4 +312,5 @@ class FusedAdam(FusedOptimizerBase):
         addresses repeat); otherwise the engine's cache gives them."""
         if op not in _OWN_OPS or _backend.select_device(b.device.type) != "triton":
             return None
-        return b.held_tables(gs, gptrs, _kernels().tables)
+        tables = _kernels().tables
+        return b.held_tables(gs, gptrs, lambda grads: tables([grads] + b.lists))

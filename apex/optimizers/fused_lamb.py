@@ -140,10 +140,8 @@ class FusedLAMB(CopyableOptimizer):
         work = []
         for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
             for b in plan.buckets:
-                held = getattr(b, "tables", None)  # (the tables depend on nothing else the plan does not fix)
-                if held is None or held[0] != gptrs:
-                    held = b.tables = (gptrs, kernels.tables(b.grads(gs, gptrs), *b.lists, None))
-                work.append((group, held[1]))
+                # (the tables depend on nothing else the plan does not fix)
+                work.append((group, b.held_tables(gs, gptrs, lambda grads, b=b: kernels.tables(grads, *b.lists, None))))
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
         every = [t for _, tabs in work for t in tabs]

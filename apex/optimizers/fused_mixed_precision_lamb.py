@@ -228,13 +228,11 @@ class FusedMixedPrecisionLamb(CopyableOptimizer):
         work = []
         for group, (plan, gs, gptrs) in zip(self.param_groups, planned):
             for b in plan.buckets:
-                held = getattr(b, "tables", None)  # (the tables depend on nothing else the plan does not fix)
-                if held is None or held[0] != gptrs:
-                    # kind 0: [grads, masters, m, v] and the model parameters as the output; kind 1: [grads,
-                    # params, m, v]
-                    held = b.tables = (gptrs, kernels.tables(b.grads(gs, gptrs), *b.lists[:3],
-                                                             b.lists[3] if b.kind == 0 else None))
-                work.append((group, b.kind == 0, held[1]))
+                # kind 0: [grads, masters, m, v] and the model parameters as the output; kind 1: [grads, params,
+                # m, v]. (The tables depend on nothing else the plan does not fix.)
+                tabs = b.held_tables(gs, gptrs, lambda grads, b=b: kernels.tables(
+                    grads, *b.lists[:3], b.lists[3] if b.kind == 0 else None))
+                work.append((group, b.kind == 0, tabs))
         flag = self._dummy_overflow_buf
         max_grad_norm = float(self.defaults["max_grad_norm"])
         inv_scale = None

@@ -173,7 +173,8 @@ class FusedSGD(FusedOptimizerBase):
         held while the step's gradient addresses are the tuple they were made with."""
         if op is not _ops.multi_tensor_sgd or _backend.select_device(b.device.type) != "triton":
             return None
-        return b.held_tables(gs, gptrs, _kernels().tables)
+        tables = _kernels().tables
+        return b.held_tables(gs, gptrs, lambda grads: tables([grads] + b.lists))
 
     def _launch(self, group, launch, scale: float) -> None:
         """One ``multi_tensor_sgd`` call per (param dtype, grad dtype, first step) bucket (amp O2's lists, and

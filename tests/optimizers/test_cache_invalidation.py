@@ -398,3 +398,27 @@ def test_op_swapped_between_steps_is_called(backend_name, name):
         assert seen == [3]
     else:
         assert seen == [3, 3]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_gradients_alternating_between_two_sets(backend_name, name):
+    # Two sets of gradient tensors, both kept alive, given in turn (as when each step's new gradients take the
+    # memory the step before last freed): a step reuses the tables of the step before last; then a set equal
+    # to one of them but for one gradient, which must not.
+    dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
+    params = make_params(SHAPES, dtype)
+    opt = OPTIMIZERS[name](params)
+    sets = [grads_for_step(params, s) for s in range(2)]
+    for s in range(5):
+        for p, g in zip(params, sets[s % 2]):
+            p.grad = g
+            g.mul_(0.5)  # (other values at every step)
+        _step_both_and_compare(opt)
+    moved = sets[0][1]
+    sets[0][1] = moved.clone() * 3  # `moved` stays alive: a stale table would read it
+    for p, g in zip(params, sets[0]):
+        p.grad = g
+    _step_both_and_compare(opt)
+    for p, g in zip(params, sets[1]):
+        p.grad = g
+    _step_both_and_compare(opt)
