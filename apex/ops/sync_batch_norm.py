@@ -213,17 +213,21 @@ def ncl_sizes(x: torch.Tensor, channel_last: bool) -> tuple[int, int, int]:
     if channel_last or len(shape) == 2:
         C = shape[-1]
         return x.numel() // C if C else 0, C, 1
-    return shape[0], shape[1], math.prod(shape[2:])
+    N, C = shape[0], shape[1]
+    # L from the element count (no slice and product) unless that is ambiguous (an empty dimension)
+    return N, C, (x.numel() // (N * C) if N and C else math.prod(shape[2:]))
 
 
 def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, running_mean, running_var, eps: float,
-                momentum: float, gather=None) -> tuple[int, torch.Tensor]:
+                momentum: float, gather=None, num_batches_tracked=None) -> tuple[int, torch.Tensor]:
     """Triton path (``backend(x) == "triton"``, ``x`` contiguous and not empty): ``(count, st)`` of the
     batch, and ``running_mean``/``running_var`` (contiguous, or None) updated in place with ``momentum``
     (none when 0) and the unbiased variance. ``gather`` (with ranks): called with this rank's fp64 row
     ``[count, mean (C), var (C)]``, returns ``(every rank's row as [world, 1 + 2C], total count)``; the rows
-    are merged in fp64."""
-    return _kernels().train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum, gather)
+    are merged in fp64. ``num_batches_tracked`` (an integer tensor, or None) is incremented by one in the kernel
+    that updates the running statistics (no operator of its own)."""
+    return _kernels().train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum, gather,
+                                  num_batches_tracked)
 
 
 def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:

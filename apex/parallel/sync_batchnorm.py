@@ -66,9 +66,10 @@ def _gather_rows(row: torch.Tensor, group, shape) -> tuple[torch.Tensor, int]:
 
 
 def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
-                   process_group, channel_last, fuse_relu, distributed):
+                   process_group, channel_last, fuse_relu, distributed, tracked=None):
     """The Triton path: statistics, running-statistics update and scale/shift finished in kernels, on the
-    contiguous input as it is (no per-channel operators, no views)."""
+    contiguous input as it is (no per-channel operators, no views); ``tracked`` (the module's
+    ``num_batches_tracked``, or None) incremented by the statistics' kernel."""
     ncl = ops.ncl_sizes(input, channel_last)
     x = input.contiguous()
     zz = None if z is None else z.contiguous().to(x.dtype)
@@ -77,10 +78,11 @@ def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, 
         st = ops.eval_stats(ncl[1], weight, bias, running_mean, running_var, eps)
     elif distributed:
         count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum,
-                                    lambda row: _gather_rows(row, process_group, input.shape))
+                                    lambda row: _gather_rows(row, process_group, input.shape), tracked)
     else:
-        _check_count(ncl[0] * ncl[2], input.shape)
-        count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum)
+        if ncl[0] * ncl[2] <= 1:
+            _check_count(ncl[0] * ncl[2], input.shape)
+        count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum, None, tracked)
     y = ops.normalize(x, ncl, st, zz, fuse_relu)
     if ctx is not None:  # (None: called without autograd, nothing to save)
         ctx.save_for_backward(x, zz, weight, bias, st)
@@ -112,18 +114,21 @@ def _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b):
             dist.all_reduce(ws[:2], group=group)
         dx, dz = ops.backward_elemt_sums(dy, x, ncl, st, ws, count if use_batch_stats else None, zz, fuse_relu,
                                          need_z)
-    return (dx if need_x else None, dz, grad_weight, grad_bias) + (None,) * 9
+    return (dx if need_x else None, dz, grad_weight, grad_bias) + (None,) * 10
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
-    """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``)."""
+    """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``;
+    ``num_batches_tracked``: the module's counter, incremented by one here, or None)."""
 
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
-                process_group, channel_last, fuse_relu, distributed):
+                process_group, channel_last, fuse_relu, distributed, num_batches_tracked=None):
         if _fused_ok(input, weight, bias, running_mean, running_var):
             return _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats,
-                                  momentum, process_group, channel_last, fuse_relu, distributed)
+                                  momentum, process_group, channel_last, fuse_relu, distributed, num_batches_tracked)
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         x = ops.as_ncl(input, channel_last)
         zz = ops.as_ncl(z, channel_last).to(x.dtype) if z is not None else None
         C = x.shape[1]
@@ -207,7 +212,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
             same = x.shape == shape  # a 3-D input: no reshape back
             grad_input = (dx if same else dx.reshape(shape)) if need_x else None
             grad_z = (dz if same else dz.reshape(shape)) if need_z else None
-        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 9
+        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 10
 
 
 _sync_bn_apply = super(torch.autograd.Function, SyncBatchnormFunction).apply
@@ -285,11 +290,14 @@ class SyncBatchNorm(_BatchNorm):
                 distributed = dist.get_world_size(self.process_group) > 1
             elif self.process_group is not None:
                 require_process_group("apex.parallel.SyncBatchNorm with a process_group in training mode")
-        factor = 0.0
+        factor, tracked = 0.0, None
         if self.training and self.track_running_stats:
             tracked = buffers["num_batches_tracked"] if "num_batches_tracked" in buffers else self.num_batches_tracked
-            tracked.add_(1)
-            factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
+            if self.momentum is None:  # the factor needs the new count on the host
+                tracked.add_(1)
+                factor, tracked = 1.0 / float(tracked), None
+            else:  # incremented below: on the Triton path by its statistics kernel (one operator less)
+                factor = self.momentum
         # The backend once; the kernels' path is PyTorch's for fp64 (apex.ops.sync_batch_norm.backend).
         selected = _backend.select_tensor(input)
         if (selected == "torch" and use_batch_stats and not distributed and input.numel()
@@ -299,22 +307,27 @@ class SyncBatchNorm(_BatchNorm):
             # Nothing to synchronise, on the PyTorch path: PyTorch's batch norm computes the same
             # statistics, running-stat update and gradients in fused passes (torch.nn.SyncBatchNorm falls
             # back to it in the same case).
+            if tracked is not None:
+                tracked.add_(1)
             return self._local_batch_norm(input, z, channel_last, running_mean, running_var,
                                           factor if self.training else 0.0)
         # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper (which
         # unwraps torch.func's dead wrappers over all 13 arguments, ~5 µs).
         plain = not (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
+        if not plain and tracked is not None:  # an operator the tracer sees, not a write inside a kernel
+            tracked.add_(1)
+            tracked = None
         be = "torch" if input.dtype == torch.float64 else selected
         if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, weight, bias)) \
                 and _fused_ok(input, weight, bias, running_mean, running_var, be):
             # Nothing to record: the Triton path's kernels without the Function's context and saved tensors.
             return _fused_forward(None, input, z, weight, bias, running_mean, running_var, self.eps,
                                   use_batch_stats, factor if self.training else 0.0, self.process_group,
-                                  channel_last, self.fuse_relu, distributed)
+                                  channel_last, self.fuse_relu, distributed, tracked)
         apply = _sync_bn_apply if plain else SyncBatchnormFunction.apply
         return apply(input, z, weight, bias, running_mean, running_var, self.eps, use_batch_stats,
                      factor if self.training else 0.0, self.process_group, channel_last, self.fuse_relu,
-                     distributed)
+                     distributed, tracked)
 
     def _local_batch_norm(self, input, z, channel_last, running_mean, running_var, momentum):
         move = channel_last and input.dim() > 2  # (N, L, C) or (N, H, W, C): the channel to dim 1 (a view)

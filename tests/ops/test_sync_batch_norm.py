@@ -198,8 +198,9 @@ def test_stats_and_gradients_random_shapes(backend_name, n, c, l_, channel_last,
 
 def test_triton_path_runs_no_per_channel_operators(backend_name):
     # Statistics, running-statistics update, scale/shift, grad_weight/grad_bias and the means of the
-    # backward are finished in kernels: a training step issues no PyTorch operator of its own besides the
-    # module's num_batches_tracked += 1 (eval: none at all).
+    # backward are finished in kernels, the module's num_batches_tracked += 1 too: a training step issues no
+    # PyTorch operator of its own (eval: none either). With momentum=None the factor needs the new count on
+    # the host: that step's one operator is the increment.
     from apex._backend import interpreting
     from apex.testing import count_eager
 
@@ -220,9 +221,18 @@ def test_triton_path_runs_no_per_channel_operators(backend_name):
             ops_.pop("copy_", None)  # the interpreter's transfers between tensors and its numpy arrays
         return ops_
 
+    tracked = bn.num_batches_tracked
+    assert own(count_eager(step)) == {}
+    assert bn.num_batches_tracked is tracked and int(tracked) == 1
+    with torch.no_grad():  # the Function-free path
+        assert own(count_eager(lambda: bn(x, z))) == {}
+    assert int(tracked) == 2
+    bn.momentum = None
     assert own(count_eager(step)) == {"add_": 1}
+    assert int(tracked) == 3
     bn.eval()
     assert own(count_eager(step)) == {}
+    assert int(tracked) == 3
 
 
 @pytest.mark.parametrize("kind", ["half_module", "no_affine", "no_running_stats", "momentum_zero"])
