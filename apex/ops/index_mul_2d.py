@@ -142,12 +142,10 @@ class IndexMul2d(torch.autograd.Function):
             ordered, perm = torch.sort(idx, stable=True)
             # The inputs themselves are saved (a double backward differentiates through them), not their
             # row-contiguous copies.
-            ctx.save_for_backward(in1, in2, idx, ordered, perm)
-            ctx.triton = True
+            ctx.save_for_backward(in1, in2, idx, ordered, perm)  # the sort saved: the Triton path's mark
             return _kernels().gather_mul(_rows(in1), _rows(in2), idx, in2.dtype)
         _check_bounds(in1, idx1)
         ctx.save_for_backward(in1, in2, idx1)
-        ctx.triton = False
         return torch.index_select(in1, 0, idx1).mul_(in2)
 
     @staticmethod
@@ -155,7 +153,7 @@ class IndexMul2d(torch.autograd.Function):
         in1, in2, idx1, *order = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the gradients are themselves differentiable
             grad_in1, grad_in2 = IndexMul2dBackward.apply(in1, in2, idx1, grad_out)
-        elif ctx.triton:
+        elif order:  # the Triton path
             # No create_graph: nothing will differentiate the gradients, so the second Function (the double
             # backward's graph node, ~15 µs) is not needed; its forward computes the same thing.
             grad_in1, grad_in2 = _kernels().segment_mul_sum(_rows(grad_out), _rows(in2), idx1, in1.shape[0],
