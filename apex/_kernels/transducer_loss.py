@@ -220,11 +220,13 @@ def row_lse(x, acc_dtype: torch.dtype):
     return lse
 
 
-def forward_dense(x, label, f_len, y_len, B: int, T: int, U: int, V: int, blank_idx: int, acc_dtype: torch.dtype):
+def forward_dense(x, label, f_len, y_len, sizes: tuple, blank_idx: int, acc_dtype: torch.dtype | None):
     """``(loss, lse, alpha, beta)`` of dense logits: :func:`row_lse`, then :func:`alpha_beta`, on the
-    contiguous ``x`` (B, T, U, V) of sizes read once by the caller, the contiguous ``label`` (B, L) and int32
-    lengths on its device. The loss comes in ``x``'s dtype (the kernel rounds it once: no cast)."""
-    if acc_dtype is x.dtype:  # (x's own dtype and device: new_empty skips parsing both, ~2 µs an allocation)
+    contiguous ``x`` of ``sizes`` (B, T, U, V, L) read once by the caller, the contiguous ``label`` (B, L) and
+    int32 lengths on its device; ``acc_dtype`` None for ``x``'s own. The loss comes in ``x``'s dtype (the
+    kernel rounds it once: no cast)."""
+    B, T, U, V, L = sizes
+    if acc_dtype is None:  # (x's own dtype and device: new_empty skips parsing both, ~2 µs an allocation)
         lse, alpha, beta = x.new_empty(B, T, U), x.new_empty(B, T, U), x.new_empty(B, T, U)
     else:
         dev = x.device
@@ -239,7 +241,7 @@ def forward_dense(x, label, f_len, y_len, B: int, T: int, U: int, V: int, blank_
     if plan is None:
         plan = _lattice_plan(B, U)
     grid, bb, block_u = plan
-    L = label.shape[1]  # (contiguous: L is also the row stride)
+    # (label contiguous: L is also its row stride)
     _alpha_beta[grid](x, lse, label, f_len, y_len, f_len, alpha, beta, loss, B, T, U, T, U, V, L, L, blank_idx,
                       False, bb, block_u)  # PACKED, BB, BLOCK_U
     return loss, lse, alpha, beta
@@ -274,12 +276,12 @@ def alpha_beta(logp, lse, label, f_len, y_len, batch_offset, T: int, U: int, bla
     return alpha, beta, loss
 
 
-def grad_dense(x, lse, loss_grad, alpha, beta, label, f_len, y_len, B: int, T: int, U: int, V: int, blank_idx: int):
+def grad_dense(x, lse, loss_grad, alpha, beta, label, f_len, y_len, B: int, T: int, U: int, V: int, L: int,
+               blank_idx: int):
     """:func:`grad` of :func:`forward_dense`'s call (fused, in ``x``'s dtype), its sizes passed as integers."""
     out = x.new_empty(B, T, U, V)
     rows = B * T * U
     grid, per, bv = _row_plan(rows, V)
-    L = label.shape[1]
     _grad[grid](x, lse, label, f_len, y_len, f_len, f_len, alpha, beta, loss_grad, out, rows, T, U, T, U, V, L,
                 blank_idx, False, True, per, bv)  # PACKED, FUSED, ROWS, BLOCK_V
     return out

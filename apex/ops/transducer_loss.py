@@ -209,9 +209,12 @@ def _check_opt(opt) -> None:
 def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, debug_list, opt, packed_input
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple | None]:
     """``(loss, lse, alpha, beta, lengths)``: :class:`TransducerLossFunc`'s forward and what its backward needs
-    (the modules call it alone when there is no gradient to record); ``lengths`` is ``(label, f_len, y_len)``
-    as the Triton kernels read them (on ``x``'s device, the lengths int32), None on the PyTorch path."""
-    _check_opt(opt)
+    (the modules call it alone when there is no gradient to record); ``lengths`` is ``(label, f_len, y_len,
+    sizes)`` on the Triton path: the labels and lengths as its kernels read them (on ``x``'s device, the
+    lengths int32) and, for the usual dense call, ``(B, T, U, V, label length)`` (else None); None on the
+    PyTorch path."""
+    if opt != 1:  # (the usual value first: a call costs ~0.3 µs)
+        _check_opt(opt)
     # Only the per-row log-sum-exp is kept (fp32): the backward rebuilds the softmax from the logits.
     if (_backend.select_tensor(x) if isinstance(x, Tensor) else _backend.select(x)) == "triton":
         if not packed_input:
@@ -226,10 +229,10 @@ def loss_and_saved(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, d
         acc = _acc(dtype)
         xc = x.contiguous()
         dev = xc.device
-        lengths = _on(label, dev), _on(f_len, dev, torch.int32), _on(y_len, dev, torch.int32)
+        lengths = _on(label, dev), _on(f_len, dev, torch.int32), _on(y_len, dev, torch.int32), None
         lse = kernels.row_lse(xc, acc)
         boff = batch_offset.to(dev, torch.int64).contiguous() if packed_input else None
-        alpha, beta, loss = kernels.alpha_beta(xc, lse, *lengths, boff, T, U, blank_idx, packed_input, acc)
+        alpha, beta, loss = kernels.alpha_beta(xc, lse, *lengths[:3], boff, T, U, blank_idx, packed_input, acc)
         if loss.dtype != dtype:
             loss = loss.to(dtype)
         if debug_list == []:
@@ -266,9 +269,11 @@ def _usual_dense(x, label, f_len, y_len, blank_idx) -> tuple | None:
         return None  # (the general path moves them to x's device)
     f32 = f_len if fdt is torch.int32 else f_len.to(torch.int32)
     y32 = y_len if ydt is torch.int32 else y_len.to(torch.int32)
-    lengths = label.contiguous(), f32.contiguous(), y32.contiguous()
-    return (*_kernels().forward_dense(x.contiguous(), *lengths, *shape, blank_idx,
-                                      torch.float64 if dtype is torch.float64 else torch.float32), lengths)
+    sizes = (*shape, ls[1])
+    lengths = label.contiguous(), f32.contiguous(), y32.contiguous(), sizes
+    # (acc None: x's own dtype, fp32 or fp64)
+    acc = None if dtype is torch.float32 or dtype is torch.float64 else torch.float32
+    return (*_kernels().forward_dense(x.contiguous(), *lengths, blank_idx, acc), lengths)
 
 
 _NO_GRADS = (None,) * 10  # the gradients of the Function's arguments after x
@@ -282,12 +287,13 @@ class TransducerLossFunc(torch.autograd.Function):
                                                          blank_idx, debug_list, opt, packed_input)
         # The Triton path saves the labels and lengths as its kernels read them, so that its backward (same
         # path: the backend is chosen once) launches without converting them again.
-        triton = lengths is not None
-        if triton:
-            label, f_len, y_len = lengths
-        # (one attribute: each costs a dictionary entry on the context, set and read)
-        ctx.args = triton, blank_idx, fuse_softmax_backward, packed_input
-        if triton and fuse_softmax_backward and not packed_input:
+        sizes = None
+        if lengths is not None:
+            label, f_len, y_len, sizes = lengths
+        # (one attribute: each costs a dictionary entry on the context, set and read; sizes: the usual dense
+        # Triton call's, which its backward launches with)
+        ctx.args = sizes, blank_idx, fuse_softmax_backward, packed_input
+        if sizes is not None and fuse_softmax_backward:
             ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label)
         else:
             ctx.save_for_backward(x, lse, alpha, beta, f_len, y_len, label, batch_offset)
@@ -295,14 +301,13 @@ class TransducerLossFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, loss_grad):
-        triton, blank_idx, fused, packed_input = ctx.args
-        if triton and fused and not packed_input:
+        sizes, blank_idx, fused, packed_input = ctx.args
+        if sizes is not None and fused:
             # alpha, beta and lse as the forward's kernels wrote them (contiguous), the labels and lengths as
             # they read them: only x and the incoming gradient may need a copy.
             x, lse, alpha, beta, f_len, y_len, label = ctx.saved_tensors
-            B, T, U = alpha.shape
             return (_kernels().grad_dense(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len,
-                                          y_len, B, T, U, x.shape[3], blank_idx), *_NO_GRADS)
+                                          y_len, *sizes, blank_idx), *_NO_GRADS)
         x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
         dx = gradient(x, loss_grad, lse, alpha, beta, label, f_len, y_len, batch_offset, blank_idx, fused,
                       packed_input)
