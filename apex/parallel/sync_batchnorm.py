@@ -114,17 +114,18 @@ def _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b):
             dist.all_reduce(ws[:2], group=group)
         dx, dz = ops.backward_elemt_sums(dy, x, ncl, st, ws, count if use_batch_stats else None, zz, fuse_relu,
                                          need_z)
-    return (dx if need_x else None, dz, grad_weight, grad_bias) + (None,) * 10
+    return (dx if need_x else None, dz, grad_weight, grad_bias) + (None,) * 11
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
     """Autograd function of :class:`SyncBatchNorm` (argument order as in Apex, plus ``z``/``fuse_relu``;
-    ``num_batches_tracked``: the module's counter, incremented by one here, or None)."""
+    ``num_batches_tracked``: the module's counter, incremented by one here, or None; ``fused``: whether the
+    Triton path takes the call, where the caller has asked already)."""
 
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
-                process_group, channel_last, fuse_relu, distributed, num_batches_tracked=None):
-        if _fused_ok(input, weight, bias, running_mean, running_var):
+                process_group, channel_last, fuse_relu, distributed, num_batches_tracked=None, fused=None):
+        if fused if fused is not None else _fused_ok(input, weight, bias, running_mean, running_var):
             return _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats,
                                   momentum, process_group, channel_last, fuse_relu, distributed, num_batches_tracked)
         if num_batches_tracked is not None:
@@ -212,7 +213,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
             same = x.shape == shape  # a 3-D input: no reshape back
             grad_input = (dx if same else dx.reshape(shape)) if need_x else None
             grad_z = (dz if same else dz.reshape(shape)) if need_z else None
-        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 10
+        return (grad_input, grad_z, grad_weight, grad_bias) + (None,) * 11
 
 
 _sync_bn_apply = super(torch.autograd.Function, SyncBatchnormFunction).apply
@@ -318,8 +319,8 @@ class SyncBatchNorm(_BatchNorm):
             tracked.add_(1)
             tracked = None
         be = "torch" if input.dtype == torch.float64 else selected
-        if plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, weight, bias)) \
-                and _fused_ok(input, weight, bias, running_mean, running_var, be):
+        fused = _fused_ok(input, weight, bias, running_mean, running_var, be)  # asked once, told to the Function
+        if fused and plain and not (torch.is_grad_enabled() and torch._C._any_requires_grad(input, z, weight, bias)):
             # Nothing to record: the Triton path's kernels without the Function's context and saved tensors.
             return _fused_forward(None, input, z, weight, bias, running_mean, running_var, self.eps,
                                   use_batch_stats, factor if self.training else 0.0, self.process_group,
@@ -327,7 +328,7 @@ class SyncBatchNorm(_BatchNorm):
         apply = _sync_bn_apply if plain else SyncBatchnormFunction.apply
         return apply(input, z, weight, bias, running_mean, running_var, self.eps, use_batch_stats,
                      factor if self.training else 0.0, self.process_group, channel_last, self.fuse_relu,
-                     distributed, tracked)
+                     distributed, tracked, fused)
 
     def _local_batch_norm(self, input, z, channel_last, running_mean, running_var, momentum):
         move = channel_last and input.dim() > 2  # (N, L, C) or (N, H, W, C): the channel to dim 1 (a view)
