@@ -31,6 +31,7 @@ def _mm(a, b, LOW: tl.constexpr, DT: tl.constexpr):
 
 # The interpreter's launches (big tiles, few programs): a constant of the kernels (see _host.interpreted).
 _INTERP = interpreted(_mm)
+_F32 = torch.float32
 
 
 @triton.jit
@@ -180,16 +181,18 @@ def _attn_bwd_dkdv(q, k, v, mask, bias, do, lse, delta, dk, dv,
     tl.store(dv + kv_off, dv_acc.to(dv.dtype.element_ty), mask=nd)
 
 
-def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
+def _blocks(d: int, device: torch.device) -> tuple[int, int, int]:
+    # Every GPU launch takes Triton's default of 4 warps (the interpreter none): no num_warps keyword, which
+    # would cost each launch ~2,000 instructions. A configuration wanting other warps must pass it again.
     block_d = max(16, next_power_of_2(d))
     if _INTERP or device.type != "cuda":
-        return 32, 64, block_d, 1  # the interpreter pays per op: few, large blocks
+        return 32, 64, block_d  # the interpreter pays per op: few, large blocks
     if block_d <= 64:
-        return 64, 64, block_d, 4
-    return 64, 32, block_d, 4
+        return 64, 64, block_d
+    return 64, 32, block_d
 
 
-# Launch plans by (Z, H, NQ, NK, D, dtype, on CUDA): blocks, warps, the low-precision flag and the launchers of
+# Launch plans by (Z, H, NQ, NK, D, dtype, on CUDA): blocks, the low-precision flag and the launchers of
 # the forward and the two backward kernels on their grids; a call of a geometry seen before looks them up.
 _PLANS = _tuning.plan_cache()
 
@@ -200,11 +203,11 @@ def _plan(dims: tuple, q: torch.Tensor) -> tuple:
     plan = _PLANS.get(key)
     if plan is None:
         z, h, nq, nk, d = dims
-        bm, bn, bd, warps = _blocks(d, q.device)
+        bm, bn, bd = _blocks(d, q.device)
         low = dtype in (torch.float16, torch.bfloat16) and not _INTERP
         grid_q, grid_k = (cdiv(nq, bm), z * h), (cdiv(nk, bn), z * h)
         # The grids' launchers kept with the plan: kernel[grid] builds a new one at every call.
-        plan = _PLANS[key] = (bm, bn, bd, warps, low, _attn_fwd[grid_q], _attn_bwd_dq[grid_q],
+        plan = _PLANS[key] = (bm, bn, bd, low, _attn_fwd[grid_q], _attn_bwd_dq[grid_q],
                               _attn_bwd_dkdv[grid_k])
     return plan
 
@@ -215,15 +218,16 @@ def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides:
     ``(Z, H, NQ, NK, D)``. ``o`` contiguous in ``q``'s shape and dtype, ``lse`` fp32 ``[Z, H, NQ]``."""
     z, h, nq, nk, d = dims
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
-    if o.numel() == 0:
+    # (new_empty with integer sizes: no device object, ~1.5k instructions less than torch.empty(..., device=))
+    lse = q.new_empty(z, h, nq, dtype=_F32)
+    if z == 0 or h == 0 or nq == 0 or d == 0:
         return o, lse
-    bm, bn, bd, warps, low, launch, _, _ = _plan(dims, q)
-    # The constexprs positionally (HAS_MASK, HAS_BIAS, LOW, BLOCK_M, BLOCK_N, BLOCK_D): each keyword costs a
-    # launch ~2,000 instructions of dictionary building and binding.
+    bm, bn, bd, low, launch, _, _ = _plan(dims, q)
+    # The constexprs positionally (HAS_MASK, HAS_BIAS, LOW, BLOCK_M, BLOCK_N, BLOCK_D) and no launch options
+    # (see _blocks): each keyword costs a launch ~2,000 instructions of dictionary building and binding.
     launch(
         q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, h, nq, nk, d,
-        float(scale), float(inf), mask is not None, bias is not None, low, bm, bn, bd, num_warps=warps)
+        float(scale), float(inf), mask is not None, bias is not None, low, bm, bn, bd)
     return o, lse
 
 
@@ -236,19 +240,19 @@ def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds:
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    ds = torch.empty(z, h, nq, nk, dtype=torch.float32, device=q.device) if need_ds else None
-    delta = torch.empty(z, h, nq, dtype=torch.float32, device=q.device)
-    if q.numel() == 0 or k.numel() == 0:
+    ds = q.new_empty(z, h, nq, nk, dtype=_F32) if need_ds else None
+    delta = q.new_empty(z, h, nq, dtype=_F32)
+    if z == 0 or h == 0 or nq == 0 or nk == 0 or d == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
-    bm, bn, bd, warps, low, _, launch_dq, launch_dkdv = _plan(dims, q)
+    bm, bn, bd, low, _, launch_dq, launch_dkdv = _plan(dims, q)
     m_arg = mask if mask is not None else q
     b_arg = bias if bias is not None else q
     has_mask, has_bias = mask is not None, bias is not None
     # Constexprs positionally, as in forward: HAS_MASK, HAS_BIAS, NEED_DS (dq only), LOW, BLOCK_M/N/D.
     launch_dq(
         q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *strides, h, nq, nk, d,
-        float(scale), float(inf), has_mask, has_bias, need_ds, low, bm, bn, bd, num_warps=warps)
+        float(scale), float(inf), has_mask, has_bias, need_ds, low, bm, bn, bd)
     launch_dkdv(
         q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, float(scale), float(inf),
-        has_mask, has_bias, low, bm, bn, bd, num_warps=warps)
+        has_mask, has_bias, low, bm, bn, bd)
     return dq, dk, dv, ds

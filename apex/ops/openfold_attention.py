@@ -26,12 +26,17 @@ Tensor = torch.Tensor
 
 def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> tuple:
     """Validate shapes, dtypes and devices; returns the full score shape ``[..., H, NQ, NK]``."""
-    if isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.is_floating_point() \
-            and q.dim() >= 3 and k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device \
-            and v.device == q.device:
-        qs, ks = q.shape, k.shape
-        if ks == v.shape and ks[-1] == qs[-1] and ks[:-2] == qs[:-2]:  # what the checks below ask of q, k, v
-            return _check_mask_bias(q, mask, bias, (*qs[:-1], ks[-2]))
+    # The usual call, each fact read once: dtypes by identity (singletons), devices by flags and index (no
+    # torch.device objects, ~1.5k instructions each); anything else goes through the checks below.
+    if isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor):
+        dt = q.dtype
+        if dt in _FLOATS and k.dtype is dt and v.dtype is dt and _same_devices(q, k, v):
+            qs, ks = q.shape, k.shape
+            # what the checks below ask of q, k, v
+            if len(qs) >= 3 and ks == v.shape and ks[-1] == qs[-1] and ks[:-2] == qs[:-2]:
+                if mask is None and bias is None:
+                    return (*qs[:-1], ks[-2])
+                return _check_mask_bias(q, mask, bias, (*qs[:-1], ks[-2]))
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -49,6 +54,16 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tenso
         raise ValueError(f"key shape {list(k.shape)} does not match query shape {list(q.shape)} "
                          "(same leading dims and head dim expected)")
     return _check_mask_bias(q, mask, bias, (*q.shape[:-1], k.shape[-2]))
+
+
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def _same_devices(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    if q.is_cuda:
+        i = q.get_device()
+        return k.is_cuda and v.is_cuda and k.get_device() == i and v.get_device() == i
+    return q.is_cpu and k.is_cpu and v.is_cpu
 
 
 def _check_mask_bias(q: Tensor, mask: Tensor | None, bias: Tensor | None, full: tuple) -> tuple:
@@ -138,8 +153,13 @@ def _operands(q, k, v, mask, bias, full) -> tuple:
     """``(q, k, v, mask, bias, dims, strides)`` for the kernels: the tensors as given whenever their leading
     dims merge into one (strides computed, no view: an operator call each), else reshaped to 4-D; ``dims`` is
     ``(Z, H, NQ, NK, D)``, ``strides`` the 20 strides of the five as ``[Z, H, N, *]`` (0 for an absent one)."""
-    lead = q.dim() - 3
-    z = q.shape[0] if lead == 1 else math.prod(q.shape[:lead])
+    lead = len(full) - 3
+    z = full[0] if lead == 1 else math.prod(full[:lead])
+    if mask is None and bias is None and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        # The usual unmasked call on contiguous inputs: the strides their layout implies (no stride reads).
+        h, nq, nk, d = full[-3], full[-2], full[-1], q.shape[-1]
+        sk = (h * nk * d, nk * d, d, 1)
+        return q, k, v, None, None, (z, h, nq, nk, d), (h * nq * d, nq * d, d, 1, *sk, *sk, 0, 0, 0, 0, 0, 0, 0, 0)
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.to(q.dtype)
     parts = []

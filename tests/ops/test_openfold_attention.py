@@ -146,6 +146,28 @@ def test_attn_without_mask(backend_name):
         assert_rel_close(g, r, torch.float32, tol=1e-5, name=name)
 
 
+@pytest.mark.parametrize("lead", [(2,), (1, 2), (2, 3)])
+def test_attn_without_mask_and_bias(backend_name, lead):
+    """No mask and no bias on contiguous inputs (the kernels read them at the strides their layout implies),
+    ragged NQ != NK, 4-D and with leading dims: float64 accuracy of the output and q/k/v gradients, also with
+    a size-1 leading dim of an odd stride (a tensor PyTorch calls contiguous)."""
+    q, k, v, _, _ = _attn_inputs(lead, 3, 11, 19, 8, torch.float32, bias=False)
+    cases = [(q, k, v)]
+    if lead == (1, 2):
+        odd = torch.empty_strided(k.shape, (5, 3 * 19 * 8, 19 * 8, 8, 1), dtype=k.dtype)
+        assert odd.is_contiguous()
+        cases.append((q, odd.copy_(k.detach()).requires_grad_(), v))
+    for q_, k_, v_ in cases:
+        leaves = (q_, k_, v_)
+        o = AttnTri(q_, k_, v_, None, None)
+        do = torch.randn(o.shape)
+        d64 = [t.detach().double().requires_grad_() for t in leaves]
+        o64 = _attn_eager(*d64, None, None, 1e9)
+        for name, g, r in zip(["o", "dq", "dk", "dv"], [o, *torch.autograd.grad(o, leaves, do)],
+                              [o64, *torch.autograd.grad(o64, d64, do.double())]):
+            assert_rel_close(g, r, torch.float32, tol=1e-5, name=name)
+
+
 def test_attn_tri_not_training_records_no_graph(backend_name):
     q, k, v, mask, b = _attn_inputs((1, 2), 2, 8, 8, 16, torch.float32)
     o = AttnTri(q, k, v, mask, b, 1e9, False)
