@@ -166,8 +166,8 @@ def _programs(m: int, device: torch.device) -> int:
 
 
 # What a warm launch of a shape seen before needs, by (direction, sizes, flags, dtypes[, device]): the
-# autotuner's key and the config it chose for it, the grid and the launch's keyword arguments. Emptied with
-# the other launchers' plans (apex._kernels._tuning.invalidate).
+# autotuner's key and the config it chose for it, the grid's launcher, the constexprs and the launch options.
+# Emptied with the other launchers' plans (apex._kernels._tuning.invalidate).
 _PLANS = _tuning.plan_cache()
 _BWD_SHAPES = _tuning.plan_cache()  # the backward's programs and column-sum launch, by the same keys
 
@@ -186,11 +186,28 @@ def _launch_kept(kernel, plan: tuple, args: tuple) -> bool:
     """A warm launch from its kept plan (see :func:`_launch`), False where the autotuner's cache no longer holds
     that plan's config for its key. The constexprs go by position after ``args`` (a keyword costs a launch
     ~2,000 instructions of dictionary building and binding); the launch options (warps, stages) by keyword."""
-    tkey, config, launch_grid, tail, options = plan
+    tkey, config, launcher, tail, options = plan
     if (kernel.configs[0] if tkey is None else kernel.cache.get(tkey)) is not config:
         return False
-    kernel.fn[launch_grid](*args, *tail, **options)
+    if options:
+        launcher(*args, *tail, **options)
+    else:
+        launcher(*args, *tail)
     return True
+
+
+def _launch_options(options: dict) -> dict:
+    """The config's launch options that differ from Triton's defaults (4 warps, 1 CTA, the backend's stages):
+    each keyword costs a launch ~2,000 instructions; the interpreter takes none."""
+    if _INTERP:
+        return {}
+    defaults = {"num_warps": 4, "num_ctas": 1, "num_stages": _default_stages()}
+    return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
+
+
+def _default_stages() -> int:
+    # Triton's HIPOptions / CUDAOptions defaults (a target query: once per plan)
+    return 2 if triton.runtime.driver.active.get_current_target().backend == "hip" else 3
 
 
 def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> None:
@@ -214,7 +231,8 @@ def _launch(kernel, plan_key: tuple, grid, args: tuple, constexprs: dict) -> Non
     if not all(name in options for name in names):
         return
     tail = tuple(options.pop(name) for name in names)
-    _PLANS[plan_key] = (tkey, config, launch_grid, tail, options)
+    # The grid's launcher kept (kernel.fn[grid] builds one at every call).
+    _PLANS[plan_key] = (tkey, config, kernel.fn[launch_grid], tail, _launch_options(options))
 
 
 _F32 = torch.float32
@@ -259,9 +277,10 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
     if shape is None:  # programs, rows each, the column sums' grid and block
         progs = _programs(m, dev)
         block_c = min(next_power_of_2(n), 256)
-        shape = _BWD_SHAPES[key] = (progs, cdiv(m, progs), (cdiv(n, block_c), need_dw + need_db), block_c)
-    progs, per_prog, sum_grid, block_c = shape
-    k = sum_grid[1]
+        sum_grid = (cdiv(n, block_c), need_dw + need_db)
+        # (the column sums' launcher kept: kernel[grid] builds one at every call)
+        shape = _BWD_SHAPES[key] = (progs, cdiv(m, progs), _column_sum[sum_grid], need_dw + need_db, block_c)
+    progs, per_prog, column_sum, k, block_c = shape
     # One buffer of partial sums and one column-sum launch for both parameter gradients.
     if not k:
         part = dx
@@ -275,8 +294,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
         if plan is None or not _launch_kept(_ln_bwd, plan, args):
             _launch(_ln_bwd, key, (progs,), args, {"HAS_W": weight is not None, "NEED_DW": need_dw, "NEED_DB": need_db,
                                                    "BLOCK_N": next_power_of_2(n)})
-    dw = torch.empty(n, dtype=w_dtype, device=dev) if need_dw else None
-    db = torch.empty(n, dtype=b_dtype, device=dev) if need_db else None
+    # (new_empty without keywords where the weight's dtype is the answer: each keyword costs ~2,000 instructions)
+    dw = (weight.new_empty(n) if weight.dtype is w_dtype else torch.empty(n, dtype=w_dtype, device=dev)) \
+        if need_dw else None
+    db = (weight.new_empty(n) if weight is not None and weight.dtype is b_dtype else
+          torch.empty(n, dtype=b_dtype, device=dev)) if need_db else None
     if k:
         if m == 0:
             for t in (dw, db):
@@ -284,5 +306,5 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: boo
                     t.zero_()
         else:
             # BLOCK_P, BLOCK_C by position (see _launch_kept)
-            _column_sum[sum_grid](part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, 16, block_c)
+            column_sum(part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, 16, block_c)
     return dx, dw, db

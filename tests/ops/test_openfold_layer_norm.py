@@ -282,3 +282,17 @@ def test_layer_norm_compiles_in_one_graph(backend_choice):
     ref = [y64, *torch.autograd.grad(y64, d64, dy.double())]
     for g, r in zip(got, ref):
         assert_rel_close(g, r, torch.float32, tol=1e-5)
+
+
+def test_layer_norm_launch_options_only_where_not_default(monkeypatch):
+    """A kept GPU launch passes only the config's options that differ from Triton's defaults (4 warps, 1 CTA,
+    the backend's stages; each keyword costs every launch): a config's 8 warps or 2 stages on CUDA are kept."""
+    from apex._kernels import openfold_layer_norm as kernels
+
+    monkeypatch.setattr(kernels, "_INTERP", False)
+    monkeypatch.setattr(kernels, "_default_stages", lambda: 3)
+    assert kernels._launch_options({"num_warps": 4, "num_ctas": 1, "num_stages": 3}) == {}
+    assert kernels._launch_options({"num_warps": 8, "num_ctas": 1, "num_stages": 2}) == {"num_warps": 8,
+                                                                                           "num_stages": 2}
+    monkeypatch.setattr(kernels, "_INTERP", True)
+    assert kernels._launch_options({"num_warps": 8, "num_ctas": 1, "num_stages": 2}) == {}
