@@ -64,6 +64,7 @@ class TensorTable:  # (read-only by convention: a frozen dataclass costs an obje
     dtypes: tuple               # triton dtype of each list
     max_chunks: int = 1         # the most chunks of one tensor
     first: torch.Tensor | None = None  # int64 [n_tensors + 1]: chunk_first on the device
+    host: bytearray | None = None  # the host bytes ``ptrs`` was uploaded from (never written)
 
 
 @dataclass(frozen=True)
@@ -234,9 +235,24 @@ def table(tensor_lists: Sequence[Sequence[torch.Tensor]]) -> TensorTable:
                          chunk_tensor=lay.chunk_tensor, chunk_start=lay.chunk_start,
                          chunk_first=lay.chunk_first, n_tensors=len(first), n_chunks=lay.n_chunks,
                          chunk=lay.chunk, block=lay.block, dtypes=tuple(TORCH_TO_TL[d] for d in dtypes),
-                         max_chunks=lay.max_chunks, first=lay.first)
+                         max_chunks=lay.max_chunks, first=lay.first, host=host)
     _tables.put(key, (first.numels, tuple(c.ptrs for c in cols), result))
     return result
+
+
+def with_first_list(tab: TensorTable, ptrs: Sequence[int]) -> TensorTable:
+    """``tab`` (made by :func:`table`) with the addresses of its first list replaced by ``ptrs``, in one upload:
+    what a step whose gradients alone moved needs, without the lists' Columns, grouping, hashing and layout
+    lookup of a new :func:`table`. The caller promises that the tensors at ``ptrs`` have the first list's
+    dtype, device and sizes, in the table's order."""
+    n = tab.n_tensors
+    if len(ptrs) != n or tab.host is None:
+        raise ValueError(f"with_first_list: {len(ptrs)} addresses for a table of {n} tensors")
+    host = _pack(ptrs) + tab.host[8 * n:]
+    return TensorTable(ptrs=_upload(host, tab.ptrs.device), sizes=tab.sizes, chunk_tensor=tab.chunk_tensor,
+                       chunk_start=tab.chunk_start, chunk_first=tab.chunk_first, n_tensors=n,
+                       n_chunks=tab.n_chunks, chunk=tab.chunk, block=tab.block, dtypes=tab.dtypes,
+                       max_chunks=tab.max_chunks, first=tab.first, host=host)
 
 
 def _host_ptrs(col) -> bytearray:

@@ -230,9 +230,11 @@ class Bucket:
         """The tables of a launch the step makes itself over this step's gradients and the bucket's lists:
         held while the gradients' addresses are those of the last step (the plan hands that same tuple on while
         the addresses repeat) or of the step before (as when each step's new gradients take the memory the
-        one before last freed: compared as tuples, which differ early when they differ), else
+        one before last freed: compared as tuples, which differ early when they differ). Otherwise a held
+        table of all the bucket's tensors is copied with the gradients' new addresses (one upload), else
         ``make_tables(grads)`` (with the bucket's Column of gradients; the kernels' ``tables``, whose engine
-        caches them by a hash of every address) makes them."""
+        caches them by a hash of every address) makes them. (The plan has checked that the gradients have
+        their parameters' dtype, sizes and device; every engine table lists the gradients first.)"""
         held = self.__dict__.get("tables")
         if held is not None:
             if held[0] is gptrs:
@@ -241,6 +243,15 @@ class Bucket:
             if prev is not None and prev[0] == gptrs:
                 self.prev_tables, self.tables = held, (gptrs, prev[1])
                 return prev[1]
+            if len(held[1]) == 1:
+                tab = held[1][0]
+                ptrs = gptrs if self.idx is None else take(gptrs, self.idx)
+                if tab.n_tensors == len(ptrs) and tab.host is not None:
+                    from apex._kernels.multi_tensor import with_first_list  # (imports Triton: not at import)
+
+                    tabs = [with_first_list(tab, ptrs)]
+                    self.prev_tables, self.tables = held, (gptrs, tabs)
+                    return tabs
         tabs = make_tables(self.grads(gs, gptrs))
         self.prev_tables, self.tables = held, (gptrs, tabs)
         return tabs
