@@ -17,9 +17,12 @@ allocation and one launch each way; most ops have more of each, which no impleme
 also gets its ``same-job`` reference (:func:`_same_job`): a plain ``autograd.Function`` with the op's own
 differentiable inputs, output, buffer allocations and launches each way (counted on a warm call of the op),
 and no checks, backend choice or dispatch: the floor of this job written the Liger way. ``fwd+bwd ÷
-same-job`` is the overhead of ours. ``liger`` rows (LayerNorm, RMSNorm) appear where Liger-Kernel is installed
-(``pip install -e ".[bench]"``). Times are the minimum over repeats of the mean of a loop of calls (the
-thread's CPU time), ours and both references interleaved: on a shared machine the minimum is the estimate
+same-job`` is the overhead of ours. An op whose public entry is an ``nn.Module`` (:data:`MODULE_ENTRIES`)
+is also compared with the same reference called through a module (``same-job module``), as Liger-Kernel's
+modules call their Functions: the module call is a cost of Apex's API, not of the implementation.
+``liger`` rows (LayerNorm, RMSNorm) appear where Liger-Kernel is installed (``pip install -e ".[bench]"``).
+Times are the minimum over repeats of the mean of a loop of calls (the thread's CPU time), ours and the
+references interleaved: on a shared machine the minimum is the estimate
 least disturbed by other work. Ratios are the median over repeats of ours ÷ the reference's loop timed next
 to it, which follows a drifting load better than a ratio of two minima.
 """
@@ -339,6 +342,12 @@ def _liger(kind: str):
     return build
 
 
+# Ops whose public entry is an ``nn.Module`` (Apex's API): the module call itself (hook checks, the
+# forward's frame) costs them what a Function called directly does not; the ``same-job module`` reference
+# pays it too.
+MODULE_ENTRIES = {"FusedLayerNorm", "FusedRMSNorm", "FusedDense", "MLP", "transducer_joint", "transducer_loss",
+                  "SyncBatchNorm", "liger LayerNorm", "liger RMSNorm"}
+
 OPS: dict[str, Callable] = {
     "FusedLayerNorm": _layer_norm,
     "FusedRMSNorm": _rms_norm,
@@ -420,26 +429,40 @@ def _job(call: Callable, inputs: tuple | None, stub) -> dict:
     return job
 
 
-def _reference_workloads(inputs: tuple | None, job: dict):
-    """(forward, forward + backward) of the op's same-job reference (:func:`_same_job`)."""
+def _reference_workloads(inputs: tuple | None, job: dict, module: bool = False):
+    """(forward, forward + backward) of the op's same-job reference (:func:`_same_job`); ``module``: called
+    through an ``nn.Module`` whose ``forward`` applies it, as an op whose public entry is a module is (and as
+    Liger-Kernel's modules call their Functions)."""
     if inputs is None:
         return None, None
     import torch
 
     xs = tuple(t.detach().requires_grad_() for t in inputs)
     # The no_grad forward mirrors the op's no_grad forward (which may skip saving statistics).
-    fwd_fn = _same_job(xs, job["out"], job["fwd"], (0, 0))
-    fb_fn = _same_job(xs, job["out"], job["fwd_grad"], job["bwd"])
+    fwd_fn = _same_job(xs, job["out"], job["fwd"], (0, 0)).apply
+    fb_fn = _same_job(xs, job["out"], job["fwd_grad"], job["bwd"]).apply
+    if module:
+        fwd_fn, fb_fn = _module_calling(fwd_fn), _module_calling(fb_fn)
     dy = torch.ones_like(job["out"])
 
     def fwd():
         with torch.no_grad():
-            fwd_fn.apply(*xs)
+            fwd_fn(*xs)
 
     def fwd_bwd():
-        torch.autograd.grad(fb_fn.apply(*xs), xs, dy)
+        torch.autograd.grad(fb_fn(*xs), xs, dy)
 
     return fwd, fwd_bwd
+
+
+def _module_calling(apply: Callable):
+    import torch
+
+    class SameJobModule(torch.nn.Module):
+        def forward(self, *xs):
+            return apply(*xs)
+
+    return SameJobModule()
 
 
 def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
@@ -466,12 +489,13 @@ def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
                 rows.append({"op": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
                 continue
             same = _reference_workloads(inputs, job)
+            in_module = _reference_workloads(inputs, job, module=True) if name in MODULE_ENTRIES else (None, None)
             row = {"op": name, "fwd_launches": job["fwd"][1], "fwd_allocs": job["fwd"][0]}
             if "bwd" in job:
                 row["fwd_bwd_launches"] = job["fwd_grad"][1] + job["bwd"][1]
                 row["fwd_bwd_allocs"] = job["fwd_grad"][0] + job["bwd"][0]
             for i, label in enumerate(("fwd", "fwd_bwd")):
-                fns = {"": ours[i], "plain_": plain_ref[i], "job_": same[i]}
+                fns = {"": ours[i], "plain_": plain_ref[i], "job_": same[i], "mjob_": in_module[i]}
                 fns = {k: f for k, f in fns.items() if f is not None}
                 if "" not in fns:
                     continue
@@ -501,17 +525,19 @@ def _ratio(r: dict, label: str, ref: str) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| op | launches fwd / fwd+bwd | allocations fwd / fwd+bwd | fwd µs | fwd+bwd µs | plain fwd+bwd µs "
-             "| same-job fwd / fwd+bwd µs | fwd+bwd ÷ plain | fwd ÷ same-job | fwd+bwd ÷ same-job |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| same-job fwd / fwd+bwd µs | fwd+bwd ÷ plain | fwd ÷ same-job | fwd+bwd ÷ same-job "
+             "| fwd+bwd ÷ same-job module |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['op']} | {r['error']} | | | | | | | | | |")
             continue
         lines.append(
             f"| {r['op']} | {r['fwd_launches']} / {r.get('fwd_bwd_launches', '-')} | {r['fwd_allocs']} / "
             f"{r.get('fwd_bwd_allocs', '-')} | {r['fwd_us']} | {r.get('fwd_bwd_us', '-')} | "
             f"{r.get('plain_fwd_bwd_us', '-')} | {r.get('job_fwd_us', '-')} / {r.get('job_fwd_bwd_us', '-')} | "
-            f"{_ratio(r, 'fwd_bwd', 'plain')} | {_ratio(r, 'fwd', 'job')} | **{_ratio(r, 'fwd_bwd', 'job')}** |")
+            f"{_ratio(r, 'fwd_bwd', 'plain')} | {_ratio(r, 'fwd', 'job')} | **{_ratio(r, 'fwd_bwd', 'job')}** | "
+            f"{_ratio(r, 'fwd_bwd', 'mjob')} |")
     return "\n".join(lines)
 
 
