@@ -1,11 +1,13 @@
 """Machinery shared by apex's fused optimizers.
 
-* hyper-parameter validation (``ValueError`` naming the argument);
+* hyper-parameter validation (``ValueError`` naming the argument: :mod:`apex.optimizers._validation`);
 * a whole-step check of every gradient before anything is changed (sparse, dtype, shape, device);
 * grouping of tensors by (device, dtype) so each group costs one multi-tensor call;
 * fp32 master weights for fp16 *and* bf16 parameters, kept in the per-parameter state (``master_param``)
-  so that they are saved by ``state_dict()`` and a resumed run continues bit for bit;
-* ``zero_grad`` honouring Apex's ``set_grad_none``;
+  so that they are saved by ``state_dict()`` and a resumed run continues bit for bit
+  (:mod:`apex.optimizers._masters`);
+* ``zero_grad`` honouring Apex's ``set_grad_none`` (with the ``step`` wrapper, the closure and copies:
+  :mod:`apex.optimizers._optimizer_protocol`);
 * mixed-precision scaling: ``step(grad_scaler=...)`` (Apex's protocol) and the ``grad_scale`` /
   ``found_inf`` attributes that ``torch.amp.GradScaler`` sets on optimizers (PyTorch's protocol);
 * a ``load_state_dict`` that keeps fp32 optimizer state fp32 for reduced-precision parameters
@@ -14,61 +16,36 @@
 
 from __future__ import annotations
 
-import functools
-import math
-import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
-from torch.optim.optimizer import required
 
 from apex.optimizers._grad_scaler import scaler_state
-from apex.optimizers._plan import Plan, step_plans
+from apex.optimizers._masters import REDUCED, MasterWeights  # noqa: F401
 
-REDUCED = (torch.float16, torch.bfloat16)
+# The optimizers import these from here: the hyper-parameter checks and torch.optim's protocol have their own
+# modules.
+from apex.optimizers._optimizer_protocol import (  # noqa: F401
+    CopyableOptimizer,
+    fused_step,
+    run_closure,
+    trusted,
+    zero_grad,
+)
+from apex.optimizers._plan import Plan, step_plans
+from apex.optimizers._validation import (  # noqa: F401
+    _number,
+    check_betas,
+    check_non_negative,
+    check_sgd_hyperparameters,
+)
+
 # float64 parameters are accepted as Apex's kernels accept them: the update is computed in fp32.
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-# -- validation -----------------------------------------------------------------------------------------
-def _number(value, name: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
-        return float(value.detach().cpu().item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def check_non_negative(value, name: str) -> None:
-    v = _number(value, name)
-    if not v >= 0.0 or math.isinf(v):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
-
-
-def check_betas(betas, name: str = "betas") -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid {name}: {betas!r} (expected a pair (beta1, beta2))")
-    for i, b in enumerate(betas):
-        v = _number(b, f"{name}[{i}]")
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({name}[{i}] must be in [0, 1))")
-
-
-def check_sgd_hyperparameters(lr, momentum, dampening, weight_decay, nesterov) -> None:
-    """The arguments FusedSGD and FusedLARS share (``lr`` may be ``torch.optim.optimizer.required``)."""
-    if lr is not required:
-        check_non_negative(lr, "lr")
-    check_non_negative(momentum, "momentum")
-    check_non_negative(weight_decay, "weight_decay")
-    check_non_negative(dampening, "dampening")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
+# -- tensor checks ---------------------------------------------------------------------------------------
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: the elements fill one block of memory in some order."""
     if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
@@ -82,57 +59,6 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-def fused_step(func: Callable) -> Callable:
-    """Decorator for a fused optimizer's ``step``: gradients off (``torch.no_grad``) and ``torch.optim``'s
-    step hooks, as ``torch.optim.Optimizer`` wraps every ``step``; the profiler's ``Optimizer.step#...``
-    range is opened only while a profiler runs (entering it costs as much as a step of ~100 parameters).
-    With any step hook registered the call goes through PyTorch's own wrapper, unchanged."""
-
-    @functools.wraps(func)
-    def no_grad(*args, **kwargs):
-        prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            torch._C._set_grad_enabled(prev)
-
-    hooked = torch.optim.Optimizer.profile_hook_step(no_grad)
-
-    @functools.wraps(func)
-    def step(self, *args, **kwargs):
-        if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
-                or _torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
-                or torch._C._autograd._profiler_enabled()):
-            return hooked(self, *args, **kwargs)
-        return no_grad(self, *args, **kwargs)
-
-    step.hooked = True  # torch.optim.Optimizer.__init__ then leaves it as it is
-    return step
-
-
-def trusted(op) -> dict:
-    """``validate=False`` for apex's own ops (the step already checked every tensor); nothing for an op a
-    subclass swapped in."""
-    return {"validate": False} if getattr(op, "__module__", "").startswith("apex.ops.") else {}
-
-
-def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None) -> None:
-    """Clear gradients: ``None`` when ``set_to_none`` (default: the optimizer's ``set_grad_none``), else
-    zeros."""
-    if set_to_none is None:
-        set_to_none = optimizer.set_grad_none
-    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=bool(set_to_none))
-
-
-def run_closure(closure: Callable | None):
-    """``closure()`` with gradients enabled (``step`` runs under ``no_grad``), or None."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
 class Checked(NamedTuple):
     """One parameter group after the step's checks: its parameters with a gradient, the gradients, and
     the group's dtype (``None`` when it mixes dtypes)."""
@@ -150,41 +76,7 @@ def group_by(keys: Sequence, n: int) -> dict:
     return buckets
 
 
-# Caches an optimizer rebuilds on use: left out of its pickled state.
-_CACHES = ("_workspace", "_packed_steps", "_overflow_bufs", "_pending_masters", "_plans")
-
-
-class CopyableOptimizer(torch.optim.Optimizer):
-    """``torch.optim.Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``, so
-    a ``copy.deepcopy`` or a pickle of an optimizer would lose every attribute its constructor set (the
-    copy fails at its first step). This keeps them all but the hooks (which PyTorch leaves out too) and
-    the caches."""
-
-    def __getstate__(self) -> dict:
-        # Also left out: what amp.initialize attached (its stash, and methods bound to this object, which
-        # a pickle cannot restore); the copy is the optimizer as constructed, as with torch.optim.
-        return {k: v for k, v in self.__dict__.items()
-                if not k.startswith(("_optimizer_", "_amp_")) and k not in _CACHES
-                and not (isinstance(v, types.MethodType) and v.__self__ is self)}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for key in _CACHES:
-            self.__dict__.setdefault(key, {})
-        self._plans = {}
-
-    # A step plan (apex.optimizers._plan) describes the param groups and state as they were: both of these
-    # change them.
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        self._plans = {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._plans = {}
-
-
-class FusedOptimizerBase(CopyableOptimizer):
+class FusedOptimizerBase(MasterWeights, CopyableOptimizer):
     """Base class: validation, master weights, ``zero_grad``, scaler protocol and state loading.
 
     Subclasses implement ``_fused_step(grad_scale_info)`` and list, in ``_fp32_state_keys``, the state
@@ -325,88 +217,6 @@ class FusedOptimizerBase(CopyableOptimizer):
         if not _dense(p):
             raise RuntimeError(f"{self._name}: {where} is not a dense tensor (a strided view?); "
                                "optimize the tensor it views instead")
-
-    # -- master weights -----------------------------------------------------------------------------------
-    def _init_masters(self) -> None:
-        """Apex's ``param_groups_master``: for each group, ``{"params": [its parameters' masters]}`` (fp32
-        copies of fp16/bf16 parameters; an fp32 parameter is its own master; all None without master
-        weights)."""
-        self._pending_masters: dict = {}
-        self.param_groups_master = [self._group_masters(g) for g in self.param_groups]
-
-    def _group_masters(self, group: dict) -> dict:
-        return {"params": [self._new_master(p) for p in group["params"]]}
-
-    def _new_master(self, p: torch.Tensor) -> torch.Tensor | None:
-        if not self.master_weights:
-            return None
-        if p.dtype not in REDUCED:
-            return p
-        m = p.detach().to(torch.float32, copy=True)
-        self._remember_master(p, m)
-        return m
-
-    def _remember_master(self, p: torch.Tensor, m: torch.Tensor) -> None:
-        # Until the first step adopts the master, the version counters tell whether the parameter (weights
-        # loaded into the model) or the master (set by the user) was written in between.
-        self._pending_masters[id(p)] = (m, p._version, m._version)
-
-    def _rebuild_pending_masters(self) -> None:
-        """After unpickling: the masters not yet adopted by a step are pending again (keyed by the new
-        parameters, with the versions they have now)."""
-        self._pending_masters = {}
-        for group, masters in zip(self.param_groups, getattr(self, "param_groups_master", [])):
-            for p, m in zip(group["params"], masters["params"]):
-                if m is not None and m is not p and "master_param" not in self.state.get(p, {}):
-                    self._remember_master(p, m)
-
-    def _master(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The fp32 master copy of a reduced-precision parameter (kept in the state as ``master_param``
-        from the first step on), else None."""
-        if not self.master_weights or p.dtype not in REDUCED:
-            return None
-        state = self.state[p]
-        m = state.get("master_param")
-        if m is None or m.shape != p.shape or m.device != p.device:
-            m = state["master_param"] = self._adopt_master(p)
-        return m
-
-    def _adopt_master(self, p: torch.Tensor) -> torch.Tensor:
-        """The master made at construction, refreshed from the parameter if that was written in place since
-        (weights loaded into the model) and the master was not; else a new copy of the parameter (then
-        ``param_groups_master`` is updated). A write through ``.data`` moves no version counter: such a
-        write to the master keeps it, as Apex always keeps it."""
-        pending = getattr(self, "_pending_masters", {}).pop(id(p), None)
-        if pending is not None:
-            m, p_version, m_version = pending
-            if m.shape == p.shape and m.device == p.device:
-                if p._version != p_version and m._version == m_version:
-                    m.copy_(p)
-                return m
-        self._masters_stale = True
-        return p.detach().to(torch.float32, copy=True)
-
-    def _sync_masters(self) -> None:
-        """Point ``param_groups_master`` at the state's masters (after a load, or a master made anew)."""
-        self._masters_stale = False
-        if not hasattr(self, "param_groups_master"):
-            return
-        rows = []
-        for gi, group in enumerate(self.param_groups):
-            old = self.param_groups_master[gi]["params"] if gi < len(self.param_groups_master) else []
-            row = []
-            for pi, p in enumerate(group["params"]):
-                st = self.state.get(p)
-                m = st.get("master_param") if st else None
-                if m is not None and self.master_weights and p.dtype in REDUCED:
-                    getattr(self, "_pending_masters", {}).pop(id(p), None)
-                elif pi < len(old) and (old[pi] is None) == (not self.master_weights):
-                    m = old[pi]
-                else:
-                    m = self._new_master(p)
-                row.append(m)
-            rows.append({"params": row})
-        self.param_groups_master = rows
 
     # -- step counters ---------------------------------------------------------------------------------------
     def _increment_steps(self, group: dict, params: list[torch.Tensor]) -> list[float]:
