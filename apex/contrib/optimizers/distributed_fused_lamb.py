@@ -37,25 +37,27 @@ import torch.distributed as dist
 from apex import _backend
 from apex._kernels._lists import column
 from apex.contrib.optimizers import _dist_lamb_checkpoint
-from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups
+from apex.contrib.optimizers._dist_lamb_layout import Layout, shard_groups  # noqa: F401
+from apex.contrib.optimizers._dist_lamb_setup import _DTYPES, _Setup  # noqa: F401
+from apex.contrib.optimizers._dist_lamb_step import _CHUNK, _Step
 from apex.contrib.optimizers._gloo_collectives import all_gather_into_tensor as _all_gather
 from apex.contrib.optimizers._gloo_collectives import all_reduce as _all_reduce
 from apex.contrib.optimizers._gloo_collectives import reduce_scatter_tensor as _reduce_scatter
-from apex.contrib.optimizers._gloo_collectives import takes_gloo_path
-from apex.ops._cpu_blocks import Workspace
-from apex.ops.multi_tensor_adam import multi_tensor_adam
-from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm
-from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda
+from apex.contrib.optimizers._gloo_collectives import takes_gloo_path  # noqa: F401
+from apex.ops._cpu_blocks import Workspace  # noqa: F401
+from apex.ops.multi_tensor_adam import multi_tensor_adam  # noqa: F401
+from apex.ops.multi_tensor_l2norm import multi_tensor_l2norm  # noqa: F401
+from apex.ops.multi_tensor_lamb import multi_tensor_lamb, multi_tensor_lamb_stage2_cuda  # noqa: F401
 from apex.ops.multi_tensor_scale import multi_tensor_scale
-from apex.optimizers._base import _number, check_betas, check_non_negative, fused_step
+from apex.optimizers._base import _number, check_betas, check_non_negative, fused_step  # noqa: F401
 
-_CHUNK = 2048 * 32
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The set-up (_dist_lamb_setup) and the step's math (_dist_lamb_step) are base classes in their own modules;
+# the names they use (marked F401 above) are importable from here too, where callers look for them.
 _dtype = attrgetter("dtype")
 _contiguous = torch.Tensor.is_contiguous
 
 
-class DistributedFusedLAMB(torch.optim.Optimizer):
+class DistributedFusedLAMB(_Setup, _Step, torch.optim.Optimizer):
     """LAMB with ZeRO sharding of the optimizer state (see the module docstring for the math).
 
     Arguments as upstream's: ``lr`` (1e-3), ``bias_correction`` (True), ``grad_averaging`` (True: ``1 - beta1``
@@ -125,111 +127,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._setup_params()
         self._reset_step_state()
 
-    # -- set-up -------------------------------------------------------------------------------------------
-    def _setup_groups(self, dwu_group_size: int) -> None:
-        self._world_size = dist.get_world_size()
-        self._group_size, self._rs_pg, self._ar_pg = shard_groups(dwu_group_size)
-        self._num_groups = self._world_size // self._group_size
-        self._rank_in_group = dist.get_rank() % self._group_size
-
-    @torch.no_grad()
-    def _setup_params(self) -> None:
-        params, groups = [], []
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.dtype not in _DTYPES:
-                    raise TypeError(f"DistributedFusedLAMB supports {_DTYPES} parameters, got {p.dtype}")
-                if p.requires_grad:
-                    params.append(p)
-                    groups.append(gi)
-        if not params:
-            raise ValueError("DistributedFusedLAMB got no parameter that requires grad")
-        device = params[0].device
-        if any(p.device != device for p in params):
-            raise ValueError("DistributedFusedLAMB needs all parameters on one device, got "
-                             f"{sorted({str(p.device) for p in params})}")
-        backend = str(dist.get_backend(self._rs_pg))
-        if backend == "nccl" and device.type != "cuda":
-            raise ValueError(f"the process group's backend is NCCL but the parameters are on {device}")
-        self._device = device
-        for group in self.param_groups:  # the same starting point on every rank, as upstream
-            for p in group["params"]:
-                dist.broadcast(p.data, src=0)
-        dtypes = {p.dtype for p in params}
-        self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self._model_params, self._param_group_index = params, groups
-        self._layout = lay = Layout([p.numel() for p in params], self._group_size, self._rank_in_group,
-                                    self._num_blocks, self._num_chunks)
-        kw = dict(device=device)
-        self._flat_grads = torch.zeros(lay.padded, dtype=self._flat_dtype, **kw)
-        self._grad_views = [self._flat_grads[o:o + p.numel()].view(p.shape) for o, p in zip(lay.offsets, params)]
-        self._fp16_g = torch.zeros(lay.shard_numel, dtype=self._flat_dtype, **kw)  # reduced gradient shard
-        self._fp32_p = torch.zeros(lay.shard_numel, dtype=torch.float32, **kw)
-        self._fp32_m = torch.zeros_like(self._fp32_p)
-        self._fp32_v = torch.zeros_like(self._fp32_p)
-        self._fp32_u = torch.zeros_like(self._fp32_p)  # update direction (scratch)
-        self._fp32_g = torch.zeros_like(self._fp32_p)  # unscaled, clipped gradient (scratch)
-        self._fp16_p = torch.zeros(lay.shard_numel, dtype=self._flat_dtype, **kw)  # all-gather input
-        self._new_params = torch.zeros(lay.padded, dtype=self._flat_dtype, **kw)  # all-gather output
-        # Gloo's reduce-scatter (_gloo_collectives) receives the peers' chunks here rather than in a fresh
-        # buffer every step (page faults on the CPU); NCCL reduces in place and needs none.
-        self._gather_segments = lay.gather_segments()
-        self._segment_views = None  # (params' data pointers, their segment views, the gathered ones)
-        self._rs_scratch = (torch.empty(lay.padded, dtype=self._flat_dtype, **kw)
-                            if takes_gloo_path(self._rs_pg) else None)
-        self._frag_group = []
-        n = len(params)
-        for f in lay.fragments:
-            src = params[f.param].detach().reshape(-1)[f.param_offset:f.param_offset + f.length]
-            self._fp32_p[f.shard_offset:f.shard_offset + f.length].copy_(src)
-            self._frag_group.append(groups[f.param])
-        # per param group: the shard's fragment views and the parameters they belong to
-        self._group_frags = []
-        for gi in range(len(self.param_groups)):
-            sel = [f for f, g in zip(lay.fragments, self._frag_group) if g == gi]
-            # Columns: the step hands the same fragment views to the multi-tensor ops every time, their
-            # addresses and sizes read once here (the shard buffers live as long as the optimizer)
-            views = [column([t[f.shard_offset:f.shard_offset + f.length] for f in sel])
-                     for t in (self._fp32_g, self._fp32_p, self._fp32_m, self._fp32_v, self._fp32_u)]
-            self._group_frags.append((torch.tensor([f.param for f in sel], dtype=torch.long, device=device),
-                                      views))
-        # The weight decay (decoupled: u += wd * p; L2: g += wd * p) is elementwise, so it runs over the group's
-        # runs of fragments that are neighbours in the shard (one run for a model of one group): an op per
-        # fragment cost a microsecond per parameter on the host.
-        self._group_runs = []
-        for gi in range(len(self.param_groups)):
-            runs: list = []
-            for f, g in zip(lay.fragments, self._frag_group):
-                if g != gi or f.length == 0:
-                    continue
-                if runs and runs[-1][1] == f.shard_offset:
-                    runs[-1][1] += f.length
-                else:
-                    runs.append([f.shard_offset, f.shard_offset + f.length])
-            self._group_runs.append(tuple([t[a:b] for a, b in runs] for t in (self._fp32_g, self._fp32_p,
-                                                                                  self._fp32_u)))
-        # the CPU LAMB path's buffers, reused every step (building them per step allocates a shard's worth)
-        self._lamb_workspaces = [Workspace([t.shape for t in views[4]]) if device.type == "cpu" and views[4]
-                                 else None for _, views in self._group_frags]
-        self._frags_pu = column([t for _, views in self._group_frags for t in views[1]]
-                                + [t for _, views in self._group_frags for t in views[4]])
-        idx = [int(i) for gidx, _ in self._group_frags for i in gidx]  # the order _update lists fragments in
-        self._norm_index = torch.tensor(idx + [i + n for i in idx], dtype=torch.long, device=device)
-        # each group's places of its update norms (after the n parameter norms): kept, not added every step
-        self._group_u_index = [gidx + n for gidx, _ in self._group_frags]
-        self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
-        self._copy_flag = torch.zeros(1, dtype=torch.int32, device=device)  # the copies' (unread) inf flag
-        # a gradient of the flat buffer's dtype is queued by its hook (torch.mul into another dtype rounds
-        # to the gradient's dtype first: those are taken one by one, as before)
-        self._queueable = [p.dtype == self._flat_dtype for p in params]
-        self._norm_sq = torch.zeros(2 * n, dtype=torch.float32, device=device)
-        self._zero_norm = torch.zeros(1, device=device)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
-        if self._verbose and dist.get_rank() == 0:
-            print(f"DistributedFusedLAMB: {n} parameters, {lay.total} elements padded to {lay.padded}; "
-                  f"{lay.pieces} pieces of {lay.piece} per rank over {self._group_size} ranks x "
-                  f"{self._num_groups} groups; gradients in {self._flat_dtype}")
-
+    # -- backward hooks -----------------------------------------------------------------------------------
     def _make_hook(self, i: int):
         ref = weakref.ref(self)  # the hooks outlive the optimizer: they must not keep it alive
 
@@ -382,93 +280,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             self._L2_grad_norm = sq.sqrt()
         self._reduced = True
 
-    # -- the step ---------------------------------------------------------------------------------------------
-    def _scale_value(self) -> float:
-        s = self._global_scale
-        return 1.0 if s is None else _number(s, "global_scale")
-
-    @fused_step  # (no_grad; torch.optim's hooks and profiler range only while there is one: see _zero_step)
-    def step(self, closure=None, grad_scaler=None):
-        """One LAMB step (see the module docstring); ``grad_scaler``: a ``torch.amp.GradScaler`` whose scale is
-        used when ``set_global_scale`` was not called and which is told whether the step overflowed."""
-        if self._is_accumulation_step:
-            raise RuntimeError("step() called during an accumulation step; call set_is_accumulation_step(False) "
-                               "before the last backward of the step")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.complete_reductions()
-        if self._global_scale is None and grad_scaler is not None:
-            scale = _number(grad_scaler._get_scale_async(), "grad_scaler's scale")
-        else:
-            scale = self._scale_value()
-        norm = self._L2_grad_norm
-        if self._clip_after_ar:
-            # every rank holds the same norm: its one host read also tells whether it is finite (no
-            # isfinite / cast / item ops, and one device sync a step instead of two)
-            norm_value = float(norm)
-            self._has_overflow = not math.isfinite(norm_value)
-        else:  # local norms differ: skip everywhere if any rank overflowed
-            finite = torch.isfinite(norm).to(torch.int32)
-            _all_reduce(finite, op=dist.ReduceOp.MIN)
-            self._has_overflow = not bool(finite.item())
-            norm_value = None if self._has_overflow else float(norm)
-        self._overflow_buf.fill_(int(self._has_overflow))
-        if grad_scaler is not None:
-            state = grad_scaler._per_optimizer_states[id(self)]
-            state["found_inf_per_device"][self._device] = torch.full(
-                (1,), float(self._has_overflow), device=self._device)
-        if not self._has_overflow:
-            self._step += 1
-            self._update(scale, norm_value)
-            self._gather_params()
-        self._reset_step_state()
-        return loss
-
-    def _update(self, scale: float, norm: float) -> None:
-        max_norm = self.defaults["max_grad_norm"] if self._clip_after_ar else 0.0
-        clip = 1.0
-        if max_norm > 0 and norm / scale > max_norm:
-            clip = norm / scale / max_norm
-        torch.div(self._fp16_g, scale * clip, out=self._fp32_g)
-        self._fp32_u.zero_()
-        zero_norm = self._zero_norm
-        for group, (_, (g, _p, m, v, u)), ws, (g_runs, p_runs, u_runs) in zip(
-                self.param_groups, self._group_frags, self._lamb_workspaces, self._group_runs):
-            if not g:
-                continue
-            beta1, beta2 = group["betas"]
-            wd = group["weight_decay"]
-            if not self._adam_w_mode and wd != 0:
-                torch._foreach_add_(g_runs, p_runs, alpha=wd)
-            # FusedLAMB's update direction, without decay or trust ratio, written into the zeroed u:
-            # u = 0 - (-1) * m̂ / (sqrt(v̂) + eps). With grad averaging (m += (1 - beta1) g) that is Adam's
-            # moment update and direction, which apex.ops.multi_tensor_adam computes in one fused pass
-            # (measured on 0.4 M elements: 0.32 ms against 0.60 ms through the LAMB kernel).
-            if group["grad_averaging"]:
-                multi_tensor_adam(_CHUNK, self._overflow_buf, [g, u, m, v], -1.0, beta1, beta2, group["eps"],
-                                  self._step, 1, 1 if group["bias_correction"] else 0, 0.0, validate=False)
-            else:
-                multi_tensor_lamb(_CHUNK, self._overflow_buf, [g, u, m, v], -1.0, beta1, beta2, group["eps"],
-                                  self._step, 1 if group["bias_correction"] else 0, 0.0, 0, 1, zero_norm, 1.0,
-                                  False, validate=False, workspace=ws)
-            if self._adam_w_mode and wd != 0:
-                torch._foreach_add_(u_runs, p_runs, alpha=wd)
-        # trust ratios of whole parameters: the fragments' squared norms summed over the shards
-        sq = self._norm_sq.zero_()  # (norms[idx] below are copies: the buffer is free again next step)
-        if self._frags_pu:  # the fragments of p, then of u
-            per = multi_tensor_l2norm(_CHUNK, self._overflow_buf, [self._frags_pu], True, validate=False)[1]
-            sq.index_add_(0, self._norm_index, per.float().square())
-        _all_reduce(sq, group=self._rs_pg)
-        norms = sq.sqrt_()
-        for group, (idx, (_, p, _, _, u)), u_idx in zip(self.param_groups, self._group_frags, self._group_u_index):
-            if not p:
-                continue
-            lr = group["lr"] if self._lr is None else _number(self._lr, "_lr")
-            multi_tensor_lamb_stage2_cuda(_CHUNK, self._overflow_buf, [p, u], norms[idx], norms[u_idx], lr,
-                                          group["weight_decay"], self._use_nvlamb, validate=False)
-
+    # -- the all-gather ---------------------------------------------------------------------------------------
     def _gather_params(self) -> None:
         if self._skip_ag:
             return
