@@ -58,7 +58,7 @@ def _quick_one_layer(input: object, weights, biases, acts) -> bool:
         if type(b) not in _PLAIN or b.dtype is not dt:
             return False
         bs = b.shape
-        return len(bs) == 1 and bs[0] == ws[0]
+        return len(bs) == 1 and bs[0] == ws[0] and _same_device(b, input)
     return True
 
 
@@ -98,6 +98,12 @@ def _quick_layers(input: object, weights, biases, acts) -> bool:
                 return False
             bs = b.shape
             if len(bs) != 1 or bs[0] != features:
+                return False
+            # A bias is read by the kernel's epilogue: a host pointer there is an illegal device access.
+            if on_cuda:
+                if not b.is_cuda or b.get_device() != index:
+                    return False
+            elif not b.is_cpu:
                 return False
     return True
 
@@ -140,6 +146,8 @@ def _check_layers(input: object, weights, biases, acts) -> None:
                                  f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
             if b.dtype != dt:
                 raise RuntimeTypeError(f"bias {i} has dtype {b.dtype} but input has {dt}: they must match")
+            if b.device != dev:
+                raise ValueError(f"bias {i} is on {b.device} but input is on {dev}")
         features = out_f
 
 

@@ -167,6 +167,27 @@ def test_errors():
         fused_dense_gelu_dense_function(torch.randn(2, 5), g.weight1, g.bias1, torch.randn(3, 6), g.bias2)
 
 
+@pytest.mark.parametrize("which", ["bias", "bias1", "bias2"])
+def test_bias_on_another_device_is_refused(backend_name, device, which):
+    """A bias on another device than the input is refused with an error naming it, before any kernel reads it
+    (a kernel would take its address for a device one); ``meta`` stands in for another device."""
+    x = torch.randn(2, 5, device=device)
+    if which == "bias":
+        m = FusedDense(5, 3).to(device)
+        with torch.no_grad():
+            m.bias = torch.nn.Parameter(m.bias.to("meta"))
+        call, err = lambda: m(x), "bias 0 is on meta"
+    else:
+        g = FusedDenseGeluDense(5, 4, 3).to(device)
+        with torch.no_grad():
+            setattr(g, which, torch.nn.Parameter(getattr(g, which).to("meta")))
+        call, err = lambda: g(x), f"bias {int(which[-1]) - 1} is on meta"
+    before = x.clone()
+    with pytest.raises(ValueError, match=err):
+        call()
+    assert torch.equal(x, before)
+
+
 def test_bf16_output_rounded_once():
     # Upstream's test_fused_dense[bf16] compares with ``matmul(x, Wᵀ) + bias`` in bf16, which rounds twice
     # (after the product and after the bias add). FusedDense adds the bias before its single rounding, as

@@ -125,6 +125,20 @@ def test_errors():
         mlp_function(1, 1, torch.randn(2, 5), *mlp.weights)
 
 
+@pytest.mark.parametrize("layer", [0, 1])
+def test_bias_on_another_device_is_refused(backend_name, device, layer):
+    """A bias on another device than the input is refused with an error naming it, before any kernel reads it
+    (a kernel would take its address for a device one); ``meta`` stands in for another device."""
+    mlp = MLP([5, 4, 3]).to(device)
+    x = torch.randn(2, 5, device=device)
+    biases = [b.detach() for b in mlp.biases]
+    biases[layer] = biases[layer].to("meta")
+    before = x.clone()
+    with pytest.raises(ValueError, match=f"bias {layer} is on meta"):
+        mlp_function(1, 1, x, *mlp.weights, *biases)
+    assert torch.equal(x, before)
+
+
 @pytest.mark.slow
 def test_compiled_fullgraph_matches_eager():
     """torch.compile(fullgraph=True) traces MLP and FusedDenseGeluDense (PyTorch path on CPU) with no break."""
