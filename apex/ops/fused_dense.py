@@ -33,7 +33,7 @@ from apex._backend import select_tensor
 from apex.ops._dispatch import lazy_module
 
 # (apex.ops.mlp and apex.fused_dense import these from here.)
-from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain
+from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain, check_devices
 
 Tensor = torch.Tensor
 _K = lazy_module("apex._kernels.fused_dense")
@@ -366,6 +366,7 @@ def linear_bias_forward(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
 def linear_bias_backward(input: Tensor, weight: Tensor, d_output: Tensor) -> list[Tensor]:
     """``fused_dense_cuda.linear_bias_backward``: ``[d_input, d_weight, d_bias]``."""
     check_chain(_two_d("input", input), [weight], [], (NONE,))
+    check_devices(input, ("d_output", d_output))
     dx, dws, dbs = chain_backward(_two_d("d_output", d_output), input, [weight], True, [None], [None], (NONE,),
                                   _use_triton(input, weight))
     return [dx, dws[0], dbs[0]]
@@ -387,6 +388,7 @@ def linear_gelu_linear_backward(input: Tensor, gelu_in: Tensor, output1: Tensor,
                                 weight2: Tensor, d_output2: Tensor) -> list[Tensor]:
     """``fused_dense_cuda.linear_gelu_linear_backward``: ``[d_input, d_weight1, d_bias1, d_weight2, d_bias2]``."""
     check_chain(_two_d("input", input), [weight1, weight2], [], (GELU, NONE))
+    check_devices(input, ("gelu_in", gelu_in), ("output1", output1), ("d_output2", d_output2))
     triton = _use_triton(input, weight1, weight2)
     outs = [gelu_in if triton else output1, None]  # the Triton backward recomputes the GELU from its input
     dx, dws, dbs = chain_backward(_two_d("d_output2", d_output2), input, [weight1, weight2], True, outs,

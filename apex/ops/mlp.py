@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from apex.ops._fused_dense_checks import check_devices
 from apex.ops.fused_dense import _use_triton, chain_backward, chain_forward, check_chain
 
 Tensor = torch.Tensor
@@ -44,6 +45,7 @@ def backward(use_bias: int, activation: int, grad_o: Tensor, fprop_outputs, inpu
     """``mlp_cuda.backward``: the gradients of ``inputs`` (``[dx, *dweights, *dbiases]``)."""
     x, weights, biases, acts = _split(use_bias, activation, inputs)
     reserved = fprop_outputs[1]
+    check_devices(x, ("grad_o", grad_o), ("fprop_outputs[1]", reserved))
     sizes = [x.shape[0] * w.shape[0] for w in weights]
     if reserved.numel() != sum(sizes):
         raise ValueError(f"fprop_outputs[1] has {reserved.numel()} elements, expected {sum(sizes)} "

@@ -286,6 +286,47 @@ def test_compat_fused_dense_cuda(backend_name):
     assert_rel_close(list(grads), list(torch.autograd.grad(ref, p64, dy2.double())), tol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["d_output", "gelu_in", "output1", "d_output2"])
+def test_compat_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """fused_dense_cuda's backward entries refuse a gradient or saved tensor on another device than the input,
+    naming it, before a kernel reads it; ``meta`` stands in for another device."""
+    import fused_dense_cuda
+
+    x = torch.randn(6, 7, device=device)
+    w1, b1, w2, b2 = (torch.randn(9, 7, device=device), torch.randn(9, device=device),
+                      torch.randn(5, 9, device=device), torch.randn(5, device=device))
+    before = [t.clone() for t in (x, w1, w2)]
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        if which == "d_output":
+            fused_dense_cuda.linear_bias_backward(x, w1, torch.randn(6, 9, device="meta"))
+        else:
+            o1, _, h = fused_dense_cuda.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+            args = {"gelu_in": h, "output1": o1, "d_output2": torch.randn(6, 5, device=device)}
+            args[which] = args[which].to("meta")
+            fused_dense_cuda.linear_gelu_linear_backward(x, args["gelu_in"], args["output1"], w1, w2,
+                                                         args["d_output2"])
+    assert all(torch.equal(a, b) for a, b in zip((x, w1, w2), before))
+
+
+@pytest.mark.parametrize("which", ["grad_o", "fprop_outputs"])
+def test_compat_mlp_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """mlp_cuda.backward refuses a gradient or reserved space on another device than the input, naming it;
+    ``meta`` stands in for another device."""
+    import mlp_cuda
+
+    x = torch.randn(6, 7, device=device)
+    ws = [torch.randn(9, 7, device=device), torch.randn(5, 9, device=device)]
+    bs = [torch.randn(9, device=device), torch.randn(5, device=device)]
+    out, reserved = mlp_cuda.forward(1, 1, [x, *ws, *bs])
+    dy = torch.randn(6, 5, device=device)
+    if which == "grad_o":
+        dy = dy.to("meta")
+    else:
+        reserved = reserved.to("meta")
+    with pytest.raises(ValueError, match=f"{which}.* is on meta"):
+        mlp_cuda.backward(1, 1, dy, [out, reserved], [x, *ws, *bs])
+
+
 def test_compat_mlp_cuda(backend_name):
     import mlp_cuda
 
