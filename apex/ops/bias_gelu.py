@@ -39,7 +39,7 @@ def _forward(input: Tensor, bias: Tensor | None) -> Tensor:
 def bias_gelu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     """The gradient of ``input`` (that of ``bias`` is its sum over the leading dims)."""
     check_args(input, bias, glu=False)
-    _check_grad(grad_output, input.shape)
+    _check_grad(grad_output, input.shape, input)
     return _backward(grad_output, input, bias)
 
 
@@ -64,7 +64,7 @@ def bias_gelu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: 
     check_args(input, bias, glu=False)
     if bias is None:
         raise ValueError("bias must be a tensor to take its gradient, got None")
-    _check_grad(grad_output, input.shape)
+    _check_grad(grad_output, input.shape, input)
     return _backward_with_bias_grad(grad_output, input, bias)
 
 

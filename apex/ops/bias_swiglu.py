@@ -116,15 +116,18 @@ def _forward(input: Tensor, bias: Tensor | None) -> Tensor:
     return _fwd_torch(input, bias)
 
 
-def _check_grad(grad_output: Tensor, shape: tuple[int, ...]) -> None:
+def _check_grad(grad_output: Tensor, shape: tuple[int, ...], input: Tensor) -> None:
     if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != tuple(shape):
         raise ValueError(f"grad_output must have shape {list(shape)}, got {list(getattr(grad_output, 'shape', []))}")
+    # The kernels read it next to the input: a pointer of another device is an illegal access there.
+    if not _same_device(grad_output, input):
+        raise ValueError(f"grad_output is on {grad_output.device} but input is on {input.device}")
 
 
 def bias_swiglu_backward(grad_output: Tensor, input: Tensor, bias: Tensor | None) -> Tensor:
     """``fused_bias_swiglu.backward``: the gradient of ``input`` (that of ``bias`` is its sum over rows)."""
     n = check_args(input, bias)
-    _check_grad(grad_output, (*input.shape[:-1], n // 2))
+    _check_grad(grad_output, (*input.shape[:-1], n // 2), input)
     return _backward(grad_output, input, bias)
 
 
@@ -144,7 +147,7 @@ def bias_swiglu_backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias
     n = check_args(input, bias)
     if bias is None:
         raise ValueError("bias must be a tensor to take its gradient, got None")
-    _check_grad(grad_output, (*input.shape[:-1], n // 2))
+    _check_grad(grad_output, (*input.shape[:-1], n // 2), input)
     return _backward_with_bias_grad(grad_output, input, bias)
 
 

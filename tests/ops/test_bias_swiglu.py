@@ -111,6 +111,17 @@ def test_bias_swiglu_bad_input(backend_name, call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("with_bias_grad", [False, True])
+def test_bias_swiglu_backward_refuses_a_gradient_on_another_device(backend_name, device, with_bias_grad):
+    """A grad_output on another device than the input (``meta`` standing in) is refused, naming it, before a
+    kernel reads it."""
+    x, b = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    dy = torch.randn(3, 4, device="meta")
+    call = S.bias_swiglu_backward_with_bias_grad if with_bias_grad else S.bias_swiglu_backward
+    with pytest.raises(ValueError, match="grad_output is on meta"):
+        call(dy, x, b)
+
+
 def test_bias_swiglu_triton_moves_the_minimum_bytes(triton_device):
     x = torch.randn(48, 200, requires_grad=True)
     b = torch.randn(200)
