@@ -24,7 +24,9 @@ from apex.ops._norm import (
     KERNEL,
     LAUNCHERS,
     TORCH,
+    NormShapeError,
     _f32,
+    _same_device,
     check_args,
     forward_saving_rows,
     grad_rows,
@@ -125,6 +127,10 @@ def layer_norm_backward(grad_output: Tensor, mean: Tensor | None, rstd: Tensor, 
     if tuple(grad_output.shape) != tuple(input_or_output.shape):
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
                          f"{list(input_or_output.shape)}")
+    # The kernels read these next to the saved input: a pointer of another device is an illegal access there.
+    for name, t in (("grad_output", grad_output), ("mean", mean), ("rstd", rstd)):
+        if t is not None and not _same_device(t, input_or_output):
+            raise NormShapeError(f"{name} is on {t.device} but input_or_output is on {input_or_output.device}")
     if not memory_efficient and mean is None:
         raise ValueError("mean is required unless memory_efficient=True")
     return _backward_checked(grad_output, mean, rstd, input_or_output, shape, n, weight, bias, memory_efficient,

@@ -25,7 +25,9 @@ from apex.ops._norm import (
     EXPORT,
     KERNEL,
     LAUNCHERS,
+    NormShapeError,
     _f32,
+    _same_device,
     check_args,
     forward_saving_rows,
     grad_rows,
@@ -123,6 +125,10 @@ def rms_norm_backward(grad_output: Tensor, rstd: Tensor, input_or_output: Tensor
     if tuple(grad_output.shape) != tuple(input_or_output.shape):
         raise ValueError(f"grad_output has shape {list(grad_output.shape)}, expected "
                          f"{list(input_or_output.shape)}")
+    # The kernels read these next to the saved input: a pointer of another device is an illegal access there.
+    for name, t in (("grad_output", grad_output), ("rstd", rstd)):
+        if t is not None and not _same_device(t, input_or_output):
+            raise NormShapeError(f"{name} is on {t.device} but input_or_output is on {input_or_output.device}")
     return _backward_checked(grad_output, rstd, input_or_output, n, weight, memory_efficient,
                              dx_dtype or input_or_output.dtype, eps)
 

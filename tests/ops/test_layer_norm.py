@@ -181,6 +181,21 @@ def test_layer_norm_entry_points_match_apex_signatures(backend_name):
     assert_rel_close(out3, F.layer_norm(xh.double(), (2, 12), w.double(), b.double(), 1e-5), tol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["grad_output", "mean", "rstd"])
+def test_layer_norm_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """fused_layer_norm_cuda's backward refuses a gradient or statistic on another device than the saved input
+    (``meta`` standing in), naming it, before a kernel reads it."""
+    import fused_layer_norm_cuda as ext
+
+    x = torch.randn(5, 12, device=device)
+    w, b = torch.randn(12, device=device), torch.randn(12, device=device)
+    _, mean, rstd = ext.forward_affine(x, [12], w, b, 1e-5)
+    args = {"grad_output": torch.randn(5, 12, device=device), "mean": mean, "rstd": rstd}
+    args[which] = args[which].to("meta")
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        ext.backward_affine(args["grad_output"], args["mean"], args["rstd"], x, [12], w, b, 1e-5, False)
+
+
 def test_layer_norm_bad_input():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"\[\*, 7\]"):
