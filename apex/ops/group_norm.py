@@ -27,7 +27,7 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 from apex import _backend
 from apex._errors import AssertValueError, RuntimeValueError
 from apex.ops._dispatch import custom_op, lazy_module
-from apex.ops._norm import select
+from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.group_norm")
@@ -201,6 +201,10 @@ def group_norm_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: 
     for name, t in (("mean", mean), ("rstd", rstd)):
         if not isinstance(t, torch.Tensor) or t.numel() != ng:
             raise ValueError(f"{name} must hold N·G = {ng} values")
+    # The kernels read these next to the input: a pointer of another device is an illegal access there.
+    for name, t in (("grad_output", grad_output), ("mean", mean), ("rstd", rstd)):
+        if not _same_device(t, input):
+            raise RuntimeValueError(f"{name} is on {t.device} but input is on {input.device}")
     return _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, silu)
 
 

@@ -142,6 +142,24 @@ def test_group_norm_apex_entry_points(backend_name):
     assert_rel_close([dw, db], list(ref_g[1:]), tol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["grad_output", "sums"])
+def test_group_norm_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """group_norm_cuda.backward refuses a gradient or statistics on another device than the input (``meta``
+    standing in), naming it, before a kernel reads it."""
+    import group_norm_cuda
+
+    x = torch.randn(2, 8, 3, 3, device=device)
+    w, b = torch.randn(8, device=device), torch.randn(8, device=device)
+    _, sums = group_norm_cuda.forward(x, 4, w, b, 1e-5)
+    dy = torch.randn(2, 8, 3, 3, device=device)
+    if which == "grad_output":
+        dy = dy.to("meta")
+    else:
+        sums = sums.to("meta")
+    with pytest.raises(ValueError, match=f"{'grad_output' if which == 'grad_output' else 'mean'} is on meta"):
+        group_norm_cuda.backward(dy, sums, x, 4, w, b, 1e-5)
+
+
 def test_group_norm_bad_input_raises():
     x = torch.randn(2, 6, 4)
     with pytest.raises(ValueError, match="num_groups=4 must divide the number of channels C=6"):
