@@ -20,6 +20,7 @@ from math import prod
 import torch
 
 from apex import _backend
+from apex.ops._norm import _same_device
 
 Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -163,6 +164,10 @@ def layer_norm_backward(grad_output: Tensor, input: Tensor, normalized_shape, we
                         ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dinput, dweight, dbias)`` from the saved row statistics; entries not in ``needs`` are None."""
     shape, _, n = check_args(input, normalized_shape, weight, bias)
+    # The kernels read these next to the input: a pointer of another device is an illegal access there.
+    for name, t in (("grad_output", grad_output), ("mean", mean), ("rstd", rstd)):
+        if not _same_device(t, input):
+            raise ValueError(f"{name} is on {t.device}, inputs on {input.device}")
     return backward_checked(grad_output, input, shape, n, weight, bias, mean, rstd, needs)
 
 

@@ -150,6 +150,21 @@ def test_layer_norm_bad_arguments_raise():
         LayerNormSmallShapeOptImpl.apply(x.long(), (8,), None, None, 1e-5)
 
 
+@pytest.mark.parametrize("which", ["grad_output", "mean", "rstd"])
+def test_layer_norm_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """The backward entry refuses a gradient or statistic on another device than the input (``meta`` standing
+    in), naming it, before a kernel reads it."""
+    from apex.ops import openfold_layer_norm as OL
+
+    x = torch.randn(6, 8, device=device)
+    w, b = torch.randn(8, device=device), torch.randn(8, device=device)
+    _, mean, rstd = OL.layer_norm_forward(x, (8,), w, b)
+    args = {"grad_output": torch.randn(6, 8, device=device), "mean": mean, "rstd": rstd}
+    args[which] = args[which].to("meta")
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        OL.layer_norm_backward(args["grad_output"], x, (8,), w, b, args["mean"], args["rstd"])
+
+
 @pytest.mark.parametrize("grads", ["both", "weight", "bias"])
 def test_layer_norm_parameter_gradients_in_one_column_sum(backend_name, grads):
     """dweight and dbias come from one buffer of partial sums and one column-sum launch (three launches
