@@ -91,10 +91,15 @@ def _broadcasts(mshape: torch.Size, shape: torch.Size) -> bool:
     return True
 
 
-def _check_same_shape(grad_output: Tensor, softmax_results: Tensor) -> None:
+def _check_like(grad_output: Tensor, softmax_results: Tensor) -> None:
+    """The gradient's shape and device are the saved output's."""
     if grad_output.shape != softmax_results.shape:
         raise ValueError(f"grad_output has shape {_shape(grad_output)}, expected the shape of softmax_results "
                          f"{_shape(softmax_results)}")
+    # The kernel reads both: a pointer of another device is an illegal access there.
+    if not _same_device(grad_output, softmax_results):
+        raise ValueError(f"grad_output is on {grad_output.device} but softmax_results is on "
+                         f"{softmax_results.device}")
 
 
 def _as4d(t: Tensor) -> Tensor:
@@ -198,7 +203,7 @@ def scaled_masked_softmax_backward(grad_output: Tensor, softmax_results: Tensor,
     """
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(grad_output, None, False, "grad_output")
-    _check_same_shape(grad_output, softmax_results)
+    _check_like(grad_output, softmax_results)
     return _backward_checked(grad_output, softmax_results, check_scale(scale), causal,
                              out_dtype or grad_output.dtype, max_block)
 
@@ -336,7 +341,7 @@ def _compat_backward(output_grads, softmax_results, scale, causal, rank, module)
             raise RuntimeValueError(f"{module}.backward: {name} must be a {rank}-D tensor, got shape {_shape(t)}")
     check_args(softmax_results, None, causal, "softmax_results")
     check_args(output_grads, None, False, "output_grads")
-    _check_same_shape(output_grads, softmax_results)
+    _check_like(output_grads, softmax_results)
     with torch.no_grad():
         return _bwd_op(output_grads, softmax_results, check_scale(scale), causal, output_grads.dtype)
 

@@ -247,6 +247,21 @@ def test_bad_input_raises_naming_the_argument():
         S.scaled_masked_softmax_backward(torch.randn(2, 3, 4, 4), y, 1.0)
 
 
+@pytest.mark.parametrize("compat", [False, True])
+def test_backward_refuses_a_gradient_on_another_device(backend_name, device, compat):
+    """The backward entries refuse a gradient on another device than the saved output (``meta`` standing in),
+    naming it, before a kernel reads it."""
+    import scaled_masked_softmax_cuda
+
+    y = S.scaled_masked_softmax_forward(torch.randn(2, 3, 4, 5, device=device), None, 1.0)
+    dy = torch.randn(2, 3, 4, 5, device="meta")
+    with pytest.raises(ValueError, match=r"grad_output is on meta"):
+        if compat:
+            scaled_masked_softmax_cuda.backward(dy, y, 1.0)
+        else:
+            S.scaled_masked_softmax_backward(dy, y, 1.0)
+
+
 def test_compat_modules_raise_on_upstream_ranks():
     import scaled_masked_softmax_cuda
     import scaled_upper_triang_masked_softmax_cuda
