@@ -183,6 +183,9 @@ def softmax_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, lse: Tenso
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lead:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise RuntimeValueError(f"{name} must have shape {list(lead)}, got {got}")
+        # The kernels read it next to the logits: a pointer of another device is an illegal access there.
+        if not _same_device(t, logits):
+            raise RuntimeValueError(f"{name} is on {t.device} but logits is on {logits.device}")
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace_backward=True needs contiguous logits (the gradient is written over them)")
     return _backward(grad_loss, logits, lse, labels, smoothing, padding_idx, inplace)

@@ -168,6 +168,22 @@ def test_xentropy_bad_input_raises_and_writes_nothing(backend_name):
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("which", ["grad_loss", "max_log_sum_exp"])
+def test_xentropy_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """The backward refuses a gradient or saved log-sum-exp on another device than the logits (``meta``
+    standing in), naming it, before a kernel reads it; the logits, which an in-place backward overwrites, keep
+    their values."""
+    x = torch.randn(4, 10, device=device)
+    lab = torch.tensor([1, 2, 3, 0], device=device)
+    _, lse = X.softmax_cross_entropy_forward(x, lab)
+    args = {"grad_loss": torch.ones(4, device=device), "max_log_sum_exp": lse}
+    args[which] = args[which].to("meta")
+    before = x.clone()
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        X.softmax_cross_entropy_backward(args["grad_loss"], x, args["max_log_sum_exp"], lab, inplace=True)
+    assert torch.equal(x, before)
+
+
 class _NoHostRead:
     """Within the block a tensor read back by the host (``item``, ``bool``, ``int``, ``float``, ``tolist``,
     ``numpy``) fails: on a GPU each of these waits for the device. On CUDA, PyTorch's sync debug mode too."""
