@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
-from apex.ops._norm import select
+from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
 # The kernels' module, imported at the first call (an import statement costs ~1 µs a call).
@@ -130,6 +130,13 @@ def focal_loss_backward(grad_output: Tensor, partial_grad: Tensor, num_positives
     ``focal_loss_cuda.backward``, which also reuses the buffer)."""
     if not isinstance(grad_output, torch.Tensor) or grad_output.numel() != 1:
         raise ValueError("grad_output must be a one-element tensor (the loss is a scalar)")
+    if not isinstance(partial_grad, torch.Tensor) or not isinstance(num_positives_sum, torch.Tensor):
+        raise TypeError("partial_grad and num_positives_sum must be tensors (focal_loss_forward's)")
+    # The kernel reads them next to partial_grad, which it scales in place: a pointer of another device is an
+    # illegal access there (and half the buffer would be written before PyTorch's path noticed).
+    for name, t in (("grad_output", grad_output), ("num_positives_sum", num_positives_sum)):
+        if not _same_device(t, partial_grad):
+            raise RuntimeValueError(f"{name} is on {t.device} but partial_grad is on {partial_grad.device}")
     if select(partial_grad) == "triton" and partial_grad.dtype != torch.float64 and \
             partial_grad.is_contiguous():
         return _kernels().backward(grad_output, partial_grad, num_positives_sum)

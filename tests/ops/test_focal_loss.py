@@ -120,6 +120,20 @@ def test_focal_loss_bad_input_raises():
         FL.focal_loss(x, y, torch.ones(2), 5, 0.25, 2.0)
 
 
+@pytest.mark.parametrize("which", ["grad_output", "num_positives_sum"])
+def test_focal_loss_backward_refuses_tensors_on_another_device(backend_name, device, which):
+    """The backward refuses a gradient or N⁺ on another device than partial_grad (``meta`` standing in),
+    naming it, before a kernel reads it; partial_grad, which it scales in place, keeps its values."""
+    x, y, npos = (t.to(device) for t in _inputs(6, 5, 5, torch.float32))
+    _, partial = FL.focal_loss_forward(x, y, npos, 5, 0.25, 2.0)
+    args = {"grad_output": torch.ones((), device=device), "num_positives_sum": npos}
+    args[which] = args[which].to("meta")
+    before = partial.clone()
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        FL.focal_loss_backward(args["grad_output"], partial, args["num_positives_sum"])
+    assert torch.equal(partial, before)
+
+
 @settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 30), k=st.integers(1, 40))
