@@ -77,6 +77,15 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
             raise ValueError(f"packed_batch must be the packed row count {total}, got {int(packed_batch)}")
 
 
+def _check_devices(t: Tensor, *named: tuple[str, Tensor | None]) -> None:
+    """The Triton path's kernels read these next to ``t`` (the PyTorch path compares lengths on their own
+    device): a pointer of another device is an illegal access there, refused naming the tensor."""
+    for name, x in named:
+        if x is not None and not _same_device(x, t):
+            raise RuntimeValueError(f"{name} is on {x.device} but {'f' if name != 'mask' else 'grad'} is on "
+                                    f"{t.device} (the Triton path needs them on one device)")
+
+
 def _range_error(f_len: Tensor, g_len: Tensor, T: int, U: int) -> None:
     """Raises the message naming the length out of range (or returns, the lengths living apart but in range):
     both lengths' extremes in one host read where they share a device."""
@@ -196,6 +205,7 @@ def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_out
     if tile_size not in (1, 2, 4):
         raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
     if triton:
+        _check_devices(f, ("g", g), ("f_len", f_len), ("g_len", g_len))
         kernels = _kernels()
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
@@ -220,7 +230,7 @@ def _usual_dense(f, g, f_len, g_len, relu, dropout, dropout_prob, tile_size) -> 
         return None
     dtype, fdt, gdt = f.dtype, f_len.dtype, g_len.dtype
     if not (dtype in _FLOATS and g.dtype is dtype and fdt in _INTS and gdt in _INTS
-            and f_len.get_device() == g_len.get_device()):
+            and f_len.get_device() == g_len.get_device() and _same_device(g, f) and _same_device(f_len, f)):
         return None
     f32 = (f_len if fdt is torch.int32 else f_len.to(torch.int32)).contiguous()
     g32 = (g_len if gdt is torch.int32 else g_len.to(torch.int32)).contiguous()
@@ -235,6 +245,7 @@ def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor
                    max_f_len: int, max_g_len: int, pack_output: bool, scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """``(grad_f, grad_g)`` from the gradient of the (dense or packed) joint output."""
     if _backend.select(dh) == "triton":
+        _check_devices(dh, ("mask", mask), ("f_len", f_len), ("g_len", g_len))
         kernels = _kernels()
         boff = batch_offset.to(dh.device, torch.int64).contiguous() if pack_output else None
         return kernels.backward(dh.contiguous(), mask.contiguous() if mask is not None else None,

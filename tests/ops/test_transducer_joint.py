@@ -195,6 +195,34 @@ def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
     assert len(mod.mask_probe) == 2 and torch.equal(mod.mask_probe[0], mod.mask_probe[1])
 
 
+@pytest.mark.parametrize("case", ["g", "lengths", "g_packed", "backward_mask", "backward_lengths"])
+def test_triton_path_refuses_tensors_on_another_device(triton_device, case):
+    """The Triton path's kernels read g, the lengths and the backward's mask next to f (or the gradient): one
+    on another device (``meta`` standing in) is refused, naming it, before a kernel reads it."""
+    import apex
+
+    f, g, f_len, g_len = (t.detach().to(triton_device)
+                          for t in _inputs(3, 5, 4, 8, [5, 2, 4], [3, 4, 1], torch.float32))
+    with apex.backend("triton"):
+        if case.startswith("backward"):
+            h, mask = TJ.joint_forward(f, g, f_len, g_len, relu=True)
+            if case == "backward_mask":
+                mask, name = mask.to("meta"), "mask"
+            else:
+                f_len, g_len, name = f_len.to("meta"), g_len.to("meta"), "f_len"
+            with pytest.raises(ValueError, match=f"{name} is on meta"):
+                TJ.joint_backward(torch.randn_like(h), mask, f_len, g_len, None, 5, 4, False)
+            return
+        pack = case == "g_packed"
+        boff = torch.cumsum(f_len * g_len, 0)
+        if case == "lengths":
+            f_len, g_len, name = f_len.to("meta"), g_len.to("meta"), "f_len"
+        else:
+            g, name = g.to("meta"), "g"
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            TJ.transducer_joint(f, g, f_len, g_len, boff, int(boff[-1]), pack_output=pack)
+
+
 @pytest.mark.parametrize("case", ["f_len_past_T", "f_len_negative", "g_len_past_U", "g_len_negative"])
 def test_triton_checks_ranges_in_its_kernels(triton_device, case, monkeypatch):
     """A dense output's Triton path reads no length back (a GPU synchronisation per call): its kernels check
