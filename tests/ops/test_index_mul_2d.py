@@ -100,6 +100,26 @@ def test_index_mul_2d_apex_entry_points(backend_name):
     assert_rel_close(index_mul_2d(a, in2.float(), idx), d(in1)[idx] * d(in2), tol=1e-6)
 
 
+@pytest.mark.parametrize("which", ["grad_out", "grad_grad_in1", "grad_grad_in2"])
+def test_index_mul_2d_entry_points_refuse_tensors_on_another_device(backend_name, device, which):
+    """fused_index_mul_2d's backward entries refuse a gradient on another device than in1 (``meta`` standing
+    in), naming it, before a kernel reads it; the output buffers keep their values."""
+    import fused_index_mul_2d as ext
+
+    in1, in2, idx = (t.to(device) for t in _inputs(5, 12, 7, torch.float32))
+    args = {"grad_out": torch.randn(12, 7, device=device), "grad_grad_in1": torch.randn(5, 7, device=device),
+            "grad_grad_in2": torch.randn(12, 7, device=device)}
+    args[which] = args[which].to("meta")
+    ggo, g1, g2 = torch.zeros(12, 7, device=device), torch.zeros_like(in1), torch.zeros_like(in2)
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        if which == "grad_out":
+            ext.float_backward(g1, g2, args["grad_out"], in1, in2, idx)
+        else:
+            ext.float_backward_backward(ggo, g1, g2, args["grad_out"], args["grad_grad_in1"], args["grad_grad_in2"],
+                                        in1, in2, idx)
+    assert not (ggo.any() or g1.any() or g2.any())
+
+
 def test_index_mul_2d_bad_input_raises():
     in1, in2, idx = _inputs(4, 6, 3, torch.float32)
     with pytest.raises(ValueError, match=r"idx1 must index in1's rows \[0, 4\)"):
