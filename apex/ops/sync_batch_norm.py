@@ -28,7 +28,8 @@ import math
 import torch
 
 from apex import _backend
-from apex._errors import RuntimeTypeError
+from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._norm import _same_device
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -100,6 +101,14 @@ def _ch(v, t):
     return v if t.dim() == 2 else v[:, None]
 
 
+def check_devices(x: torch.Tensor, *named: tuple[str, torch.Tensor | None], what: str = "input") -> None:
+    """The Triton kernels read these next to ``x``: one of another device would be read as a device address
+    (an illegal access), so it is refused naming it, as PyTorch's operators refuse mixed devices."""
+    for name, t in named:
+        if t is not None and not _same_device(t, x):
+            raise RuntimeValueError(f"{name} is on {t.device} but {what} is on {x.device}")
+
+
 def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` in fp32 of ``x`` ``[N, C, L]``."""
     if x.shape[0] * x.shape[2] == 0:
@@ -122,6 +131,7 @@ def batch_norm_elemt(x, mean, invstd, weight, bias, z=None, fuse_relu: bool = Fa
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
+        check_devices(x, ("scale", scale), ("shift", shift), ("z", z))
         return kernels.forward(x, scale, shift, z, fuse_relu)
     x2, z2 = _v(x), _v(z)
     if x2.dim() == 2:
@@ -163,6 +173,7 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, bias, z=None, fuse_r
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
+        check_devices(x, ("dy", dy), ("mean", mean), ("scale", scale), ("shift", shift), ("z", z))
         return kernels.backward_reduce(dy, x, mean, scale, shift, z, fuse_relu)
     x, dy, z = _v(x), _v(dy), _v(z)
     d = _dy_act(dy, x, scale, shift, z, fuse_relu)
@@ -183,6 +194,8 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, bias, mean_dy, mean_d
     if _select(x) == "triton":
         from apex._kernels import sync_batch_norm as kernels
 
+        check_devices(x, ("dy", dy), ("mean", mean), ("invstd", invstd), ("scale", scale), ("shift", shift),
+                      ("mean_dy", mean_dy), ("mean_dy_xmu", mean_dy_xmu), ("z", z))
         return kernels.backward_elemt(dy, x, mean, invstd, scale, shift, mean_dy, mean_dy_xmu, z, fuse_relu,
                                       need_dz)
     shape = x.shape
@@ -226,18 +239,26 @@ def train_stats(x: torch.Tensor, ncl: tuple[int, int, int], weight, bias, runnin
     ``[count, mean (C), var (C)]``, returns ``(every rank's row as [world, 1 + 2C], total count)``; the rows
     are merged in fp64. ``num_batches_tracked`` (an integer tensor, or None) is incremented by one in the kernel
     that updates the running statistics (no operator of its own)."""
+    check_devices(x, ("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                  ("running_var", running_var), ("num_batches_tracked", num_batches_tracked))
     return _kernels().train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum, gather,
                                   num_batches_tracked)
 
 
-def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float) -> torch.Tensor:
-    """Triton path: ``st`` from the running statistics."""
+def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float, x: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Triton path: ``st`` from the running statistics (``x``: the input they will normalise, whose device they
+    must share)."""
+    check_devices(running_mean if x is None else x, ("weight", weight), ("bias", bias),
+                  ("running_mean", running_mean), ("running_var", running_var),
+                  what="running_mean" if x is None else "input")
     return _kernels().eval_stats(C, weight, bias, running_mean, running_var, eps)
 
 
 def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z=None,
               fuse_relu: bool = False) -> torch.Tensor:
     """Triton path: :func:`batch_norm_elemt` with ``st``, shaped like ``x``."""
+    check_devices(x, ("the statistics (weight, bias, running_mean, running_var)", st), ("z", z))
     return _kernels().normalize(x, ncl, st, z, fuse_relu)
 
 
@@ -246,6 +267,7 @@ def backward_sums(dy, x, ncl: tuple[int, int, int], st, z=None, fuse_relu: bool 
     """Triton path: an fp32 workspace whose first ``2 * C`` values are ``[Σ dy', Σ dy' (x - mean)]`` (the
     view ``[:2]`` is what ranks all-reduce); writes ``Σ dy' (x - mean) * invstd`` into ``grad_weight`` and
     ``Σ dy'`` into ``grad_bias`` where given (any float dtype)."""
+    check_devices(x, ("dy", dy), ("st", st), ("z", z), ("grad_weight", grad_weight), ("grad_bias", grad_bias))
     return _kernels().backward_sums(dy, x, ncl, st, z, fuse_relu, grad_weight, grad_bias)
 
 
@@ -253,4 +275,5 @@ def backward_elemt_sums(dy, x, ncl: tuple[int, int, int], st, sums, count, z=Non
                         need_dz: bool = False):
     """Triton path: :func:`batch_norm_backward_elemt`, shaped like ``x``, with ``mean_dy, mean_dy_xmu = sums
     / count`` computed in the kernel (``sums``: :func:`backward_sums`'s workspace; ``count`` None: both zero)."""
+    check_devices(x, ("dy", dy), ("st", st), ("sums", sums), ("z", z))
     return _kernels().backward_elemt_sums(dy, x, ncl, st, sums, count, z, fuse_relu, need_dz)

@@ -75,7 +75,7 @@ def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, 
     zz = None if z is None else z.contiguous().to(x.dtype)
     if not use_batch_stats:
         count = 0
-        st = ops.eval_stats(ncl[1], weight, bias, running_mean, running_var, eps)
+        st = ops.eval_stats(ncl[1], weight, bias, running_mean, running_var, eps, x)
     elif distributed:
         count, st = ops.train_stats(x, ncl, weight, bias, running_mean, running_var, eps, momentum,
                                     lambda row: _gather_rows(row, process_group, input.shape), tracked)
@@ -272,6 +272,8 @@ class SyncBatchNorm(_BatchNorm):
                              f"shape {tuple(input.shape)}")
         if z is not None and z.shape != input.shape:
             raise ValueError(f"z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}")
+        if z is not None:  # before the statistics' kernel updates the running statistics
+            ops.check_devices(input, ("z", z))
         use_batch_stats = self.training or not self.track_running_stats
         # Parameters and buffers read from their tables (nn.Module.__getattr__ costs ~1 µs a name, and a
         # training step reads six); anything else put in their place by the ordinary lookup.

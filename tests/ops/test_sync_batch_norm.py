@@ -168,6 +168,38 @@ def test_bad_inputs():
         assert bn(torch.randn(3, 4)).shape == (3, 4)
 
 
+@pytest.mark.parametrize("case", ["weight", "running_mean", "z", "eval", "elemt_z", "backward_reduce_dy"])
+def test_triton_path_refuses_tensors_on_another_device(triton_device, case):
+    """The Triton kernels read the parameters, running statistics, z and the backward's tensors next to the
+    input: one on another device (``meta`` standing in) is refused, naming it, before a kernel reads it; the
+    running statistics keep their values."""
+    x = torch.randn(6, 4, 3, device=triton_device)
+    bn = SyncBatchNorm(4).to(triton_device)
+    z = None
+    match = {"elemt_z": "z", "backward_reduce_dy": "dy"}.get(case, case)
+    if case in ("weight", "running_mean"):
+        setattr(bn, case, getattr(bn, case).to("meta") if case == "running_mean"
+                else torch.nn.Parameter(bn.weight.detach().to("meta")))
+    elif case == "z":
+        z = torch.randn(6, 4, 3, device="meta")
+    elif case == "eval":
+        bn = SyncBatchNorm(4, fuse_relu=True).to("meta").eval()  # (the fused path: no F.batch_norm fallback)
+        match = "weight"
+    before = bn.running_var.clone() if case != "eval" else None
+    with apex.backend("triton"), pytest.raises(ValueError, match=f"{match}.* is on meta"):
+        if case == "elemt_z":
+            mean, var = ops.batch_norm_stats(x)
+            ops.batch_norm_elemt(x, mean, var.add(1e-5).rsqrt(), None, None, torch.randn(6, 4, 3, device="meta"))
+        elif case == "backward_reduce_dy":
+            mean, var = ops.batch_norm_stats(x)
+            ops.batch_norm_backward_reduce(torch.randn(6, 4, 3, device="meta"), x, mean, var.add(1e-5).rsqrt(),
+                                           None, None)
+        else:
+            bn(x, z)
+    if before is not None:
+        assert torch.equal(bn.running_var, before)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 6), c=st.integers(1, 40), l_=st.integers(1, 30), channel_last=st.booleans(),
        loc=st.floats(-50, 50), spread=st.floats(0.1, 10))
