@@ -27,6 +27,7 @@ import torch
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
+from apex.ops._norm import _same_device
 from apex.ops._transducer_lattice import (
     _NEG,
     _alpha_beta_torch,
@@ -167,6 +168,11 @@ def loss_backward(logp: Tensor, loss_grad: Tensor, alpha: Tensor, beta: Tensor, 
     acc = alpha.dtype
     out_dtype = out_dtype or logp.dtype
     if _backend.select(logp) == "triton":
+        # The lengths and labels are moved to logp's device below; these the kernel reads where they are: a
+        # pointer of another device is an illegal access there.
+        for name, t in (("loss_grad", loss_grad), ("alpha", alpha), ("beta", beta), ("lse", lse)):
+            if t is not None and not _same_device(t, logp):
+                raise RuntimeValueError(f"{name} is on {t.device} but x is on {logp.device}")
         kernels = _kernels()
         dev = logp.device
         boff = row_b = None

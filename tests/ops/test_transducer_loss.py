@@ -161,6 +161,24 @@ def test_compat_module_matches(backend_name):
     assert (gs <= 0).all() and (gs != 0).sum() <= 2 * 4 * 3 * 2
 
 
+@pytest.mark.parametrize("which", ["loss_grad", "alpha", "beta"])
+def test_compat_backward_refuses_tensors_on_another_device(triton_device, which):
+    """The Triton backward reads the loss gradient and the lattice next to x: one on another device (``meta``
+    standing in) is refused, naming it, before the kernel reads it (the labels and lengths are moved)."""
+    import transducer_loss_cuda
+
+    x, label, f_len, y_len = (t.to(triton_device) for t in _case(2, 4, 3, 5, [4, 3], [2, 1]))
+    lp = torch.log_softmax(x, -1)
+    with apex.backend("triton"):
+        none = torch.empty(0, device=triton_device)  # (no batch offsets: not packed)
+        alpha, beta, _ = transducer_loss_cuda.forward(lp, label, f_len, y_len, none, 4, 4, 1, False)
+        args = {"loss_grad": torch.ones(2, device=triton_device), "alpha": alpha, "beta": beta}
+        args[which] = args[which].to("meta")
+        with pytest.raises(ValueError, match=f"{which} is on meta"):
+            transducer_loss_cuda.backward(lp, args["loss_grad"], args["alpha"], args["beta"], f_len, y_len, label,
+                                          none, 4, 4, 1, True, False)
+
+
 @pytest.mark.parametrize("case,match", [
     ("f_len_too_long", "f_len"), ("y_len_too_long", "y_len"), ("label_range", "label"), ("blank", "blank_idx"),
     ("batch", "batch"), ("offset", "batch_offset"), ("f_len_zero", "f_len"), ("no_offset", "batch_offset"),
