@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from apex import _backend
+from apex.ops._checks import check_tensor_lists
 
 Tensor = torch.Tensor
 MODES = (0, 1, 2)
@@ -124,7 +125,12 @@ def adam_swa_step(grads: Sequence[Tensor], params: Sequence[Tensor], compute_par
         return
     if _backend.select(lists[1]) == "triton":
         from apex._kernels import openfold_adam_swa as kernels
+        from apex._kernels._lists import checked
 
+        # The kernels group the tensors by the gradients' device and read every list's tensors (and the
+        # hyper-parameters, on the parameters' device) there: one of another device would be an illegal
+        # access. Checked once per set of tensors (cached on their addresses), as the other optimizers' lists.
+        lists = checked("openfold_adam_swa", lists, lambda: check_tensor_lists(lists, 6, name="adam_swa_step's lists"))
         device = lists[1][0].device
         hyper = torch.tensor([lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
                               swa_decay_rate], dtype=torch.float64).to(device)

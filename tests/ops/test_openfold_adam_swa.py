@@ -112,6 +112,22 @@ def test_fused_adam_swa_params_without_grad_are_averaged_not_updated():
     assert not torch.equal(p[0].detach(), c[0].grad)
 
 
+@pytest.mark.parametrize("which", [0, 1, 3, 5])
+def test_adam_swa_step_refuses_tensors_on_another_device(triton_device, which):
+    """The Triton path's kernels read every list's tensors next to the gradients: one on another device
+    (``meta`` standing in) is refused, naming it, before a kernel runs; the others keep their values."""
+    import apex
+    from apex.ops.openfold_adam_swa import adam_swa_step
+
+    lists = [[torch.randn(5, device=triton_device)] for _ in range(6)]
+    lists[which] = [lists[which][0].to("meta")]
+    before = [lst[0].clone() for i, lst in enumerate(lists) if i != which]
+    with apex.backend("triton"), pytest.raises(ValueError, match=r"adam_swa_step's lists\[\d\]\[0\] is on .*meta"):
+        adam_swa_step(*lists, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bias_correction1=0.1,
+                      bias_correction2=0.001, swa_decay_rate=0.9, first_average=False, mode=0)
+    assert all(torch.equal(a, lst[0]) for a, lst in zip(before, [x for i, x in enumerate(lists) if i != which]))
+
+
 def test_fused_adam_swa_bad_arguments_change_nothing():
     p = [torch.nn.Parameter(torch.randn(5))]
     c = [p[0].detach().clone()]
