@@ -29,6 +29,7 @@ from apex.ops._checks import check_tensor_lists
 
 Tensor = torch.Tensor
 MODES = (0, 1, 2)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what the kernels take
 
 
 def _group(lists):
@@ -130,7 +131,8 @@ def adam_swa_step(grads: Sequence[Tensor], params: Sequence[Tensor], compute_par
         # The kernels group the tensors by the gradients' device and read every list's tensors (and the
         # hyper-parameters, on the parameters' device) there: one of another device would be an illegal
         # access. Checked once per set of tensors (cached on their addresses), as the other optimizers' lists.
-        lists = checked("openfold_adam_swa", lists, lambda: check_tensor_lists(lists, 6, name="adam_swa_step's lists"))
+        lists = checked("openfold_adam_swa", lists, lambda: check_tensor_lists(lists, 6, name="adam_swa_step's lists",
+                                                                               dtypes=_DTYPES))
         device = lists[1][0].device
         hyper = torch.tensor([lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
                               swa_decay_rate], dtype=torch.float64).to(device)
