@@ -165,13 +165,21 @@ DIRECT = 3  # eager, plain tensors, a gradient needed: the op's plain autograd.F
 EXPORT = 4  # torch.export is tracing: the standard operators exporters know
 
 
+def _exporting() -> bool:
+    """Whether torch.export is tracing, also while Dynamo traces: read as the flag torch.export sets, since
+    Dynamo before torch 2.13 folds ``torch.compiler.is_exporting()`` to True under ``torch.compile`` too (which
+    would route every compiled norm to PyTorch's operators instead of the registered op)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
+
+
 def route(input: torch.Tensor, out_dtype: torch.dtype, n: int, w: torch.Tensor | None = None,
           b: torch.Tensor | None = None, r: torch.Tensor | None = None) -> int:
     """How a call of a norm on checked arguments runs (one of the constants above), decided once per call:
     the backend, the kernels' dtypes and row length, the tracing state and whether a gradient is needed.
     ``w``, ``b``, ``r``: the other tensor arguments (weight, bias, residual) or None."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        if torch.compiler.is_exporting():
+        if _exporting():
             return EXPORT
         return TORCH if _select_for_device(input.device.type) == "torch" else OP
     if _backend.select_tensor(input) != "triton":

@@ -128,6 +128,30 @@ def test_compile_records_the_custom_op(name, triton_device):
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_compile_records_the_custom_op_where_dynamo_folds_is_exporting(name, triton_device, monkeypatch):
+    """Dynamo before torch 2.13 folds ``torch.compiler.is_exporting()`` to True under ``torch.compile`` too: a
+    compiled norm must still take the registered op (PyTorch's operators are for torch.export alone). The
+    patched function stands in for that fold: True while Dynamo traces (it inlines the function), else the
+    flag torch.export sets."""
+    import apex
+
+    exporting = torch.compiler.is_exporting
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling() or exporting())
+    call, inputs, op = OPS[name](triton_device)
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with apex.backend("triton"):
+        torch.compile(call, fullgraph=True, backend=backend)()
+    torch._dynamo.reset()
+    assert op.replace("::", ".") in seen, seen
+
+
 @NEEDS_PLAIN_TENSORS
 def test_in_place_op_bumps_the_version_without_the_dispatcher(triton_device):
     """wgrad_gemm_accum mutates main_grad: the eager path bumps its version counter as the registered op's
