@@ -232,7 +232,7 @@ def _module_section(module: types.ModuleType, homes: dict[int, str], char: str, 
             directive = {"class": "autoclass", "function": "autofunction", "data": "autodata"}[k]
             lines += [f".. {directive}:: {module.__name__}::{name}"]
             if k == "class":
-                lines += ["   :members:", "   :show-inheritance:"]
+                lines += ["   :members:", "   :show-inheritance:", *_inherited_option(obj)]
             if k == "data":
                 lines += ["   :no-value:"]
             lines += [""]
@@ -247,6 +247,22 @@ def _module_section(module: types.ModuleType, homes: dict[int, str], char: str, 
             lines += [f".. py:{'class' if k == 'class' else 'function'}:: {name}", f"   :module: {module.__name__}",
                       "   :no-contents-entry:", "", f"   Same object as :py:{role}:`{target}`.", ""]
     return lines
+
+
+def private_bases(cls: type) -> list[type]:
+    """The bases of ``cls`` that are apex's own internal classes (mixins in ``_``-prefixed modules, or
+    ``_``-prefixed classes): their public methods are ``cls``'s API, documented with it."""
+    return [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] == "apex"
+            and (is_internal(b.__module__) or b.__name__.startswith("_"))]
+
+
+def _inherited_option(cls: type) -> list[str]:
+    """``:inherited-members:`` up to the first base that is not apex's (``Optimizer``, ``Module``, ...), for a
+    class that gets part of its API from internal bases; nothing for one that does not."""
+    if not private_bases(cls):
+        return []
+    stop = next((b for b in cls.__mro__[1:] if b.__module__.split(".")[0] != "apex"), object)
+    return [f"   :inherited-members: {stop.__name__}"]
 
 
 def write_api_pages(out_dir: Path) -> list[str]:
