@@ -119,23 +119,25 @@ class TritonTrace:
         }
         saved, trace = self._saved, self
 
-        def load(b, ptrs, mask, other, cache_policy, is_volatile):
+        # The builder's leading arguments are read; the rest pass through as given (their number differs
+        # between Triton releases: 3.6's masked load takes one more than 3.9's).
+        def load(b, ptrs, mask, *rest):
             trace._record(ptrs, mask, "load")
-            return saved["load"](b, ptrs, mask, other, cache_policy, is_volatile)
+            return saved["load"](b, ptrs, mask, *rest)
 
-        def store(b, ptrs, value, mask, cache_policy):
+        def store(b, ptrs, value, mask, *rest):
             trace._record(ptrs, mask, "store", "store")
-            return saved["store"](b, ptrs, value, mask, cache_policy)
+            return saved["store"](b, ptrs, value, mask, *rest)
 
-        def rmw(b, op, ptr, val, mask, sem, scope):
+        def rmw(b, op, ptr, val, mask, *rest):
             trace._record(ptr, mask, "atomic", "load")
             trace._record(ptr, mask, "atomic", "store")
-            return saved["rmw"](b, op, ptr, val, mask, sem, scope)
+            return saved["rmw"](b, op, ptr, val, mask, *rest)
 
-        def cas(b, ptr, cmp, val, sem, scope):
+        def cas(b, ptr, *rest):
             trace._record(ptr, None, "atomic", "load")
             trace._record(ptr, None, "atomic", "store")
-            return saved["cas"](b, ptr, cmp, val, sem, scope)
+            return saved["cas"](b, ptr, *rest)
 
         def call(ex, *args, **kwargs):
             trace.launches += 1
