@@ -10,7 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from apex._backend import backend, current_backend
+import torch
+
+# The oldest PyTorch this package is tested with (pyproject's floor): older releases lack private
+# functions the fast paths call (torch._C._any_requires_grad, ...), which would fail later and less clearly.
+# Compared on (major, minor) alone: NVIDIA's containers ship pre-releases such as "2.8.0a0+5228986.nv25.6".
+_MIN_TORCH = (2, 8)
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MIN_TORCH:
+    raise ImportError(f"apex needs torch>={_MIN_TORCH[0]}.{_MIN_TORCH[1]}, found torch {torch.__version__}: "
+                      f"pip install 'torch>={_MIN_TORCH[0]}.{_MIN_TORCH[1]}'")
+
+from apex._backend import backend, current_backend  # noqa: E402
 
 __version__ = "0.1.0"
 

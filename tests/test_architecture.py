@@ -107,6 +107,20 @@ def test_import_apex_does_not_touch_cuda():
     assert out.strip() == "False"
 
 
+@pytest.mark.parametrize("version, refused", [("2.6.0+cu124", True), ("2.7.1", True),
+                                              ("2.8.0a0+5228986c39.nv25.6", False), ("2.10.0", False),
+                                              ("3.0.0", False)])
+def test_import_apex_names_the_torch_floor(version, refused):
+    """An older PyTorch is refused at import with the floor named (not a missing private function later);
+    NVIDIA containers' pre-releases of a supported version import."""
+    code = (f"import torch\ntorch.__version__ = torch.torch_version.TorchVersion({version!r})\n"
+            "try:\n    import apex\nexcept ImportError as e:\n    print('refused', e)\nelse:\n    print('ok')")
+    out = _run(code).strip()
+    assert out.startswith("refused") == refused, out
+    if refused:
+        assert "torch>=2.8" in out and version in out
+
+
 def test_import_apex_is_fast():
     code = ("import time, torch\nt = time.perf_counter()\nimport apex\n"
             "print(time.perf_counter() - t)")
