@@ -260,7 +260,8 @@ def speed_up_interpreter() -> None:
         finally:
             _, scopes = launch_state.pop()
             for scope in reversed(scopes):
-                scope.restore()
+                if scope is not None:  # (Triton before 3.5 patches for good: nothing to restore)
+                    scope.restore()
 
     def device_call(self, *args, **kwargs):
         if not launch_state:
