@@ -109,11 +109,10 @@ def test_eager_calls_skip_the_dispatcher(name, triton_device):
 
 
 
-@pytest.mark.parametrize("name", list(OPS))
-def test_compile_records_the_custom_op(name, triton_device):
+def _compiled(call):
+    """``(output, targets)``: ``call`` compiled in one graph on the Triton backend, with the graph's node targets."""
     import apex
 
-    call, inputs, op = OPS[name](triton_device)
     seen: list[str] = []
 
     def backend(gm, example_inputs):
@@ -123,6 +122,17 @@ def test_compile_records_the_custom_op(name, triton_device):
     torch._dynamo.reset()
     with apex.backend("triton"):
         y = torch.compile(call, fullgraph=True, backend=backend)()
+    torch._dynamo.reset()
+    return y, seen
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_compile_records_the_custom_op(name, triton_device):
+    import apex
+
+    call, inputs, op = OPS[name](triton_device)
+    y, seen = _compiled(call)
+    with apex.backend("triton"):
         ref = call()
     assert op.replace("::", ".") in seen, seen
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
@@ -134,21 +144,10 @@ def test_compile_records_the_custom_op_where_dynamo_folds_is_exporting(name, tri
     compiled norm must still take the registered op (PyTorch's operators are for torch.export alone). The
     patched function stands in for that fold: True while Dynamo traces (it inlines the function), else the
     flag torch.export sets."""
-    import apex
-
     exporting = torch.compiler.is_exporting
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling() or exporting())
     call, inputs, op = OPS[name](triton_device)
-    seen: list[str] = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with apex.backend("triton"):
-        torch.compile(call, fullgraph=True, backend=backend)()
-    torch._dynamo.reset()
+    _, seen = _compiled(call)
     assert op.replace("::", ".") in seen, seen
 
 
