@@ -153,14 +153,4 @@ def _check_layers(input: object, weights, biases, acts) -> None:
         features = out_f
 
 
-def check_devices(input: Tensor, *named: tuple[str, object]) -> None:
-    """Raise ``ValueError`` naming the first ``(name, tensor)`` that is not a tensor on ``input``'s device: the
-    backward entries' gradients and saved tensors, which a kernel would read as device addresses."""
-    for name, t in named:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not _same_device(t, input):
-            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
-
-
 _CHECKED_ACTS: set = set()

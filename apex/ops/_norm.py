@@ -71,6 +71,20 @@ def _same_device(p: torch.Tensor, input: torch.Tensor) -> bool:
     return p.is_cpu and input.is_cpu or p.device == input.device
 
 
+def check_devices(ref: torch.Tensor, *named: tuple[str, object], what: str = "input", error: type = ValueError,
+                  optional: bool = False, note: str = "") -> None:
+    """Refuse the first ``(name, tensor)`` not on ``ref``'s device, naming it (``"{name} is on ... but {what} is
+    on ...{note}"``, raised as ``error``): a Triton kernel would read its pointer as a device address, an illegal
+    access. ``optional``: None entries are skipped; otherwise a non-tensor is a ``TypeError``."""
+    for name, t in named:
+        if t is None and optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not _same_device(t, ref):
+            raise error(f"{name} is on {t.device} but {what} is on {ref.device}{note}")
+
+
 def _check_param(name: str, p: object, shape: tuple[int, ...], input: torch.Tensor) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")

@@ -33,7 +33,8 @@ from apex._backend import select_tensor
 from apex.ops._dispatch import lazy_module
 
 # (apex.ops.mlp and apex.fused_dense import these from here.)
-from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain, check_devices
+from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain
+from apex.ops._norm import check_devices
 
 Tensor = torch.Tensor
 _K = lazy_module("apex._kernels.fused_dense")

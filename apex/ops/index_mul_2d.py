@@ -22,7 +22,7 @@ import torch
 
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
-from apex.ops._norm import _same_device, select
+from apex.ops._norm import check_devices, select
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.index_mul_2d")
@@ -212,7 +212,7 @@ def float_backward(grad_in1: Tensor, grad_in2: Tensor, grad_out: Tensor, in1: Te
     """``fused_index_mul_2d.float_backward``: adds into ``grad_in1`` (zeroed by the caller, as in Apex) and
     writes ``grad_in2``."""
     _check(in1, in2, idx1)
-    _check_devices(in1, ("grad_out", grad_out))
+    check_devices(in1, ("grad_out", grad_out), what="in1")
     d1, d2 = backward_pair(grad_out, in1, in2, idx1)
     grad_in1.add_(d1)
     grad_in2.copy_(d2)
@@ -223,21 +223,12 @@ def float_backward_backward(grad_grad_out: Tensor, grad_in1: Tensor, grad_in2: T
                             idx1: Tensor) -> None:
     """``fused_index_mul_2d.float_backward_backward``: the double-backward products, into the first three."""
     _check(in1, in2, idx1)
-    _check_devices(in1, ("grad_out", grad_out), ("grad_grad_in1", grad_grad_in1), ("grad_grad_in2", grad_grad_in2))
+    check_devices(in1, ("grad_out", grad_out), ("grad_grad_in1", grad_grad_in1), ("grad_grad_in2", grad_grad_in2),
+                  what="in1")
     grad_grad_out.copy_(gather_mul(grad_grad_in1, in2, idx1).add_(gather_mul(in1, grad_grad_in2, idx1)))
     d1, d2 = backward_pair(grad_out, grad_grad_in1, grad_grad_in2, idx1)
     grad_in1.add_(d1)
     grad_in2.copy_(d2)
-
-
-def _check_devices(in1: Tensor, *named: tuple[str, object]) -> None:
-    # The kernels read these next to in1 (the outputs are written by PyTorch's copy_/add_, which move data
-    # between devices themselves): a pointer of another device would be an illegal access there.
-    for name, t in named:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not _same_device(t, in1):
-            raise ValueError(f"{name} is on {t.device} but in1 is on {in1.device}")
 
 
 half_forward = float_forward

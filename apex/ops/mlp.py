@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from apex.ops._fused_dense_checks import check_devices
+from apex.ops._norm import check_devices
 from apex.ops.fused_dense import _use_triton, chain_backward, chain_forward, check_chain
 
 Tensor = torch.Tensor

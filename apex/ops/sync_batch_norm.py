@@ -29,7 +29,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
-from apex.ops._norm import _same_device
+from apex.ops._norm import check_devices as _check_devices
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -104,9 +104,7 @@ def _ch(v, t):
 def check_devices(x: torch.Tensor, *named: tuple[str, torch.Tensor | None], what: str = "input") -> None:
     """The Triton kernels read these next to ``x``: one of another device would be read as a device address
     (an illegal access), so it is refused naming it, as PyTorch's operators refuse mixed devices."""
-    for name, t in named:
-        if t is not None and not _same_device(t, x):
-            raise RuntimeValueError(f"{name} is on {t.device} but {what} is on {x.device}")
+    _check_devices(x, *named, what=what, error=RuntimeValueError, optional=True)
 
 
 def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

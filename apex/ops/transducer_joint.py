@@ -20,7 +20,11 @@ import torch
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import kept_per_key, lazy_module
-from apex.ops._norm import _same_device
+from apex.ops._norm import _same_device, check_devices
+
+# The Triton path's kernels read the lengths and mask next to f (the PyTorch path compares lengths on their own
+# device): one of another device is refused naming it.
+_TRITON_DEVICES = {"error": RuntimeValueError, "optional": True, "note": " (the Triton path needs them on one device)"}
 
 Tensor = torch.Tensor
 
@@ -75,15 +79,6 @@ def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_
         total = int(expect[-1]) if B else 0
         if int(packed_batch) != total:
             raise ValueError(f"packed_batch must be the packed row count {total}, got {int(packed_batch)}")
-
-
-def _check_devices(t: Tensor, *named: tuple[str, Tensor | None]) -> None:
-    """The Triton path's kernels read these next to ``t`` (the PyTorch path compares lengths on their own
-    device): a pointer of another device is an illegal access there, refused naming the tensor."""
-    for name, x in named:
-        if x is not None and not _same_device(x, t):
-            raise RuntimeValueError(f"{name} is on {x.device} but {'f' if name != 'mask' else 'grad'} is on "
-                                    f"{t.device} (the Triton path needs them on one device)")
 
 
 def _range_error(f_len: Tensor, g_len: Tensor, T: int, U: int) -> None:
@@ -205,7 +200,7 @@ def joint_forward_saved(f, g, f_len, g_len, batch_offset, packed_batch, pack_out
     if tile_size not in (1, 2, 4):
         raise RuntimeValueError(f"fwd_tile_size must be 1, 2 or 4, got {tile_size}")
     if triton:
-        _check_devices(f, ("g", g), ("f_len", f_len), ("g_len", g_len))
+        check_devices(f, ("g", g), ("f_len", f_len), ("g_len", g_len), what="f", **_TRITON_DEVICES)
         kernels = _kernels()
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout else 0
         boff = batch_offset.to(f.device, torch.int64).contiguous() if pack_output else None
@@ -245,7 +240,8 @@ def joint_backward(dh: Tensor, mask: Tensor | None, f_len: Tensor, g_len: Tensor
                    max_f_len: int, max_g_len: int, pack_output: bool, scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """``(grad_f, grad_g)`` from the gradient of the (dense or packed) joint output."""
     if _backend.select(dh) == "triton":
-        _check_devices(dh, ("mask", mask), ("f_len", f_len), ("g_len", g_len))
+        check_devices(dh, ("mask", mask), what="grad", **_TRITON_DEVICES)
+        check_devices(dh, ("f_len", f_len), ("g_len", g_len), what="f", **_TRITON_DEVICES)
         kernels = _kernels()
         boff = batch_offset.to(dh.device, torch.int64).contiguous() if pack_output else None
         return kernels.backward(dh.contiguous(), mask.contiguous() if mask is not None else None,
