@@ -2,10 +2,11 @@
 ``idx1`` ``[M]`` (Apex's ``apex.contrib.index_mul_2d``, used by OpenFold), with first and second derivatives.
 
 Gradients: ``d in2 = g * in1[idx1]``; ``d in1[r] = Σ_{i: idx1[i] = r} g[i] * in2[i]``, a segment sum over
-repeated indices. That sum is deterministic on both paths: the Triton path sorts ``idx1`` (stable) and
-each program adds its rows' contributions in that order (no atomics, unlike Apex's kernel); the PyTorch
-path uses ``index_add_``, sequential on CPU. Double backward (forces of an energy, as in Apex's test) is
-supported by a second autograd function built from the same two primitives.
+repeated indices. That sum is deterministic on both paths: the Triton path sorts ``idx1`` (stable; once
+while the same ``idx1`` is unchanged, :class:`IndexOrders`) and each program adds its rows' contributions
+in that order (no atomics, unlike Apex's kernel); the PyTorch path uses ``index_add_``, sequential on CPU.
+Double backward (forces of an energy, as in Apex's test) is supported by a second autograd function built
+from the same two primitives.
 
 An index outside ``in1``'s rows: the PyTorch path raises ``ValueError`` (one host read of idx1's range). The
 Triton path reads nothing on the host (on a GPU a read is a synchronisation per call; Apex's kernel checks
@@ -17,6 +18,8 @@ one rounding to that dtype; segment sums accumulate in fp32 (fp64 for fp64).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -105,6 +108,50 @@ def _idx64(idx: Tensor) -> Tensor:
     return idx if idx.is_contiguous() else idx.contiguous()
 
 
+class IndexOrders:
+    """The Triton path's stable sort of ``idx1`` (its int64 form, the sorted values, the permutation), kept
+    while that tensor lives unchanged, for the last ``size`` index tensors: a model that applies
+    ``index_mul_2d`` with one ``idx1`` in several layers, or one step after another, sorts it once. A sort
+    is several operators (on a GPU a radix sort of several launches and a temporary buffer: tens of µs of
+    host time), the largest cost of a call after its kernels.
+
+    An entry is used only for the very tensor it was made from (a weak reference, so the entry goes when
+    the tensor does), at the same version counter (any in-place change, ``copy_``, ``set_``, ``resize_``,
+    also through a view, bumps it), the same data pointer and the same length and stride (an assignment to
+    ``.data`` changes those, not the version). Inference tensors have no version counter: never kept."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: dict[int, tuple] = {}  # id(idx1) -> (weak ref, version, data_ptr, len, stride, order)
+
+    def get(self, idx1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(idx, ordered, perm)``: ``idx1`` as a contiguous int64 tensor, and its stable sort."""
+        key = id(idx1)
+        e = self._entries.get(key)
+        if e is not None and e[0]() is idx1 and e[1] == idx1._version and e[2] == idx1.data_ptr() and \
+                e[3] == idx1.shape[0] and e[4] == idx1.stride(0):
+            idx, ordered, perm = e[5]
+            return idx1 if idx is None else idx, ordered, perm
+        idx = _idx64(idx1)
+        ordered, perm = torch.sort(idx, stable=True)
+        if idx1.is_inference():
+            return idx, ordered, perm
+        entries = self._entries
+        if len(entries) >= self.size:
+            del entries[next(iter(entries))]  # the oldest
+        ref = weakref.ref(idx1, lambda r, key=key: entries.pop(key) if entries.get(key, (None,))[0] is r else None)
+        # Not idx1 itself (a strong reference would keep it, and its entry, alive): None stands for it.
+        entries[key] = (ref, idx1._version, idx1.data_ptr(), idx1.shape[0], idx1.stride(0),
+                        (None if idx is idx1 else idx, ordered, perm))
+        return idx, ordered, perm
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_ORDERS = IndexOrders()
+
+
 # ------------------------------------------------------------------------------- primitives (no autograd)
 def gather_mul(a: Tensor, b: Tensor, idx: Tensor) -> Tensor:
     """``a[idx] * b`` in ``b``'s dtype."""
@@ -132,14 +179,19 @@ def backward_pair(g: Tensor, in1: Tensor, in2: Tensor, idx: Tensor) -> tuple[Ten
 # --------------------------------------------------------------------------------------------- autograd
 class IndexMul2d(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, in1, in2, idx1):
+    def forward(ctx, in1, in2, idx1, orders=None):
+        # orders: an IndexOrders to take idx1's sort from (the eager entry's; not while tracing or under
+        # torch.func transforms, where idx1 is not the caller's tensor)
         _check(in1, in2, idx1, bounds=False)
         if _triton(in2):
             # The backend chosen once (the backward launches the same path). The backward's segment sum needs
             # idx1 sorted (its deterministic order): sorted here, kept for the backward. No range check: the
             # kernels give an out-of-range index a NaN row and no gradient (no host read).
-            idx = _idx64(idx1)
-            ordered, perm = torch.sort(idx, stable=True)
+            if orders is not None:
+                idx, ordered, perm = orders.get(idx1)
+            else:
+                idx = _idx64(idx1)
+                ordered, perm = torch.sort(idx, stable=True)
             # The inputs themselves are saved (a double backward differentiates through them), not their
             # row-contiguous copies.
             ctx.save_for_backward(in1, in2, idx, ordered, perm)  # the sort saved: the Triton path's mark
@@ -160,7 +212,7 @@ class IndexMul2d(torch.autograd.Function):
                                                             in2.dtype, _rows(in1), order)
         else:
             grad_in1, grad_in2 = backward_pair(grad_out, in1, in2, idx1)
-        return grad_in1, grad_in2, None
+        return grad_in1, grad_in2, None, None
 
 
 class IndexMul2dBackward(torch.autograd.Function):
@@ -194,7 +246,7 @@ def index_mul_2d(in1: Tensor, in2: Tensor, idx1: Tensor) -> Tensor:
             return _kernels().gather_mul(_rows(in1), _rows(in2), _idx64(idx1), in2.dtype)
         _check_bounds(in1, idx1)
         return torch.index_select(in1, 0, idx1).mul_(in2)
-    return _apply(in1, in2, idx1)
+    return _apply(in1, in2, idx1, _ORDERS)
 
 
 _apply = super(torch.autograd.Function, IndexMul2d).apply

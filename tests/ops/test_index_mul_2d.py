@@ -243,3 +243,62 @@ def test_index_range_check_makes_one_host_read(monkeypatch):
                 IM.index_mul_2d(in1, in2, torch.tensor(bad))
             assert reads == ["equal", "aminmax"]
             reads.clear()
+
+
+def test_triton_path_sorts_an_unchanged_index_once(backend_name, monkeypatch):
+    """The Triton path's stable sort of idx1 (IndexOrders) is made once while idx1 is the same unchanged
+    tensor, and every change is noticed: in place, through a view, ``.data`` and ``set_`` (a stale sort
+    is a wrong gradient: values asserted). int32 indices too; inference tensors (no version counter) are
+    sorted every call; an entry holds no reference to its tensor and goes with it."""
+    import gc
+    import weakref
+
+    from apex.testing import count_eager
+
+    if backend_name != "triton":
+        pytest.skip("the PyTorch path sorts nothing")
+    orders = IM.IndexOrders(size=4)
+    monkeypatch.setattr(IM, "_ORDERS", orders)
+    in1, in2 = torch.randn(8, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    gy = torch.randn(6, 4)
+
+    def sorts(idx):
+        """One forward and backward: the gradients checked, the sorts it made returned."""
+        def step():
+            return torch.autograd.grad(IM.index_mul_2d(in1, in2, idx), (in1, in2), gy)
+
+        counts = count_eager(step)["ops"]
+        g1, g2 = step()
+        i = idx.long()
+        ref1 = torch.zeros(8, 4, dtype=torch.float64).index_add_(0, i, gy.double() * in2.detach().double())
+        assert_rel_close(g1, ref1, tol=1e-6)
+        assert_rel_close(g2, gy.double() * in1.detach().double()[i], tol=1e-6)
+        return counts.get("sort", 0)
+
+    idx = torch.tensor([3, 0, 3, 7, 1, 0])
+    assert sorts(idx) == 1 and sorts(idx) == 0  # (count_eager's call and the checked one: one sort)
+    idx[0] = 5
+    assert sorts(idx) == 1
+    idx[2:].fill_(6)  # through a view: the version counter is shared
+    assert sorts(idx) == 1
+    idx.data = torch.tensor([1, 1, 2, 2, 0, 0])
+    assert sorts(idx) == 1
+    idx.set_(torch.tensor([7, 6, 5, 4, 3, 2]))
+    assert sorts(idx) == 1 and sorts(idx) == 0
+    j = torch.tensor([2, 2, 1, 0, 4, 4], dtype=torch.int32)  # its int64 form kept with the sort
+    assert sorts(j) == 1 and sorts(j) == 0
+    with torch.inference_mode():  # (an int64 one could not be saved for the backward: int32)
+        k = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int32)
+    assert sorts(k) == 1 and sorts(k) == 1
+    assert len(orders._entries) == 2  # idx and j
+    alive = weakref.ref(idx)
+    del idx, j
+    gc.collect()
+    assert alive() is None and not orders._entries
+    for n in range(6):  # at most `size` entries, the oldest dropped
+        assert sorts(torch.full((6,), n)) == 1
+    assert len(orders._entries) == 0  # each temporary went with its tensor
+    kept = [torch.full((6,), n) for n in range(6)]
+    for t in kept:
+        sorts(t)
+    assert len(orders._entries) == 4 and sorts(kept[-1]) == 0 and sorts(kept[0]) == 1
