@@ -133,3 +133,10 @@ def as_scalar_tensor(value, device: torch.device, name: str, dtype=torch.float32
 def mark_found_inf(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``noop_flag |= found_inf != 0`` on the device, without a host synchronisation."""
     torch.maximum(noop_flag, (found_inf != 0).to(torch.int32).reshape(1), out=noop_flag)
+
+
+def member_set(*items: object) -> dict:
+    """A constant set for the checks' membership tests (``x in s``): a dict's keys. A lookup costs what a
+    frozenset's does (~45 ns; a tuple of four takes 80-120 ns), and torch.compile traces it on every
+    supported torch (Dynamo before 2.11 cannot trace ``frozenset.__contains__`` or ``set.__contains__``)."""
+    return dict.fromkeys(items)

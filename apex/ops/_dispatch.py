@@ -33,9 +33,11 @@ import torch
 from torch._C import _any_requires_grad, _are_functorch_transforms_active, _get_tracing_state
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
+from apex.ops._checks import member_set
+
 Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+_PLAIN_OR_NONE = member_set(torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _plain(args: Iterable[object]) -> bool:

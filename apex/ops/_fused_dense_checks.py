@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from apex._errors import RuntimeTypeError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import _PLAIN
 from apex.ops._norm import _same_device
 
@@ -15,7 +16,7 @@ Tensor = torch.Tensor
 ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
 NONE, RELU, SIGMOID, GELU = 0, 1, 2, 3
 # A set: a dtype's membership by its hash (a tuple compares it with each entry in turn, ~1 µs a call).
-_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_FLOATS = member_set(torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_chain(input: Tensor, weights, biases, acts, compiling: bool | None = None) -> None:

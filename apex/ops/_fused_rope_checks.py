@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import _PLAIN
 from apex.ops._norm import _same_device
 
@@ -15,7 +16,7 @@ Tensor = torch.Tensor
 
 
 # A set: a dtype's membership by its hash (a tuple compares it with each entry in turn).
-_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_FLOATS = member_set(torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------- checks

@@ -12,10 +12,11 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._checks import member_set
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+_PLAIN = member_set(torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = member_set(torch.Tensor, torch.nn.Parameter, type(None))
 # Widest row the one-pass kernels hold in one block; wider rows take the PyTorch operator.
 MAX_FUSED_N = 65536
 
@@ -213,7 +214,7 @@ def route(input: torch.Tensor, out_dtype: torch.dtype, n: int, w: torch.Tensor |
     return KERNEL
 
 
-_KERNEL_DTYPE_SET = frozenset(KERNEL_DTYPES)
+_KERNEL_DTYPE_SET = member_set(*KERNEL_DTYPES)
 
 
 def prepare(input: object, normalized_shape: object, weight: object, bias: object, out_dtype: torch.dtype | None

@@ -26,6 +26,7 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex import _backend
 from apex._errors import AssertValueError, RuntimeValueError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import _same_device, select
 
@@ -34,8 +35,8 @@ _kernels = lazy_module("apex._kernels.group_norm")
 # The same module once imported, for the eager paths, which read it as ``(_KEPT or _keep())[0]``: lazy_module's
 # getter asks is_compiling() (two frames a call) for traced code, which never runs these paths.
 _KEPT: list = []
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+_PLAIN = member_set(torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = member_set(torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _keep() -> list:

@@ -20,6 +20,7 @@ import math
 import torch
 
 from apex import _backend
+from apex.ops._checks import member_set
 
 Tensor = torch.Tensor
 
@@ -56,7 +57,7 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tenso
     return _check_mask_bias(q, mask, bias, (*q.shape[:-1], k.shape[-2]))
 
 
-_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_FLOATS = member_set(torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _same_devices(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -19,6 +19,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import kept_per_key, lazy_module
 from apex.ops._norm import _same_device, check_devices
 
@@ -29,8 +30,8 @@ _TRITON_DEVICES = {"error": RuntimeValueError, "optional": True, "note": " (the 
 Tensor = torch.Tensor
 
 
-_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
-_INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
+_FLOATS = member_set(torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INTS = member_set(torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 def _check(f, g, f_len, g_len, batch_offset, packed_batch, pack_output, dropout_prob, ranges: bool = True):

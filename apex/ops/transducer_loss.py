@@ -26,6 +26,7 @@ import torch
 
 from apex import _backend
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import lazy_module
 from apex.ops._norm import _same_device
 from apex.ops._transducer_lattice import (
@@ -45,8 +46,8 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_FLOATS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
-_INTS = frozenset((torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
+_FLOATS = member_set(torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INTS = member_set(torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 def check_args(x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input, ranges: bool = True):

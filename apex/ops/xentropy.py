@@ -40,6 +40,7 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex._backend import select_tensor
 from apex._errors import RuntimeTypeError, RuntimeValueError
+from apex.ops._checks import member_set
 from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import _same_device, select
 
@@ -50,8 +51,8 @@ _kernels = lazy_module("apex._kernels.xentropy")
 # ----------------------------------------------------------------------------------------------- checks
 _INDEX_DTYPES = (torch.int64, torch.int32)  # the usual labels: no three dtype queries
 # Sets: a dtype's membership by its hash (a tuple compares it with each entry in turn).
-_QUICK_LOGITS = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
-_QUICK_LABELS = frozenset(_INDEX_DTYPES)
+_QUICK_LOGITS = member_set(torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_QUICK_LABELS = member_set(*_INDEX_DTYPES)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
