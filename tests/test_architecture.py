@@ -198,3 +198,19 @@ def test_the_package_does_not_import_the_repository_folders():
     for module, path in _modules():
         for imp in _imports(path):
             assert imp.split(".")[0] not in ("benchmarks", "tests", "examples"), f"{module} imports {imp}"
+
+
+def test_ops_keep_no_set_constants():
+    """The ops' argument checks run under torch.compile; Dynamo before torch 2.11 (the floor is 2.8) cannot
+    trace a membership test in a module-level frozenset or set, so their constant sets are dict keys
+    (``apex.ops._checks.member_set``: as fast a lookup)."""
+    found = []
+    for path in sorted((APEX / "ops").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                v = node.value
+                # (an empty set() is a cache, read only outside tracing)
+                if isinstance(v, (ast.Set, ast.SetComp)) or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
+                                                              and v.func.id in ("frozenset", "set") and v.args):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"module-level sets in apex/ops (use member_set): {found}"
