@@ -255,8 +255,10 @@ def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float, x: t
 
 def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z=None,
               fuse_relu: bool = False) -> torch.Tensor:
-    """Triton path: :func:`batch_norm_elemt` with ``st``, shaped like ``x``."""
-    check_devices(x, ("the statistics (weight, bias, running_mean, running_var)", st), ("z", z))
+    """Triton path: :func:`batch_norm_elemt` with ``st`` (:func:`train_stats`'s or :func:`eval_stats`'s, made
+    on ``x``'s device), shaped like ``x``."""
+    if z is not None:
+        check_devices(x, ("z", z))
     return _kernels().normalize(x, ncl, st, z, fuse_relu)
 
 
@@ -264,14 +266,17 @@ def backward_sums(dy, x, ncl: tuple[int, int, int], st, z=None, fuse_relu: bool 
                   grad_bias=None) -> torch.Tensor:
     """Triton path: an fp32 workspace whose first ``2 * C`` values are ``[Σ dy', Σ dy' (x - mean)]`` (the
     view ``[:2]`` is what ranks all-reduce); writes ``Σ dy' (x - mean) * invstd`` into ``grad_weight`` and
-    ``Σ dy'`` into ``grad_bias`` where given (any float dtype)."""
-    check_devices(x, ("dy", dy), ("st", st), ("z", z), ("grad_weight", grad_weight), ("grad_bias", grad_bias))
+    ``Σ dy'`` into ``grad_bias`` where given (any float dtype).
+
+    The backward of :func:`normalize`'s call, with no device checks of its own: ``x``, ``st`` and ``z`` are
+    what that forward took (and checked), ``dy`` is autograd's gradient of its output (the engine refuses one
+    on another device), and ``grad_weight``/``grad_bias`` are allocated like the checked parameters."""
     return _kernels().backward_sums(dy, x, ncl, st, z, fuse_relu, grad_weight, grad_bias)
 
 
 def backward_elemt_sums(dy, x, ncl: tuple[int, int, int], st, sums, count, z=None, fuse_relu: bool = False,
                         need_dz: bool = False):
     """Triton path: :func:`batch_norm_backward_elemt`, shaped like ``x``, with ``mean_dy, mean_dy_xmu = sums
-    / count`` computed in the kernel (``sums``: :func:`backward_sums`'s workspace; ``count`` None: both zero)."""
-    check_devices(x, ("dy", dy), ("st", st), ("sums", sums), ("z", z))
+    / count`` computed in the kernel (``sums``: :func:`backward_sums`'s workspace; ``count`` None: both zero).
+    No device checks, as :func:`backward_sums`."""
     return _kernels().backward_elemt_sums(dy, x, ncl, st, sums, count, z, fuse_relu, need_dz)
