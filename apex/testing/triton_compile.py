@@ -91,7 +91,9 @@ def compile_only(target: str = "cuda:90") -> Iterator[Record]:
     from triton.runtime.jit import JITFunction
 
     record = Record(target)
-    jit_run, tune_run, previous = JITFunction.run, Autotuner.run, driver._active
+    # (the active driver: ``driver._active`` since Triton 3.5, a plain ``active`` attribute in 3.4)
+    active = "_active" if hasattr(driver, "_active") else "active"
+    jit_run, tune_run, previous = JITFunction.run, Autotuner.run, getattr(driver, active)
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = jit_run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -120,7 +122,7 @@ def compile_only(target: str = "cuda:90") -> Iterator[Record]:
             yield record
     finally:
         JITFunction.run, Autotuner.run = jit_run, tune_run
-        driver._active = previous
+        setattr(driver, active, previous)
 
 
 def launched_kernels() -> set[str]:

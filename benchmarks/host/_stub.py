@@ -31,23 +31,28 @@ def stubbed_launches(torch_fused_adam: bool = False) -> Iterator[Stub]:
     from triton.runtime import interpreter, jit
 
     stub = Stub()
-    saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
+    # The interpreter's launch: InterpretedFunction.run (Triton 3.5 and newer); in Triton 3.4 ``kernel[grid]``
+    # is a GridExecutor (whose ``fn`` is the kernel's function) and ``run`` an attribute of each kernel.
+    interpreted = ((interpreter.InterpretedFunction, "run") if "run" in vars(interpreter.InterpretedFunction)
+                   else (interpreter.GridExecutor, "__call__"))
+    saved = [(jit.JITFunction, "run", jit.JITFunction.run), (*interpreted, getattr(*interpreted))]
     saved_torch = torch._fused_adamw_, torch._fused_adam_
 
     def run(fn, *args, grid=None, warmup=False, **kwargs):
         if not warmup:
             stub.launches += 1
-            stub.kernels[getattr(fn, "__name__", "kernel")] += 1
+            stub.kernels[getattr(getattr(fn, "fn", fn), "__name__", "kernel")] += 1
 
     def nothing(*args, **kwargs):
         return None
 
-    jit.JITFunction.run = run
-    interpreter.InterpretedFunction.run = run
+    for owner, name, _ in saved:
+        setattr(owner, name, run)
     if torch_fused_adam:
         torch._fused_adamw_ = torch._fused_adam_ = nothing
     try:
         yield stub
     finally:
-        jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
         torch._fused_adamw_, torch._fused_adam_ = saved_torch

@@ -75,7 +75,7 @@ json.dump(out, sys.stdout)
 
 def test_same_bits_on_every_cpu_capability_and_thread_count():
     outs = probe_under_capabilities(_PROBE)
-    assert outs["default"]["capability"] == "DEFAULT"
+    assert outs["default"]["capability"] in ("DEFAULT", "NO AVX")  # (older torch names it so)
     ref_key, ref = None, None
     for cap, out in outs.items():
         for key, value in out.items():

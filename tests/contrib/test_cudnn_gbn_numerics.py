@@ -89,7 +89,7 @@ json.dump(out, sys.stdout)
 
 def test_lib_same_bits_on_every_cpu_capability_and_thread_count():
     outs = probe_under_capabilities(_PROBE)
-    assert outs["default"]["capability"] == "DEFAULT"
+    assert outs["default"]["capability"] in ("DEFAULT", "NO AVX")  # (older torch names it so)
     names = [k.split(":", 1)[1] for k in outs["default"] if k.startswith("1:")]
     first = None
     for cap, out in outs.items():

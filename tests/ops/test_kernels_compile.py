@@ -30,7 +30,9 @@ def _run(args, cwd=ROOT, timeout=900):
 def test_every_kernel_compiles_for_gpu_targets(target):
     pytest.importorskip("triton")
     proc = _run(["benchmarks/compile_kernels.py", "--target", target, "--no-timed"])
-    if proc.returncode != 0 and "not found" in proc.stderr and ("ptxas" in proc.stderr or "lld" in proc.stderr):
+    out = proc.stdout + proc.stderr  # (the failures are listed on stdout, a crash on stderr)
+    if proc.returncode != 0 and "not found" in out and ("ptxas" in out or "ld.lld" in out):
+        # (Triton 3.4's AMD backend has no linker of its own: it needs ROCm's, or TRITON_HIP_LLD_PATH)
         pytest.skip("no GPU compiler toolchain in this triton install")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert f"{target}:" in proc.stdout and "kernels compiled" in proc.stdout

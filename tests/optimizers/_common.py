@@ -39,6 +39,17 @@ def set_grads(params, grads) -> None:
         p.grad = g.clone()
 
 
+def set_grad_of_another_dtype(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``p.grad = grad`` where ``grad``'s dtype differs from ``p``'s, as a client's code can leave it: PyTorch's
+    setter refuses that unless ``p.grad_dtype`` is None (torch 2.9 and newer); before, through ``.data``."""
+    if hasattr(p, "grad_dtype"):
+        p.grad_dtype = None
+        p.grad = grad
+    else:
+        p.grad = torch.zeros_like(p)
+        p.grad.data = grad
+
+
 def snapshot(opt: torch.optim.Optimizer, params) -> tuple[list[torch.Tensor], dict]:
     return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
 

@@ -10,7 +10,7 @@ import torch
 import apex
 from apex.optimizers import FusedNovoGrad
 from apex.testing import TritonTrace, assert_rel_close
-from tests.optimizers._common import counting_tables
+from tests.optimizers._common import counting_tables, set_grad_of_another_dtype
 
 from ._lamb_reference import bf16_round_to_nearest
 from ._lamb_reference import novograd as ref_novograd
@@ -268,8 +268,7 @@ def test_bad_gradients_change_nothing(backend_name, bad):
     if bad == "sparse":
         params[1].grad = torch.randn(4).to_sparse()
     else:
-        params[1].grad_dtype = None
-        params[1].grad = torch.randn(4, dtype=torch.bfloat16)
+        set_grad_of_another_dtype(params[1], torch.randn(4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):
         opt.step()
     assert all(torch.equal(p.detach(), q) for p, q in zip(params, before[0]))

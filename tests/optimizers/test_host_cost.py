@@ -44,16 +44,13 @@ OPTIMIZERS = {
 
 
 @pytest.fixture
-def stubbed_launches(monkeypatch):
+def stubbed_launches():
     """Every Triton launch returns at once (compiled or interpreted): only the host's work runs."""
     pytest.importorskip("triton")
-    from triton.runtime import interpreter, jit
+    from benchmarks.host._stub import stubbed_launches as stubbed
 
-    def run(*args, **kwargs):
-        return None
-
-    monkeypatch.setattr(jit.JITFunction, "run", run)
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    with stubbed():
+        yield
 
 
 def _calls(fn) -> int:
