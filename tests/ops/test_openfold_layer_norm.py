@@ -231,6 +231,8 @@ def test_layer_norm_launches_follow_the_auto_tune_cache(triton_device, monkeypat
     from apex._kernels import openfold_layer_norm as kernels
 
     fwd = kernels._ln_fwd
+    if type(fwd.fn).__name__ == "InterpretedFunction" and "run" not in vars(type(fwd.fn)):
+        pytest.skip("Triton 3.4's interpreter launches a warm kernel past its run method: nothing to record")
     small, large = triton.Config({"ROWS": 2}, num_warps=1), triton.Config({"ROWS": 8}, num_warps=1)
     taken = []
     run = fwd.fn.run
