@@ -145,9 +145,6 @@ class IndexOrders:
                         (None if idx is idx1 else idx, ordered, perm))
         return idx, ordered, perm
 
-    def clear(self) -> None:
-        self._entries.clear()
-
 
 _ORDERS = IndexOrders()
 
