@@ -256,9 +256,8 @@ def eval_stats(C: int, weight, bias, running_mean, running_var, eps: float, x: t
 def normalize(x: torch.Tensor, ncl: tuple[int, int, int], st: torch.Tensor, z=None,
               fuse_relu: bool = False) -> torch.Tensor:
     """Triton path: :func:`batch_norm_elemt` with ``st`` (:func:`train_stats`'s or :func:`eval_stats`'s, made
-    on ``x``'s device), shaped like ``x``."""
-    if z is not None:
-        check_devices(x, ("z", z))
+    on ``x``'s device), shaped like ``x``. ``z``'s device is its caller's to check, before the statistics
+    update the running ones (``SyncBatchnormFunction.forward``)."""
     return _kernels().normalize(x, ncl, st, z, fuse_relu)
 
 

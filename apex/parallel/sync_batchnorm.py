@@ -125,6 +125,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
                 process_group, channel_last, fuse_relu, distributed, num_batches_tracked=None, fused=None):
+        if z is not None:  # before either path updates the running statistics (the module checked it already)
+            ops.check_devices(input, ("z", z))
         if fused if fused is not None else _fused_ok(input, weight, bias, running_mean, running_var):
             return _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats,
                                   momentum, process_group, channel_last, fuse_relu, distributed, num_batches_tracked)

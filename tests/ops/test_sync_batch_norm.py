@@ -200,6 +200,19 @@ def test_triton_path_refuses_tensors_on_another_device(triton_device, case):
         assert torch.equal(bn.running_var, before)
 
 
+def test_function_refuses_z_on_another_device_before_any_update(backend_name, device):
+    """``SyncBatchnormFunction.apply`` called directly (as Apex's code may) with ``z`` on another device
+    (``meta`` standing in): refused naming it, on both paths, before the running statistics change."""
+    from apex.parallel.sync_batchnorm import SyncBatchnormFunction
+
+    x, w, b = torch.randn(6, 4, 3, device=device), torch.ones(4, device=device), torch.zeros(4, device=device)
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+    z = torch.randn(6, 4, 3, device="meta")
+    with pytest.raises(ValueError, match="z is on meta"):
+        SyncBatchnormFunction.apply(x, z, w, b, rm, rv, 1e-5, True, 0.1, None, False, False, False)
+    assert torch.equal(rm, torch.zeros_like(rm)) and torch.equal(rv, torch.ones_like(rv))
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 6), c=st.integers(1, 40), l_=st.integers(1, 30), channel_last=st.booleans(),
        loc=st.floats(-50, 50), spread=st.floats(0.1, 10))
