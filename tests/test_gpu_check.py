@@ -84,7 +84,8 @@ def test_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     for stage, phase in ((1, "triton"), (1, "distributed"), (2, "sanitizer"), (2, "upstream"), (3, "bench")):
         assert f"stage {stage}  {phase}" in text
-    assert "APEX_TEST_DEVICE=cuda" in text and "-k triton" in text and "-n 10" in text and "-m dist_device" in text
+    assert "APEX_TEST_DEVICE=cuda" in text and "-k 'triton or cuda_graph'" in text and "-n 10" in text
+    assert "-m dist_device" in text
     assert "--tool memcheck" in text and "benchmarks/run.py --device cuda --budget 100" in text
     assert f"TRITON_CACHE_DIR={out}/cache/triton" in text
     assert not out.exists()
