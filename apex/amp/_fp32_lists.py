@@ -10,6 +10,12 @@ methods (``exp_``, ``pow_``, ...) raise on a half tensor, which they could not u
 Code running with autocast off (inside ``disable_casts()``, the optimizer step, apex's own fused ops) sees
 the original functions' behaviour.
 
+Two of Apex's rules have no counterpart in any device's autocast, so they are installed on CUDA as well
+(:func:`patch_apex_rules`): the in-place methods of the fp32 functions raise on a half tensor (CUDA autocast
+does not cast in-place calls: ``half.exp_()`` would run in half), and the banned functions raise
+``NotImplementedError`` on a half input, or with ``allow_banned`` run in fp32 -- CUDA autocast refuses
+``binary_cross_entropy`` with a ``RuntimeError`` whatever the input, Apex's O1 ran it on fp32 inputs.
+
 The lists are read when O1 starts, so a user's edits to them count on every device (:func:`patch_edits`):
 a name added to ``FP16_FUNCS`` or ``FP32_FUNCS`` runs in that precision, a name taken off both runs on its
 arguments as they come, a name added to ``CASTS``/``SEQUENCE_CASTS`` promotes mixed arguments, an entry
@@ -126,9 +132,13 @@ def _half_wrapper(fn, handle):
 def _banned_wrapper(fn, handle, message: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _casting(handle) and (_has_half(args) or _has_half(kwargs.values())):
+        if not _casting(handle):
+            return fn(*args, **kwargs)
+        if _has_half(args) or _has_half(kwargs.values()):
             raise NotImplementedError(message)
-        return fn(*args, **kwargs)
+        # fp32 inputs run as they come (Apex's O1); CUDA autocast would refuse the function outright.
+        with torch.autocast(handle.device_type, enabled=False):
+            return fn(*args, **kwargs)
 
     wrapper.__wrapped_amp__ = fn
     return wrapper
@@ -177,14 +187,31 @@ def patch(handle, allow_banned: bool) -> None:
     for module, mod_lists in lists:
         for name in _fp32_names(module, mod_lists):
             _wrap(handle, module, name, lambda fn: _fp32_wrapper(fn, handle))
-    torch_fp32 = _fp32_names(torch, lists[1][1])
-    for module in (torch, torch.Tensor):
-        for name in torch_fp32:
-            _wrap(handle, module, name + "_", lambda fn, n=name + "_": _inplace_wrapper(fn, n, handle))
+    _inplace(handle, _fp32_names(torch, lists[1][1]))
     for name in TORCH_VF_HALF:
         _wrap(handle, torch._VF, name, lambda fn: _half_wrapper(fn, handle))
     for name, message in dict(lists[0][1].BANNED_FUNCS).items():
         _ban(handle, name, message, allow_banned)
+
+
+def patch_apex_rules(handle, allow_banned: bool) -> None:
+    """On CUDA (whose autocast has the fp32 lists themselves): Apex's in-place and banned-function rules for
+    the shipped entries, which CUDA autocast does not have (added entries are :func:`patch_edits`')."""
+    lists = _lists()
+    functional, torch_lists = lists[0][1], lists[1][1]
+    shipped = set(torch_lists._DEFAULTS["FP32_FUNCS"])
+    half = set(torch_lists.FP16_FUNCS)
+    _inplace(handle, [n for n in dict.fromkeys(torch_lists.FP32_FUNCS) if n in shipped and n not in half])
+    for name, message in dict(functional.BANNED_FUNCS).items():
+        if name in dict(functional._DEFAULTS["BANNED_FUNCS"]):
+            _ban(handle, name, message, allow_banned)
+
+
+def _inplace(handle, fp32_names) -> None:
+    """``torch.<name>_`` and ``Tensor.<name>_`` of each fp32 function raise on a half tensor (Apex's rule)."""
+    for module in (torch, torch.Tensor):
+        for name in fp32_names:
+            _wrap(handle, module, name + "_", lambda fn, n=name + "_": _inplace_wrapper(fn, n, handle))
 
 
 def _ban(handle, name: str, message: str, allow_banned: bool) -> None:

@@ -194,8 +194,10 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     _apply_registry(handle)
     from apex.amp import _fp32_lists
 
-    if device_type == "cpu":  # CUDA autocast has these lists itself
+    if device_type == "cpu":  # CUDA autocast has these lists itself...
         _fp32_lists.patch(handle, allow_banned)
+    else:  # ...but not Apex's in-place and banned-function rules
+        _fp32_lists.patch_apex_rules(handle, allow_banned)
     _fp32_lists.patch_edits(handle, allow_banned)  # a user's edits of Apex's lists, on every device
     _fp32_lists.patch_transfers(handle)  # ...but no device's autocast has Apex's Tensor.cpu rule
     handle._activate()

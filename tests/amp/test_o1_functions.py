@@ -208,6 +208,39 @@ def test_allow_banned_lets_binary_cross_entropy_through():
     del handle
 
 
+@pytest.mark.parametrize("allow_banned", [False, True])
+def test_cuda_o1_keeps_apexs_in_place_and_banned_rules(allow_banned):
+    """CUDA autocast runs the fp32 lists itself, but has neither of Apex's two other O1 rules: an in-place fp32
+    function on a half tensor raises (autocast leaves in-place calls alone: it would run in half), and a
+    banned function raises NotImplementedError on half inputs (CUDA autocast's own RuntimeError is not what
+    Apex's users catch), or runs in fp32 with ``allow_banned``. (Autocast's CUDA flag is only a thread-local
+    switch, so the rules can be checked on CPU tensors without a GPU.)"""
+    import torch.nn.functional as F
+
+    h, t = torch.rand(3, dtype=torch.float16), torch.rand(3, dtype=torch.float16)
+    handle = amp.init(device_type="cuda", allow_banned=allow_banned)
+    try:
+        assert torch.is_autocast_enabled("cuda")
+        with pytest.raises(NotImplementedError, match="in-place function exp_"):
+            h.clone().exp_()
+        with pytest.raises(NotImplementedError, match="in-place function log_"):
+            torch.log_(h.clone())
+        assert torch.equal(torch.ones(2).exp_(), torch.full((2,), 2.7182817))
+        if allow_banned:
+            out = F.binary_cross_entropy(h, t)
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out, F.binary_cross_entropy(h.float(), t.float()))
+        else:
+            with pytest.raises(NotImplementedError, match="binary_cross_entropy"):
+                F.binary_cross_entropy(h, t)
+        assert F.binary_cross_entropy(h.float(), t.float()).dtype == torch.float32
+    finally:
+        amp.frontend._reset_casting()
+    del handle
+    assert h.clone().exp_().dtype == torch.float16 and "exp_" not in vars(torch.Tensor)
+    assert not hasattr(F.binary_cross_entropy, "__wrapped_amp__")
+
+
 def test_o1_fp32_functions_fill_out_buffers_and_leave_torch_as_it_was():
     import torch.nn.functional as F
 
