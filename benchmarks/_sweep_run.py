@@ -171,6 +171,12 @@ def write_outputs(out: Path, header: str, results: list[dict], not_reached: list
     return text
 
 
+def _literal(value) -> str:
+    """``value`` as a parenthesised, indented literal whose lines stay within the project's 120 columns."""
+    body = pprint.pformat(value, width=110, sort_dicts=True)
+    return "(\n" + "\n".join("    " + line for line in body.splitlines()) + "\n)"
+
+
 def write_table(path: Path, device_name: str, note: str, results: list[dict]) -> int:
     """Merge the winners into the table file under ``device_name``; returns the number of entries written."""
     namespace: dict = {}
@@ -194,8 +200,8 @@ def write_table(path: Path, device_name: str, note: str, results: list[dict]) ->
         "configuration of ``op`` for inputs of that element size and ``key = (rows, *sizes)``, and the GB/s it\n"
         'reached; ``NOTES[device name]`` names the software and the run. A GPU without entries, or a shape\n'
         'without a near one, takes the launchers\' formulas.\n"""\n\n'
-        f"TABLES: dict[str, dict[str, list[dict]]] = {pprint.pformat(tables, width=110, sort_dicts=True)}\n\n"
-        f"NOTES: dict[str, str] = {pprint.pformat(notes, width=110)}\n")
+        f"TABLES: dict[str, dict[str, list[dict]]] = {_literal(tables)}\n\n"
+        f"NOTES: dict[str, str] = {_literal(notes)}\n")
     return written
 
 
