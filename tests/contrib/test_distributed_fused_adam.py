@@ -98,7 +98,9 @@ def _run_config(rank, world, cfg):
     if bf16:
         sd = opt.state_dict()
         got = [sd["state"][i]["param"] for i in range(len(masters))]
-        in_groups = [p.detach() for g in _groups(masters) for p in g["params"]]
+        # Format 2 holds CPU tensors wherever the optimizer runs (as Apex's _state_dict_v2)
+        assert all(t.device.type == "cpu" for t in got), [t.device for t in got]
+        in_groups = [p.detach().cpu() for g in _groups(masters) for p in g["params"]]
         assert_rel_close(got, in_groups, tol=1e-6, name=f"masters {cfg}")
         for p, r in zip(model.parameters(), ref.parameters()):
             assert torch.equal(p.detach(), r.detach()), "bf16 params must be the split of the master"
@@ -169,7 +171,7 @@ def _grad_scaler(rank, world):
     model, ref = _model(), _model()
     opt = _dfa(model)
     ref_opt = FusedAdam(_groups(ref), lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, init_scale=2.0**10, growth_interval=1000)
     for step in range(4):
         opt.zero_grad()
         x, dy = _data(step, 0, rank)

@@ -5,6 +5,11 @@ Spawning Gloo ranks costs seconds each time, so every ``check_*`` function of th
 file and the tests assert on the merged outcome. A check that breaks the collective order makes the
 following ones fail with the process group's (short) timeout instead of hanging.
 
+After each check the ranks count where it failed. A check that failed on every rank (typically the same
+assertion everywhere) leaves them in step, each having run it and then ``destroy_model_parallel``: the next
+checks run. One that failed on some ranks only may have left the others inside a collective, so the
+remaining checks are not run and say why.
+
 On a GPU (``APEX_TEST_DEVICE=cuda``: the ``dist_device`` fixture) one more spawn per world size runs the
 checks of ``DEVICE_MODULES`` with every rank on that GPU, through Gloo.
 """
@@ -32,7 +37,7 @@ MODULES = (
 
 
 # The modules whose checks also run with the ranks on a GPU; the tensor-parallel layers first, since a
-# failing check stops the ones after it.
+# check failing on some ranks only stops the ones after it.
 DEVICE_MODULES = (
     "tests.transformer.test_layers",
     "tests.transformer.test_mappings",
@@ -78,12 +83,14 @@ def _all_checks(rank: int, world_size: int, out_dir: str, modules: tuple[str, ..
             finally:
                 parallel_state.destroy_model_parallel()
                 get_cuda_rng_tracker().reset()
-            # A check that failed on some ranks may have left them out of step (group creation is
-            # collective): stop here rather than hang, and say why the rest did not run.
+            # A check that failed on some ranks only may have left them out of step (group creation is
+            # collective): stop here rather than hang, and say why the rest did not run. Failed on every
+            # rank, it normally failed at the same point on each: go on (were the ranks out of step after
+            # all, the group's timeout would fail the next checks instead of hanging).
             failed = torch.tensor([float(results[key] is not None)])
             torch.distributed.all_reduce(failed)
-            if failed.item():
-                stopped = f"not run: {key} failed on {int(failed.item())} rank(s)"
+            if 0 < failed.item() < world_size:
+                stopped = f"not run: {key} failed on {int(failed.item())} of {world_size} ranks"
                 break
         else:
             continue
@@ -104,7 +111,12 @@ def _all_checks(rank: int, world_size: int, out_dir: str, modules: tuple[str, ..
 
 @functools.cache
 def results(world_size: int, device: str = "cpu") -> dict:
-    modules = MODULES if device == "cpu" else DEVICE_MODULES
+    return run_checks(world_size, MODULES if device == "cpu" else DEVICE_MODULES, device)
+
+
+def run_checks(world_size: int, modules: tuple[str, ...], device: str = "cpu") -> dict:
+    """Every check of ``modules`` on ``world_size`` ranks in one spawn: ``{"module:check": None}`` for a
+    check that passed on every rank, else the failing ranks' tracebacks (or why it did not run)."""
     with tempfile.TemporaryDirectory() as d:
         # On a GPU a rank may wait on another that compiles Triton kernels: a longer timeout there.
         run_distributed(_all_checks, world_size, d, modules, timeout_s=30.0 if device == "cpu" else 120.0,

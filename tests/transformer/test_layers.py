@@ -129,14 +129,16 @@ def check_tracker_initialisation_differs_per_rank(rank, world):
 
 def check_gpu_init_of_cpu_tensor_uses_cpu_generator(rank, world):
     """Apex's ``_initialize_affine_weight_gpu`` forks the accelerator's generator only: a CPU tensor given to it
-    draws from the default CPU generator, as on a GPU machine (upstream's test_affine_weight_init_*_gpu)."""
+    draws from the default CPU generator, as on a GPU machine (upstream's test_affine_weight_init_*_gpu).
+    Both tensors are made on the CPU explicitly: with the ranks on a GPU, a tensor made without a device
+    would be moved there."""
     ps.initialize_model_parallel(world)
     tp_.model_parallel_cuda_manual_seed(5)
     torch.manual_seed(11)
-    w = torch.empty(3, 4)
+    w = torch.empty(3, 4, device="cpu")
     tp_.layers._initialize_affine_weight_gpu(w, torch.nn.init.normal_, 0)
     torch.manual_seed(11)
-    torch.testing.assert_close(w, torch.nn.init.normal_(torch.empty(3, 4)), rtol=0, atol=0)
+    torch.testing.assert_close(w, torch.nn.init.normal_(torch.empty(3, 4, device="cpu")), rtol=0, atol=0)
     assert w.tensor_model_parallel and w.partition_dim == 0
     ps.destroy_model_parallel()
 
