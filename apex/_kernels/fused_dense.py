@@ -145,7 +145,9 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 _PLANS = _tuning.plan_cache()
 
 
-def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def _config(m: int, n: int, k: int, dtype: torch.dtype, hip: bool | None = None) -> dict:
+    """The launch configuration of a shape. ``hip``: whether the target is an AMD GPU; None: asked of Triton's
+    driver (the target a launch compiles for, which :func:`apex.testing.triton_compile.compile_only` sets)."""
     if _INTERP:
         # The interpreter pays per operation, not per element: one large tile per dimension.
         return dict(BM=_pow2(m, 16, 64), BN=_pow2(n, 16, 128), BK=_pow2(k, 16, 128), GROUP_M=8,
@@ -154,7 +156,9 @@ def _config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
     bn = 128 if n > 64 else 64
     warps = 8 if bm * bn >= 128 * 128 else 4
     # num_stages None: the backend's default, which is the number wanted (Triton's HIPOptions 2, CUDAOptions 3).
-    if triton.runtime.driver.active.get_current_target().backend == "hip":
+    if hip is None:
+        hip = triton.runtime.driver.active.get_current_target().backend == "hip"
+    if hip:
         # AMD GPUs have 64 KB of LDS per workgroup: two stages of (BM + BN) x BK tiles must fit in it.
         return dict(BM=bm, BN=bn, BK=16 if dtype == torch.float32 else 32, GROUP_M=8, num_warps=warps,
                     num_stages=None)
@@ -224,7 +228,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, 
 # The chain's three GEMMs, positionally (a keyword argument costs its binding, each call): gemm's work for
 # those calls without its general branches. Operands come checked (apex.ops.fused_dense.check_chain).
 def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epi_act: int, pro_a: int,
-           allow_tf32: bool) -> torch.Tensor:
+           allow_tf32: bool, plans: dict = _PLANS) -> torch.Tensor:
     """A layer's forward: ``gemm(a, w, bias=bias, epi_act=epi_act, pro_a=pro_a, allow_tf32=allow_tf32,
     trans_b=True)`` (``a`` ``[M, K]``, ``w`` ``[N, K]``)."""
     m, k = a.shape
@@ -234,9 +238,9 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epi_act:
     c = a.new_empty(m, n)
     if m == 0 or n == 0:
         return c
-    plan = _PLANS.get((m, n, k, a.dtype))
+    plan = plans.get((m, n, k, a.dtype))
     if plan is None:
-        plan = _plan(m, n, k, a.dtype)
+        plan = _plan(m, n, k, a.dtype, plans)
     launch, ieee, tf32, options = plan
     if bias is None:
         launch(a, w, c, c, a, c, c, m, n, k, sa0, sa1, sb0, sb1, pro_a, NONE, False, NONE, False, epi_act, NONE,
@@ -248,7 +252,7 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epi_act:
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor | None, pro_b: int,
-                db: torch.Tensor | None, allow_tf32: bool) -> torch.Tensor:
+                db: torch.Tensor | None, allow_tf32: bool, plans: dict = _PLANS) -> torch.Tensor:
     """A layer's weight gradient ``(g · act'(aux))ᵀ @ pro_b(x)`` and, into ``db``, the bias gradient:
     ``gemm(g, x, dact_a=dact, aux_a=aux, pro_b=pro_b, rowsum=db, allow_tf32=allow_tf32, trans_a=True)``."""
     k, m = g.shape
@@ -258,9 +262,9 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor |
     c = g.new_empty(m, n)
     if m == 0 or n == 0:
         return c
-    plan = _PLANS.get((m, n, k, g.dtype))
+    plan = plans.get((m, n, k, g.dtype))
     if plan is None:
-        plan = _plan(m, n, k, g.dtype)
+        plan = _plan(m, n, k, g.dtype, plans)
     launch, ieee, tf32, options = plan
     if dact:
         if not aux.is_contiguous():
@@ -273,7 +277,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor |
 
 
 def input_grad(g: torch.Tensor, w: torch.Tensor, dact_a: int, aux_a: torch.Tensor | None, dact_c: int,
-               aux_c: torch.Tensor | None, allow_tf32: bool) -> torch.Tensor:
+               aux_c: torch.Tensor | None, allow_tf32: bool, plans: dict = _PLANS) -> torch.Tensor:
     """A layer's input gradient ``(g · act'(aux_a)) @ w · act'(aux_c)``: ``gemm(g, w, dact_a=dact_a,
     aux_a=aux_a, dact_c=dact_c, aux_c=aux_c, allow_tf32=allow_tf32)``."""
     m, k = g.shape
@@ -283,9 +287,9 @@ def input_grad(g: torch.Tensor, w: torch.Tensor, dact_a: int, aux_a: torch.Tenso
     c = g.new_empty(m, n)
     if m == 0 or n == 0:
         return c
-    plan = _PLANS.get((m, n, k, g.dtype))
+    plan = plans.get((m, n, k, g.dtype))
     if plan is None:
-        plan = _plan(m, n, k, g.dtype)
+        plan = _plan(m, n, k, g.dtype, plans)
     launch, ieee, tf32, options = plan
     if dact_a:
         if not aux_a.is_contiguous():
@@ -302,9 +306,12 @@ def input_grad(g: torch.Tensor, w: torch.Tensor, dact_a: int, aux_a: torch.Tenso
     return c
 
 
-def _plan(m: int, n: int, k: int, dt: torch.dtype) -> tuple:
-    # (the target query behind _config costs a few µs: once per shape and dtype)
-    cfg = _config(m, n, k, dt)
+def _plan(m: int, n: int, k: int, dt: torch.dtype, plans: dict | None = None) -> tuple:
+    """The launch plan of a shape, kept in ``plans`` (default :data:`_PLANS`)."""
+    # (the target query behind _config costs a few µs: once per shape and dtype). While torch.compile traces,
+    # the target is torch's build instead: Dynamo cannot trace Triton's driver query (see _Traced).
+    cfg = (_config(m, n, k, dt, torch.version.hip is not None) if torch.compiler.is_compiling()
+           else _config(m, n, k, dt))
     # tf32 only for fp32 operands on a GPU (the interpreter computes in ieee); the interpreter's bf16 dot needs
     # fp32 operands.
     upcast = _INTERP and dt == torch.bfloat16
@@ -320,5 +327,31 @@ def _plan(m: int, n: int, k: int, dt: torch.dtype) -> tuple:
             options["num_warps"] = cfg["num_warps"]
         if cfg["num_stages"] is not None:
             options["num_stages"] = cfg["num_stages"]
-    plan = _PLANS[(m, n, k, dt)] = (_gemm_kernel[(cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)], ieee, tf32, options)
+    plan = (_gemm_kernel[(cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),)], ieee, tf32, options)
+    (_PLANS if plans is None else plans)[(m, n, k, dt)] = plan
     return plan
+
+
+class _Traced:
+    """:func:`linear`, :func:`weight_grad` and :func:`input_grad` as torch.compile traces them
+    (``apex.ops.fused_dense`` takes them while tracing): each launch planned afresh, in a dict of the call's
+    own, not looked up in :data:`_PLANS`. A traced lookup makes the graph guard on that module-level cache,
+    which the tracing itself (or any eager call of the shape) then fills: the next call fails the guard and
+    is traced again (on a GPU: MLP and FusedDense, whose shapes no earlier call had planned, made 8 and 5
+    graphs in 3 compiled steps). Planned in the trace, the launch is ``_gemm_kernel[grid](...)``, which Dynamo
+    records as a Triton kernel call with the plan's constants; the eager launchers keep their cached plans."""
+
+    @staticmethod
+    def linear(a, w, bias, epi_act, pro_a, allow_tf32):
+        return linear(a, w, bias, epi_act, pro_a, allow_tf32, {})
+
+    @staticmethod
+    def weight_grad(g, x, dact, aux, pro_b, db, allow_tf32):
+        return weight_grad(g, x, dact, aux, pro_b, db, allow_tf32, {})
+
+    @staticmethod
+    def input_grad(g, w, dact_a, aux_a, dact_c, aux_c, allow_tf32):
+        return input_grad(g, w, dact_a, aux_a, dact_c, aux_c, allow_tf32, {})
+
+
+traced = _Traced

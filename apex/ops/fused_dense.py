@@ -133,10 +133,12 @@ _LOADED: list = []  # the kernels' module, once an eager call has loaded it
 
 
 def _kernels(compiling: bool):
-    """``_K()``; where the caller knows it is not tracing, without ``_K``'s tracing query (the list is not
-    read while tracing: the graph would guard on it, which a later eager call fills)."""
-    if compiling:
-        return _K()
+    """The GEMM launchers: the kernels' module, or while torch.compile traces its ``traced`` launchers (which
+    plan each launch in the trace instead of reading the module's plan cache, see there). ``compiling``
+    False: the caller knows it is not tracing (no tracing query). The list is not read while tracing: the
+    graph would guard on it, which a later eager call fills."""
+    if compiling and torch.compiler.is_compiling():
+        return _K().traced
     if not _LOADED:
         _LOADED.append(_K())
     return _LOADED[0]

@@ -187,6 +187,57 @@ def test_compiled_training_steps_trace_one_graph(backend_name, kind):
     torch._dynamo.reset()
 
 
+class _TorchGemm:
+    """Stands in for ``apex._kernels.fused_dense._gemm_kernel``: ``kernel[grid](...)`` computes the launch's
+    ``C = A @ B`` (no prologue or epilogue: the values do not matter here) with PyTorch ops, which Dynamo
+    traces on the CPU, where it would trace into the Triton interpreter."""
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    @staticmethod
+    def launch(A, B, C, Bias, AuxA, AuxC, DB, M, N, K, s_am, s_ak, s_bk, s_bn, *constexprs, **options):
+        C.copy_(torch.as_strided(A, (M, K), (s_am, s_ak)) @ torch.as_strided(B, (K, N), (s_bk, s_bn)))
+        if constexprs[7]:  # ROWSUM: the bias gradient
+            DB.zero_()
+
+
+@pytest.mark.parametrize("kind", ["MLP", "FusedDense", "FusedDenseGeluDense"])
+def test_compiled_training_steps_on_the_triton_path_trace_one_graph(monkeypatch, kind):
+    """The Triton path under torch.compile (where GPU tensors go; forced here, its GEMM kernel replaced by
+    PyTorch ops) traces one graph for all steps, and reads and fills no module-level plan cache: a graph that
+    read ``apex._kernels.fused_dense._PLANS`` guarded on it, and the plans its first tracing put there failed
+    that guard at the next step (8 graphs for 3 steps of MLP on a GPU, where no earlier call had planned its
+    shapes). The CPU's own compiled steps (the PyTorch path) never trace that code."""
+    pytest.importorskip("triton")
+    import apex.ops.fused_dense as ops
+    from apex._kernels import fused_dense as K
+    from apex.fused_dense import FusedDense, FusedDenseGeluDense
+
+    monkeypatch.setattr(ops, "_use_triton", lambda x, *_, compiling=None: True)
+    monkeypatch.setattr(K, "_gemm_kernel", _TorchGemm())
+    make = {"MLP": lambda: MLP([8, 6, 4]), "FusedDense": lambda: FusedDense(8, 4),
+            "FusedDenseGeluDense": lambda: FusedDenseGeluDense(8, 6, 4)}[kind]
+    model = make()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    plans = dict(K._PLANS)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=count)
+        x = torch.randn(3, 8, requires_grad=True)
+        for _ in range(3):
+            compiled(x).square().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert K._PLANS.keys() == plans.keys() and all(K._PLANS[key] is plan for key, plan in plans.items())
+
+
 class _Doubled(nn.Module):
     def forward(self, w):
         return 2 * w

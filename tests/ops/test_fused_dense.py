@@ -371,3 +371,55 @@ def test_gemm_launch_options_only_where_not_default(monkeypatch):
     assert K._plan(64, 64, 64, torch.float32)[3] == {}
     assert K._plan(128, 64, 64, torch.float32)[3] == {"num_warps": 8}
     assert K._plan(2, 64, 64, torch.float32)[3] == {"num_stages": 2}
+
+
+_COMPILED_GPU_STEPS = '''
+import torch
+import torch.utils._triton
+
+# Dynamo records a Triton kernel call (not an inlined Python call) only where it finds a GPU Triton can use.
+torch.utils._triton.has_triton = lambda: True
+
+import apex
+import apex.ops.fused_dense as ops
+from apex.fused_dense import FusedDense, FusedDenseGeluDense
+from apex.mlp import MLP
+from apex.testing.triton_compile import compile_only
+
+ops._use_triton = lambda x, *_, compiling=None: True  # as for CUDA tensors under torch.compile
+for name, make in [("MLP", lambda: MLP([8, 6, 4])), ("FusedDense", lambda: FusedDense(8, 4)),
+                   ("FusedDenseGeluDense", lambda: FusedDenseGeluDense(8, 6, 4))]:
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(make(), backend=lambda gm, example_inputs: (graphs.append(gm), gm)[1])
+    x = torch.randn(3, 8, requires_grad=True)
+    with compile_only("cuda:90"), apex.backend("triton"):
+        for _ in range(3):
+            compiled(x).square().sum().backward()
+    ops_in = {str(n.target) for gm in graphs for m in gm.modules() for n in m.graph.nodes}
+    print(name, len(graphs), "triton_kernel_wrapper_mutation" in ops_in)
+'''
+
+
+@pytest.mark.slow
+def test_compiled_chains_trace_their_triton_kernels_in_one_graph():
+    """Compiled training steps of MLP, FusedDense and FusedDenseGeluDense on the Triton path (CUDA tensors'
+    under torch.compile) trace one graph that calls the GEMM kernel as a Triton kernel: Dynamo's own handling
+    of ``kernel[grid](...)``, seen without a GPU through ``compile_only`` (launches compile for sm_90) in a
+    process without the interpreter. On a GPU the launch plans that the tracing read from, and put in, the
+    kernels' module-level cache made 8 and 5 graphs for MLP and FusedDense."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "APEX_BACKEND", "TORCH_LOGS")}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_GPU_STEPS], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.split("\n")[:3] == ["MLP 1 True", "FusedDense 1 True", "FusedDenseGeluDense 1 True"], \
+        proc.stdout

@@ -221,63 +221,110 @@ def test_capturable_step_reads_nothing_back(triton_device, stubbed_launches, mon
             step()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_capturable_fused_adam_in_a_cuda_graph_replays_the_eager_steps(dtype, with_scaler):
-    device = torch.device("cuda")
-    shapes = [(33,), (4097,), (3, 5), (70000,)]
-    params = [p.to(device) for p in make_params(shapes, dtype)]
-    params = [torch.nn.Parameter(p) for p in params]
+def _replay_against_eager_steps(device: torch.device, dtype: torch.dtype, with_scaler: bool, shapes, capture) -> None:
+    """Capturable FusedAdam steps (with a ``torch.amp.GradScaler``: scale, step, update, as a user's training
+    step makes them) taken by ``capture(step)``'s replays, against the same steps of a twin run eagerly:
+    parameters, moments and the scaler's state bit-equal. ``capture`` takes the step (run eagerly three times
+    before) and returns what runs it again: a CUDA graph's replay, or on the CPU the step itself."""
+    params = [torch.nn.Parameter(p.to(device)) for p in make_params(shapes, dtype)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
     def make(ps):
         return FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True, master_weights=dtype != torch.float32)
 
-    opt, ref = make(params), make(twins)
-    scale = 2.0 ** 8 if with_scaler else 1.0
-    scaler = torch.amp.GradScaler("cuda", init_scale=scale, growth_interval=10 ** 6) if with_scaler else None
-    ref_scaler = torch.amp.GradScaler("cuda", init_scale=scale, growth_interval=10 ** 6) if with_scaler else None
-    for p in params:
-        p.grad = torch.zeros_like(p)  # static gradients: each replay reads what was copied into them
+    def make_scaler():  # (growth_interval: the scale stays 2**8 over the steps, as the static gradients assume)
+        return torch.amp.GradScaler(device.type, init_scale=2.0 ** 8, growth_interval=10 ** 6) if with_scaler else None
 
-    def step(o, s):
+    opt, ref = make(params), make(twins)
+    scaler, ref_scaler = make_scaler(), make_scaler()
+    # The loss's gradients of each step are copied into these, the tensors the graph reads. Without a scaler
+    # they are the gradients; with one, a step scales them into static gradients of their own, as
+    # ``scaler.scale(loss).backward()`` leaves the loss's gradients times the scale (and makes the scaler's
+    # scale tensor, at its first call: ``scaler.step`` refuses to run before).
+    loss_grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, loss_grads):
+        p.grad = g if scaler is None else torch.zeros_like(p)
+
+    def step(o, s, ps, gs, static: bool):
         if s is None:
             o.step()
-        else:
-            s.step(o)
-            s.update()
-
-    def set_grads(step_index, ps, static=False):
-        for p, g in zip(ps, grads_for_step(ps, step_index, scale=scale)):
+            return
+        for p, g in zip(ps, s.scale(gs)):
             if static:  # into the tensors the graph reads
-                p.grad.copy_(g.to(device))
+                p.grad.copy_(g)
             else:
-                p.grad = g.to(device)
+                p.grad = g
+        s.step(o)
+        s.update()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up steps (plans, tables, compiled kernels) before the capture
-        for s in range(3):
-            set_grads(s, params, static=True)
-            set_grads(s, twins)
-            step(opt, scaler)
-            step(ref, ref_scaler)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(opt, scaler)
+    def loss_grads_of(step_index, ps):
+        return [g.to(device) for g in grads_for_step(ps, step_index)]
+
+    def graphed_step():
+        step(opt, scaler, params, loss_grads, static=True)
+
+    def eager_step(step_index):
+        gs = loss_grads_of(step_index, twins)
+        if ref_scaler is None:
+            for p, g in zip(twins, gs):
+                p.grad = g
+        step(ref, ref_scaler, twins, gs, static=False)
+
+    def load(step_index):
+        for buf, g in zip(loss_grads, loss_grads_of(step_index, params)):
+            buf.copy_(g)
+
+    replay = capture(graphed_step, load, eager_step)
     for s in range(3, 8):
-        set_grads(s, params, static=True)
-        set_grads(s, twins)
-        graph.replay()
-        step(ref, ref_scaler)
-    torch.cuda.synchronize()
+        load(s)
+        replay()
+        eager_step(s)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     for a, b in zip(params, twins):
         assert torch.equal(a, b)
     for a, b in zip(params, twins):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[a][key], ref.state[b][key])
+    if scaler is not None:  # the graph's replays updated the scaler as the eager steps did
+        assert scaler.state_dict() == ref_scaler.state_dict()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_fused_adam_in_a_cuda_graph_replays_the_eager_steps(dtype, with_scaler):
+    def capture(graphed_step, load, eager_step):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up steps (plans, tables, compiled kernels) before the capture
+            for s in range(3):
+                load(s)
+                graphed_step()
+                eager_step(s)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed_step()
+        return graph.replay
+
+    _replay_against_eager_steps(torch.device("cuda"), dtype, with_scaler, [(33,), (4097,), (3, 5), (70000,)],
+                                capture)
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
+def test_capturable_fused_adam_steps_the_cuda_graph_test_captures_run_eagerly(triton_device, with_scaler):
+    """The CUDA-graph test's steps, run eagerly where the kernels run (the CPU, under the interpreter): what
+    it does besides the capture (a GradScaler's scale before its step, say) is checked without a GPU."""
+    def capture(graphed_step, load, eager_step):
+        for s in range(3):
+            load(s)
+            graphed_step()
+            eager_step(s)
+        return graphed_step
+
+    with apex.backend("triton"):
+        _replay_against_eager_steps(triton_device, torch.bfloat16, with_scaler, [(33,), (3, 5)], capture)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
