@@ -157,18 +157,12 @@ def test_compiled_fullgraph_matches_eager():
     assert_rel_close(list(g), list(ref), tol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["MLP", "FusedDense", "FusedDenseGeluDense"])
-def test_compiled_training_steps_trace_one_graph(backend_name, kind):
-    """Steps of a compiled forward + backward reuse one graph: nothing the traced call reads (the checked
-    activation codes, the layout caches) changes at the next eager call, and no torch.compile warning about
-    cache wrappers."""
-    import warnings
-
+def _graphs_of_compiled_steps(kind: str, steps: int = 3) -> list:
+    """The graphs torch.compile makes over ``steps`` compiled forward + backward steps of a fresh ``kind``."""
     from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
-    make = {"MLP": lambda: MLP([8, 6, 4]), "FusedDense": lambda: FusedDense(8, 4),
-            "FusedDenseGeluDense": lambda: FusedDenseGeluDense(8, 6, 4)}[kind]
-    model = make()
+    model = {"MLP": lambda: MLP([8, 6, 4]), "FusedDense": lambda: FusedDense(8, 4),
+             "FusedDenseGeluDense": lambda: FusedDenseGeluDense(8, 6, 4)}[kind]()
     graphs = []
 
     def count(gm, example_inputs):
@@ -176,15 +170,28 @@ def test_compiled_training_steps_trace_one_graph(backend_name, kind):
         return gm
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=count)
-    x = torch.randn(3, 8, requires_grad=True)
+    try:
+        compiled = torch.compile(model, backend=count)
+        x = torch.randn(3, 8, requires_grad=True)
+        for _ in range(steps):
+            compiled(x).square().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("kind", ["MLP", "FusedDense", "FusedDenseGeluDense"])
+def test_compiled_training_steps_trace_one_graph(backend_name, kind):
+    """Steps of a compiled forward + backward reuse one graph: nothing the traced call reads (the checked
+    activation codes, the layout caches) changes at the next eager call, and no torch.compile warning about
+    cache wrappers."""
+    import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
-            compiled(x).square().sum().backward()
+        graphs = _graphs_of_compiled_steps(kind)
     assert len(graphs) == 1
     assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message) for w in caught]
-    torch._dynamo.reset()
 
 
 class _TorchGemm:
@@ -212,28 +219,11 @@ def test_compiled_training_steps_on_the_triton_path_trace_one_graph(monkeypatch,
     pytest.importorskip("triton")
     import apex.ops.fused_dense as ops
     from apex._kernels import fused_dense as K
-    from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
     monkeypatch.setattr(ops, "_use_triton", lambda x, *_, compiling=None: True)
     monkeypatch.setattr(K, "_gemm_kernel", _TorchGemm())
-    make = {"MLP": lambda: MLP([8, 6, 4]), "FusedDense": lambda: FusedDense(8, 4),
-            "FusedDenseGeluDense": lambda: FusedDenseGeluDense(8, 6, 4)}[kind]
-    model = make()
-    graphs = []
-
-    def count(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
     plans = dict(K._PLANS)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend=count)
-        x = torch.randn(3, 8, requires_grad=True)
-        for _ in range(3):
-            compiled(x).square().sum().backward()
-    finally:
-        torch._dynamo.reset()
+    graphs = _graphs_of_compiled_steps(kind)
     assert len(graphs) == 1
     assert K._PLANS.keys() == plans.keys() and all(K._PLANS[key] is plan for key, plan in plans.items())
 
