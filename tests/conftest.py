@@ -184,13 +184,20 @@ def dist_device():
 def pytest_configure(config):
     config.addinivalue_line("markers", "dist_device: a distributed test whose ranks compute on the device of "
                                        "APEX_TEST_DEVICE (it takes the dist_device fixture)")
+    config.addinivalue_line("markers", "triton_path: a test that runs the Triton path itself (it takes the "
+                                       "triton_device fixture); -k triton selects it by this name")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
+@pytest.hookimpl(tryfirst=True)  # before -m and -k select on the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "dist_device" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "dist_device" in names:
             item.add_marker("dist_device")
+        # A test taking triton_device runs Triton kernels wherever APEX_TEST_DEVICE says, whatever its name:
+        # the marker's name makes `-k triton` (the GPU check's selection) take it too.
+        if "triton_device" in names:
+            item.add_marker("triton_path")
 
 
 # torch's settings modules: their options live outside the module's __dict__, so pytest >= 9.2's monkeypatch

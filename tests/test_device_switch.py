@@ -195,3 +195,15 @@ def test_meta_mode_fails_what_a_gpu_run_would_fail(tmp_path):
     assert "_fwd_kernel launched outside the device switch" in out
     assert "_zero got tensors that are on the CPU under APEX_TEST_DEVICE=cuda: 0 (1,) torch.float32" in out
     assert "stopped after 1 checked Triton launches" in out
+
+
+def test_kernel_tests_are_selected_by_the_gpu_checks_keyword(triton_device, request):
+    """A test taking ``triton_device`` runs Triton kernels whatever its name (this one has no "triton" in it):
+    the ``triton_path`` marker puts the word in its keywords, so the GPU check's ``-k triton`` selects it
+    (158 tests were left out of every GPU run before)."""
+    from _pytest.mark import KeywordMatcher
+    from _pytest.mark.expression import Expression
+
+    assert request.node.get_closest_marker("triton_path") is not None
+    assert "triton" not in request.node.name
+    assert Expression.compile("triton or cuda_graph").evaluate(KeywordMatcher.from_item(request.node))
