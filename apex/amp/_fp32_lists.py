@@ -202,8 +202,9 @@ def patch_apex_rules(handle, allow_banned: bool) -> None:
     shipped = set(torch_lists._DEFAULTS["FP32_FUNCS"])
     half = set(torch_lists.FP16_FUNCS)
     _inplace(handle, [n for n in dict.fromkeys(torch_lists.FP32_FUNCS) if n in shipped and n not in half])
+    shipped_banned = dict(functional._DEFAULTS["BANNED_FUNCS"])
     for name, message in dict(functional.BANNED_FUNCS).items():
-        if name in dict(functional._DEFAULTS["BANNED_FUNCS"]):
+        if name in shipped_banned:
             _ban(handle, name, message, allow_banned)
 
 

@@ -224,8 +224,9 @@ def test_capturable_step_reads_nothing_back(triton_device, stubbed_launches, mon
 def _replay_against_eager_steps(device: torch.device, dtype: torch.dtype, with_scaler: bool, shapes, capture) -> None:
     """Capturable FusedAdam steps (with a ``torch.amp.GradScaler``: scale, step, update, as a user's training
     step makes them) taken by ``capture(step)``'s replays, against the same steps of a twin run eagerly:
-    parameters, moments and the scaler's state bit-equal. ``capture`` takes the step (run eagerly three times
-    before) and returns what runs it again: a CUDA graph's replay, or on the CPU the step itself."""
+    parameters, moments and the scaler's state bit-equal. ``capture(warm_up, graphed_step)`` runs the three
+    warm-up steps (each taken by both runs), then returns what runs the step again: a CUDA graph's replay, or
+    on the CPU the step itself."""
     params = [torch.nn.Parameter(p.to(device)) for p in make_params(shapes, dtype)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
@@ -274,7 +275,13 @@ def _replay_against_eager_steps(device: torch.device, dtype: torch.dtype, with_s
         for buf, g in zip(loss_grads, loss_grads_of(step_index, params)):
             buf.copy_(g)
 
-    replay = capture(graphed_step, load, eager_step)
+    def warm_up():  # (plans, tables, compiled kernels) before a capture
+        for s in range(3):
+            load(s)
+            graphed_step()
+            eager_step(s)
+
+    replay = capture(warm_up, graphed_step)
     for s in range(3, 8):
         load(s)
         replay()
@@ -294,14 +301,11 @@ def _replay_against_eager_steps(device: torch.device, dtype: torch.dtype, with_s
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["no_scaler", "grad_scaler"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_capturable_fused_adam_in_a_cuda_graph_replays_the_eager_steps(dtype, with_scaler):
-    def capture(graphed_step, load, eager_step):
+    def capture(warm_up, graphed_step):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up steps (plans, tables, compiled kernels) before the capture
-            for s in range(3):
-                load(s)
-                graphed_step()
-                eager_step(s)
+        with torch.cuda.stream(side):  # the warm-up on a side stream, as CUDA graph capture asks
+            warm_up()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -316,11 +320,8 @@ def test_capturable_fused_adam_in_a_cuda_graph_replays_the_eager_steps(dtype, wi
 def test_capturable_fused_adam_steps_the_cuda_graph_test_captures_run_eagerly(triton_device, with_scaler):
     """The CUDA-graph test's steps, run eagerly where the kernels run (the CPU, under the interpreter): what
     it does besides the capture (a GradScaler's scale before its step, say) is checked without a GPU."""
-    def capture(graphed_step, load, eager_step):
-        for s in range(3):
-            load(s)
-            graphed_step()
-            eager_step(s)
+    def capture(warm_up, graphed_step):
+        warm_up()
         return graphed_step
 
     with apex.backend("triton"):
