@@ -80,7 +80,9 @@ def _fill(shape, dtype, device, fill: bool, g=None, scale=1.0, shift=0.0):
 # ----------------------------------------------------------------------------- the cases
 def _norm_candidates(n: int, backward: bool) -> list[dict]:
     """Rows per program x warps with 8-64 elements per thread (4-32 in the backward, which also holds the
-    weight-gradient accumulators in registers); the backward also over 1-8 programs per SM."""
+    weight-gradient accumulators in registers); the backward also over 1-8 programs per SM, and for rows of
+    4096 columns and more the column-chunked backward (``_norm_wide``): chunks of 1024 or 2048 columns, 1 or 2
+    rows, 8 elements a thread (16-byte loads of 16-bit inputs), 4 or 8 programs' worth per SM."""
     lo, hi = (4, 32) if backward else (8, 64)
     # The former launch: tiles of 4096 elements (up to 16 rows), 16 warps; one program per SM backward.
     rows = max(1, min(16, 4096 // _p2(n)))
@@ -90,7 +92,12 @@ def _norm_candidates(n: int, backward: bool) -> list[dict]:
             if lo <= rows * _p2(n) // (32 * warps) <= hi:
                 out += [{"rows": rows, "warps": warps, "programs_per_sm": p}
                         for p in ((1, 2, 4, 8) if backward else (0,))]
-    return [c for i, c in enumerate(out) if c not in out[:i]]
+    out = [c for i, c in enumerate(out) if c not in out[:i]]
+    if backward and _p2(n) >= 4096:  # every candidate names its design: the formula may take either there
+        out = [{**c, "split": 0} for c in out]
+        out += [{"rows": r, "warps": r * s // 256, "programs_per_sm": p, "split": s}
+                for s in (1024, 2048) for r in (1, 2) for p in (4, 8)]
+    return out
 
 
 def _norm_case(shape, dtype, rms: bool, backward: bool, sms: int) -> SweepCase:

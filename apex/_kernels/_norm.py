@@ -9,7 +9,8 @@ written once. Each program walks ``tiles_per_prog`` consecutive tiles.
 * backward: ``x̂`` from the saved input (or from the saved output when memory-efficient),
   ``dx = rstd * (w·dy − mean(w·dy) − x̂ · mean(w·dy·x̂))`` (RMSNorm drops the middle term); each program
   writes its partial ``Σ dy·x̂`` and ``Σ dy`` over its rows, and a second launch sums those partials in a
-  fixed order (deterministic, no atomics).
+  fixed order (deterministic, no atomics). Rows too wide for that in registers take ``_norm_wide``'s
+  backward instead (a plan's ``split``: the statistics of each row first, then column chunks).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apex._kernels import _tuning
+from apex._kernels import _norm_wide, _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
@@ -186,16 +187,23 @@ _PLANS = _tuning.plan_cache()
 def _config(m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool) -> dict:
     """``{"rows", "warps", "programs_per_sm"}`` for rows of length ``n``: ``rows`` rows per tile,
     ``programs_per_sm`` caps the grid at that many programs per SM (each then walks several tiles; 0: one
-    program per tile). The measured table or an override (``_tuning``) may replace the formula's values.
+    program per tile); backward, ``split``: 0 (the one-pass kernel) or ``_norm_wide``'s column chunk. The
+    measured table or an override (``_tuning``) may replace the formula's values (an entry without ``split``
+    was measured for the one-pass kernel).
     No ``num_stages``: Triton pipelines only ``tl.range(num_stages=...)`` loops and loads that feed a dot,
     so the launch option leaves these loops' code unchanged (the compiled code is the same for 1 and 3)."""
     block_n = next_power_of_2(max(n, 1))
+    op = _op_name(is_rms, backward)
     if _INTERP:
         default = {"rows": max(1, min(next_power_of_2(max(m, 1)), 65536 // block_n)), "warps": 1,
                    "programs_per_sm": 1}
     else:
-        default = _formula(m, block_n, itemsize, backward, _tuning.device(dev)[1] or 132)
-    return _tuning.pick(_op_name(is_rms, backward), dev, itemsize, (m, n), default)
+        sms = _tuning.device(dev)[1] or 132
+        default = _formula(m, block_n, itemsize, backward, sms)
+        wide = _norm_wide.formula(m, block_n, itemsize, is_rms, sms) if backward else None
+        if wide is not None:
+            return _tuning.pick(op, dev, itemsize, (m, n), wide, measured_base=default)
+    return _tuning.pick(op, dev, itemsize, (m, n), default)
 
 
 def _op_name(is_rms: bool, backward: bool) -> str:
@@ -224,16 +232,17 @@ def _formula(m: int, block_n: int, itemsize: int, backward: bool, sms: int) -> d
     if backward:
         warps = max(1, min(16, rows * block_n // 512))
         partial_cap = 3 * m * itemsize // 256 // sms  # programs per SM whose partials stay under 1/16
-        return {"rows": rows, "warps": warps, "programs_per_sm": max(1, min(16 // warps, partial_cap))}
+        return {"rows": rows, "warps": warps, "programs_per_sm": max(1, min(16 // warps, partial_cap)), "split": 0}
     return {"rows": rows, "warps": max(1, min(16, rows * block_n // 1024)), "programs_per_sm": 0}
 
 
-def _grid(m: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
-    """(programs, tiles per program) covering the ``m`` rows in tiles of ``cfg["rows"]``."""
+def _grid(m: int, dev: torch.device, cfg: dict, chunks: int = 1) -> tuple[int, int]:
+    """(programs, tiles per program) covering the ``m`` rows in tiles of ``cfg["rows"]``; with ``chunks``
+    column chunks, programs of one chunk (``programs_per_sm`` caps all chunks' programs together)."""
     n_tiles = cdiv(m, cfg["rows"])
     # Without a GPU (the interpreter) a program per SM stands for a program per hundredth of the rows.
     sms = _tuning.device(dev)[1] or 100
-    progs = n_tiles if cfg["programs_per_sm"] <= 0 else max(1, min(n_tiles, cfg["programs_per_sm"] * sms))
+    progs = n_tiles if cfg["programs_per_sm"] <= 0 else max(1, min(n_tiles, cfg["programs_per_sm"] * sms // chunks))
     per = cdiv(n_tiles, progs)
     return cdiv(n_tiles, per), per
 
@@ -242,23 +251,29 @@ class _Plan:
     """One shape's launch: configuration, grid, block sizes and, for the backward, its reduction's."""
 
     __slots__ = ("op", "cfg", "progs", "per", "block_n", "rows", "warps", "red_grid", "red_p", "red_n",
-                 "w_per_tile")
+                 "w_per_tile", "split", "chunks", "stats_rows")
 
     def __init__(self, m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool):
         self.op = _op_name(is_rms, backward)
         self.cfg = cfg = _config(m, n, dev, itemsize, is_rms, backward)
-        self.progs, self.per = _grid(m, dev, cfg)
+        # The column-chunked backward (_norm_wide) where the configuration asks for it; never for rows of
+        # one or two elements, whose dx has its own exact form (ONE_DIRECTION).
+        self.split = split = cfg.get("split", 0) if backward and n > 2 else 0
+        self.chunks = cdiv(n, split) if split else 1
+        self.progs, self.per = _grid(m, dev, cfg, self.chunks)
         self.block_n = next_power_of_2(n)
         self.rows, self.warps = cfg["rows"], cfg["warps"]
-        if _INTERP:
+        if _INTERP:  # (_norm_wide's row statistics too: few programs, tiles of up to 65536 elements)
             self.red_n = min(self.block_n, 4096)
             self.red_p = max(1, min(next_power_of_2(self.progs), 65536 // self.red_n))
+            self.stats_rows = max(self.rows, min(next_power_of_2(m), 65536 // max(split, 1)))
         else:
-            self.red_n, self.red_p = 128, 32
+            self.red_n, self.red_p, self.stats_rows = 128, 32, self.rows
         self.red_grid = cdiv(n, self.red_n)
         # RMSNorm's backward at 32 elements a thread and more (16384 columns on 16 warps) keeps the weight out
         # of registers between passes: held, it spills 50 registers a pass on sm_90; reloaded, none. (The
-        # LayerNorm backward's dw and db sums alone fill half the registers there: it spills either way.)
+        # LayerNorm backward's dw and db sums alone fill half the registers there: it spills either way. The
+        # formula leaves the rows where either spills to _norm_wide: see _norm_wide.formula.)
         self.w_per_tile = is_rms and backward and self.rows * self.block_n >= 32 * 32 * self.warps
 
 
@@ -395,15 +410,19 @@ def backward_rows(dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: i
     else:
         dwp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_w else dx
         dbp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_b else dx
-    # Constexprs positionally, as in forward: IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M,
-    # BLOCK_N, W_PER_TILE; then the reduction's HAS_B, BLOCK_P, BLOCK_N.
-    _bwd_kernel[(progs,)](
-        dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
-        dresidual if dresidual is not None else dy, dx, dwp, dbp,
-        m, n, stride_dy, stride_v, stride_dr, p.per,
-        float(eps) if eps is not None else 0.0,
-        is_rms, has_w, has_b, memory_efficient, dresidual is not None, eps is not None and n <= (1 if is_rms else 2),
-        p.rows, p.block_n, p.w_per_tile, num_warps=p.warps)
+    if p.split:
+        _norm_wide.backward(p, dy, stride_dy, v, stride_v, m, n, weight, bias, mean, rstd, memory_efficient, is_rms,
+                            dresidual, stride_dr, dx, dwp, dbp)
+    else:
+        # Constexprs positionally, as in forward: IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M,
+        # BLOCK_N, W_PER_TILE; then the reduction's HAS_B, BLOCK_P, BLOCK_N.
+        _bwd_kernel[(progs,)](
+            dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
+            dresidual if dresidual is not None else dy, dx, dwp, dbp,
+            m, n, stride_dy, stride_v, stride_dr, p.per,
+            float(eps) if eps is not None else 0.0,
+            is_rms, has_w, has_b, memory_efficient, dresidual is not None,
+            eps is not None and n <= (1 if is_rms else 2), p.rows, p.block_n, p.w_per_tile, num_warps=p.warps)
     if has_w:
         _reduce_kernel[(p.red_grid,)](dwp, dbp, dw, db if has_b else dw, progs, n, has_b, p.red_p, p.red_n)
     elif has_b:  # bias without weight: reduce the bias partials alone

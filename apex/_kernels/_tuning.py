@@ -113,14 +113,17 @@ def lookup(op: str, name: str | None, itemsize: int, key: tuple[int, ...]) -> di
     return best
 
 
-def pick(op: str, dev: torch.device, itemsize: int, key: tuple[int, ...], default: dict) -> dict:
+def pick(op: str, dev: torch.device, itemsize: int, key: tuple[int, ...], default: dict,
+         measured_base: dict | None = None) -> dict:
     """The configuration of one launch: the override, else the table, else ``default`` (the formula's).
-    Keys the override or the table leave out keep the formula's value."""
+    Keys the override or the table leave out keep the formula's value. ``measured_base``: what a table entry
+    completes instead, where the formula may choose a kernel design (a key) that entries measured before it
+    existed do not name: the formula's configuration of the design they were measured for."""
     forced = _overrides.get(op)
     if forced is not None:
         chosen = {**default, **forced}
     else:
         measured = lookup(op, device(dev)[0], itemsize, key)
-        chosen = {**default, **measured} if measured else default
+        chosen = {**(default if measured_base is None else measured_base), **measured} if measured else default
     last[op] = chosen
     return chosen

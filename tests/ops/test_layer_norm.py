@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
+from apex._kernels import _tuning
 from apex.ops import layer_norm as L
 from apex.testing import assert_rel_close
 from tests.ops._norms import DTYPES, GRAD_LAYOUTS, SHAPES, grad_like, run, trace
@@ -234,6 +235,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from apex._kernels import _norm as K
+from apex._kernels import _norm_wide as W
 
 target = GPUTarget("cuda", 90, 32)
 fwd = {"X": "*fp32", "R": "*fp32", "H": "*fp32", "Y": "*bf16", "W": "*fp32", "B": "*fp32", "Mean": "*fp32",
@@ -259,6 +261,15 @@ for rms in (False, True):
     jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=True, HAS_DR=False,
                                           ONE_DIRECTION=False, BLOCK_M=1, BLOCK_N=16384, W_PER_TILE=True)))
 jobs.append((K._reduce_kernel, red, dict(HAS_B=True, BLOCK_P=32, BLOCK_N=128)))
+# The column-chunked backward of wide rows (_norm_wide): the formula's tiles of 1 x 1024 on 4 warps.
+stats = {"DY": "*bf16", "V": "*bf16", "W": "*bf16", "B": "*bf16", "Mean": "*fp32", "Rstd": "*fp32", "C": "*fp32",
+         "M": "i32", "N": "i32", "stride_dy": "i64", "stride_v": "i64"}
+split = dict(stats, DR="*bf16", DX="*bf16", DWp="*fp32", DBp="*fp32", stride_dr="i64", tiles_per_prog="i32")
+for rms in (False, True):
+    for mem_eff in (False, True):
+        flags = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=mem_eff, BLOCK_M=1, BLOCK_N=1024)
+        jobs.append((W._bwd_stats_kernel, stats, flags))
+        jobs.append((W._bwd_split_kernel, split, dict(flags, HAS_DR=mem_eff)))
 for fn, sig, consts in jobs:
     sig = dict(sig, **{k: "constexpr" for k in consts})
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
@@ -281,7 +292,7 @@ def test_kernels_compile_for_an_nvidia_gpu():
     out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "compiled 11" in out.stdout
+    assert "compiled 19" in out.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -335,3 +346,98 @@ def test_triton_layer_norm_rows_of_one_or_two_keep_fp32_accuracy(triton_device, 
             _close(got[1:], ref_g[1:], tol=1e-5, name="dweight, dbias")
         else:
             _close(got, ref_g, tol=1e-5, name="grads")
+
+
+# ------------------------------------------------------------------------ the column-chunked backward (_norm_wide)
+# Chunks of 64 columns and tiles of 2 rows: 65 x 200 rows are 4 chunks (the last 8 columns wide) by 33 tiles (the
+# last of one row), walked by 17 row groups of 2 tiles (the interpreter stands in 100 SMs: 100 // 4 groups at
+# most) but the last, of one.
+_WIDE = {"split": 64, "rows": 2, "warps": 1, "programs_per_sm": 1}
+_M, _N = 65, 200
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_layer_norm_wide_backward_matches_float64(triton_device, dtype, mem_eff):
+    x = torch.randn(_M, _N).to(dtype).requires_grad_()
+    w, b = _params((_N,), dtype)
+    dy = torch.randn(_M, _N).to(dtype)
+    with apex.backend("triton"):
+        with trace("triton", x, w, b, dy) as tr, _tuning.override("layer_norm.bwd", **_WIDE):
+            y, grads = run(lambda: L.layer_norm(x, (_N,), w, b, 1e-5, mem_eff), x, w, dy, b)
+        one_pass = run(lambda: L.layer_norm(x, (_N,), w, b, 1e-5, mem_eff), x, w, dy, b)[1]
+    if tr is not None:  # forward, row statistics, dx and partial sums, their reduction
+        assert dict(tr.kernels) == {"_fwd_kernel": 1, "_bwd_stats_kernel": 1, "_bwd_split_kernel": 1,
+                                    "_reduce_kernel": 1}, dict(tr.kernels)
+    _, ref_g = _ref(x, (_N,), w, b, dy, 1e-5)
+    assert [g.dtype for g in grads] == [dtype] * 3
+    _close(grads, ref_g, dtype, tol=1e-5 if dtype == torch.float32 else None, name="grads")
+    # The one-pass kernel's numerics, its sums in another order: a few output roundings apart at most (one
+    # bf16 rounding of one element is ~3e-5 of the norm here).
+    _close(grads, [g.double() for g in one_pass], tol=1e-6 if dtype == torch.float32 else 5e-4, name="vs one-pass")
+
+
+@pytest.mark.parametrize("params,mem_eff", [("weight", True), ("bias", True), ("none", False)])
+def test_triton_layer_norm_wide_backward_parameters(triton_device, params, mem_eff):
+    """Weight without bias, bias without weight (its partial sums reduced alone), neither."""
+    x = torch.randn(_M, _N, requires_grad=True)
+    w, b = _params((_N,), torch.float32)
+    w, b = (w if params == "weight" else None), (b if params == "bias" else None)
+    dy = torch.randn(_M, _N)
+    with apex.backend("triton"), trace("triton", x, w, b, dy), _tuning.override("layer_norm.bwd", **_WIDE):
+        y, grads = run(lambda: L.layer_norm(x, (_N,), w, b, 1e-5, mem_eff), x, w, dy, b)
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() if t is not None else None for t in (w, b)]
+    y64 = F.layer_norm(x64, (_N,), *p64, 1e-5)
+    ref = torch.autograd.grad(y64, [x64] + [t for t in p64 if t is not None], dy.double())
+    assert len(grads) == len(ref)
+    assert_rel_close(y, y64, tol=1e-5, name="y")
+    assert_rel_close(list(grads), list(ref), tol=1e-5, name="grads")
+
+
+def test_triton_layer_norm_wide_backward_row_strides_and_determinism(triton_device):
+    """Gradient and saved input read at their own row strides (the launcher's rows, not contiguous copies), the
+    same bits on a second run."""
+    from apex._kernels import _norm as K
+
+    x = torch.randn(_M, _N + 24)[:, 5:5 + _N]
+    dy = torch.randn(_M, _N + 40)[:, 17:17 + _N]
+    assert x.stride(0) != _N and dy.stride(0) != _N
+    w, b = (t.detach() for t in _params((_N,), torch.float32))
+    y, mean, rstd, _ = K.forward(x, w, b, 1e-5, torch.float32, False)
+    with apex.backend("triton"), _tuning.override("layer_norm.bwd", **_WIDE):
+        first = K.backward(dy, x, w, b, mean, rstd, False, False, torch.float32)
+        second = K.backward(dy, x, w, b, mean, rstd, False, False, torch.float32)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    _, ref_g = _ref(x, (_N,), w, b, dy, 1e-5)
+    _close(list(first), ref_g, tol=1e-5, name="grads")
+
+
+def test_layer_norm_backward_takes_the_wide_design_where_one_pass_spills(monkeypatch):
+    """The GPU formula: the column-chunked backward for rows wider than 8,192 (16,384 and up: the one-pass
+    kernel's sm_90 code spills there; for RMSNorm of 16-bit types from 32,768), the one-pass kernel below. A
+    measured entry without "split" (written before the design existed) keeps the one-pass kernel; an override
+    takes either."""
+    from apex._kernels import _norm as K
+    from apex._kernels import _tuned
+
+    monkeypatch.setattr(K, "_INTERP", False)  # the GPU's formula; nothing is launched
+    cpu = torch.device("cpu")
+    entry = {"rows": 1, "warps": 16, "programs_per_sm": 1}
+    monkeypatch.setattr(_tuned, "TABLES", {"Measured GPU": {"layer_norm.bwd": [
+        {"itemsize": 2, "key": [4096, 16384], "config": entry, "gbps": 1}]}})
+    with _tuning.assume_device("Unmeasured GPU", 132):
+        assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 1024
+        assert K._config(1000, 20000, cpu, 4, False, True)["split"] == 1024
+        assert K._config(8192, 8192, cpu, 4, False, True)["split"] == 0
+        assert K._config(4096, 16384, cpu, 2, True, True)["split"] == 0
+        assert K._config(4096, 16384, cpu, 4, True, True)["split"] == 1024
+        assert K._config(2048, 32768, cpu, 2, True, True)["split"] == 1024
+        assert "split" not in K._config(4096, 16384, cpu, 2, False, False)
+    with _tuning.assume_device("Measured GPU", 132):
+        assert K._config(4096, 16384, cpu, 2, False, True) == {**entry, "split": 0}
+        with _tuning.override("layer_norm.bwd", split=2048, rows=1, warps=8, programs_per_sm=4):
+            assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 2048
+        with _tuning.override("layer_norm.bwd"):  # the formula's own choice, as the sweep times it
+            assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 1024

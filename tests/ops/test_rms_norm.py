@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import apex
+from apex._kernels import _tuning
 from apex.ops import rms_norm as R
 from apex.testing import assert_rel_close
 from tests.ops._norms import DTYPES, GRAD_LAYOUTS, SHAPES, grad_like, run, trace
@@ -219,3 +220,84 @@ def test_rms_norm_one_element_rows_keep_fp32_accuracy(backend_name, eps, mem_eff
     out, invvar = R.rms_forward_affine(x.detach(), (1,), w.detach(), eps)
     dx, dw = R.rms_backward_affine(dy, invvar, out if mem_eff else x.detach(), (1,), w.detach(), eps, mem_eff)
     assert_rel_close([dx, dw], list(ref_g), tol=1e-5, name="rms_backward_affine")
+
+
+# ------------------------------------------------------------------------ the column-chunked backward (_norm_wide)
+# As test_layer_norm's: 65 x 200 rows in 4 chunks of 64 columns (the last 8 wide) by 33 tiles of 2 rows (the last
+# of one), walked by 17 row groups of 2 tiles but the last, of one.
+_WIDE = {"split": 64, "rows": 2, "warps": 1, "programs_per_sm": 1}
+_M, _N = 65, 200
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_rms_norm_wide_backward_matches_float64(triton_device, dtype, mem_eff):
+    x = torch.randn(_M, _N).to(dtype).requires_grad_()
+    w = _weight((_N,), dtype)
+    dy = torch.randn(_M, _N).to(dtype)
+    with apex.backend("triton"):
+        with trace("triton", x, w, dy) as tr, _tuning.override("rms_norm.bwd", **_WIDE):
+            y, grads = run(lambda: R.rms_norm(x, (_N,), w, 1e-5, mem_eff), x, w, dy)
+        one_pass = run(lambda: R.rms_norm(x, (_N,), w, 1e-5, mem_eff), x, w, dy)[1]
+    if tr is not None:  # forward, row statistics, dx and partial sums, their reduction
+        assert dict(tr.kernels) == {"_fwd_kernel": 1, "_bwd_stats_kernel": 1, "_bwd_split_kernel": 1,
+                                    "_reduce_kernel": 1}, dict(tr.kernels)
+    _, ref_g = _ref(x, (_N,), w, dy, 1e-5)
+    assert [g.dtype for g in grads] == [dtype] * 2
+    tol = 1e-5 if dtype == torch.float32 else None
+    assert_rel_close(list(grads), list(ref_g), dtype, tol=tol, name="grads")
+    # The one-pass kernel's numerics, its sums in another order: a few output roundings apart at most (one
+    # bf16 rounding of one element is ~3e-5 of the norm here).
+    assert_rel_close(list(grads), [g.double() for g in one_pass], tol=1e-6 if dtype == torch.float32 else 5e-4,
+                     name="vs one-pass")
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_triton_rms_norm_wide_backward_without_weight(triton_device, mem_eff):
+    x = torch.randn(_M, _N, requires_grad=True)
+    dy = torch.randn(_M, _N)
+    with apex.backend("triton"), trace("triton", x, dy), _tuning.override("rms_norm.bwd", **_WIDE):
+        y, (dx,) = run(lambda: R.rms_norm(x, (_N,), None, 1e-5, mem_eff), x, None, dy)
+    ref_y, (ref_dx,) = _ref(x, (_N,), None, dy, 1e-5)
+    assert_rel_close(y, ref_y, tol=1e-5, name="y")
+    assert_rel_close(dx, ref_dx, tol=1e-5, name="dx")
+
+
+@pytest.mark.parametrize("mem_eff", [False, True])
+def test_triton_fused_add_rms_norm_wide_backward(triton_device, mem_eff):
+    """The residual's gradient ``dh`` added to dx in the same pass (fused add + RMSNorm)."""
+    from apex.normalization import fused_add_rms_norm
+
+    x, res = torch.randn(_M, _N, requires_grad=True), torch.randn(_M, _N, requires_grad=True)
+    w = _weight((_N,), torch.float32)
+    dy, dh = torch.randn(_M, _N), torch.randn(_M, _N)
+    with apex.backend("triton"), trace("triton", x, res, w, dy, dh) as tr, \
+            _tuning.override("rms_norm.bwd", **_WIDE):
+        y, h = fused_add_rms_norm(x, res, w, (_N,), 1e-5, mem_eff)
+        grads = torch.autograd.grad([y, h], [x, res, w], [dy, dh])
+    if tr is not None:
+        assert tr.kernels["_bwd_split_kernel"] == 1, dict(tr.kernels)
+    l64 = [t.detach().double().requires_grad_() for t in (x, res, w)]
+    h64 = l64[0] + l64[1]
+    g64 = torch.autograd.grad([_rms64(h64, (_N,), l64[2], 1e-5), h64], l64, [dy.double(), dh.double()])
+    assert_rel_close(list(grads), list(g64), tol=1e-5, name="grads")
+
+
+def test_triton_rms_norm_wide_backward_row_strides_and_determinism(triton_device):
+    """Gradient, saved input and residual gradient read at their own row strides (the launcher's rows, not
+    contiguous copies), the same bits on a second run."""
+    from apex._kernels import _norm as K
+
+    x = torch.randn(_M, _N + 24)[:, 5:5 + _N]
+    dy = torch.randn(_M, _N + 40)[:, 17:17 + _N]
+    dr = torch.randn(_M, _N + 8)[:, 8:]
+    assert x.stride(0) != _N and dy.stride(0) != _N and dr.stride(0) != _N
+    w = _weight((_N,), torch.float32).detach()
+    _, _, rstd, _ = K.forward(x, w, None, 1e-5, torch.float32, True)
+    with apex.backend("triton"), _tuning.override("rms_norm.bwd", **_WIDE):
+        first = K.backward(dy, x, w, None, None, rstd, False, True, torch.float32, dr)
+        second = K.backward(dy, x, w, None, None, rstd, False, True, torch.float32, dr)
+    for a, c in zip(first[:2], second[:2]):
+        assert torch.equal(a, c)
+    _, (ref_dx, ref_dw) = _ref(x, (_N,), w, dy, 1e-5)
+    assert_rel_close(list(first[:2]), [ref_dx + dr.double(), ref_dw], tol=1e-5, name="grads")
