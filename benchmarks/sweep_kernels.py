@@ -126,17 +126,22 @@ def _norm_case(shape, dtype, rms: bool, backward: bool, sms: int) -> SweepCase:
     read = (2 if backward else 1) * m * n * s + params + (4 if rms else 8) * m * backward
     write = m * n * s + (params if backward else (4 if rms else 8) * m)
     op = ("rms_norm" if rms else "layer_norm") + (".bwd" if backward else ".fwd")
+    # The model's launch is the first: with "split", the row-statistics kernel, a tile of rows a program
+    # walking the row's column chunks (dy and x: two inputs).
     return SweepCase(op, shape, shape, dtype, read, write, make, run, _norm_candidates(n, backward),
-                     passes=lambda cfg, progs: math.ceil(math.ceil(m / cfg["rows"]) / progs),
-                     pass_bytes=lambda cfg: cfg["rows"] * n * s * (2 if backward else 1))
+                     passes=lambda cfg, progs: (math.ceil(n / cfg["split"]) if cfg.get("split") else
+                                                math.ceil(math.ceil(m / cfg["rows"]) / progs)),
+                     pass_bytes=lambda cfg: cfg["rows"] * min(n, cfg.get("split") or n) * s * (2 if backward else 1))
 
 
 def _rope_case(shape, dtype, backward: bool) -> SweepCase:
     from apex._kernels import fused_rope
 
     S, B, H, D = shape
-    cands = [{"heads": h, "warps": w} for h in (1, 2, 4, 8, 16, 32) if h <= _p2(H) for w in (1, 2, 4, 8)
-             if 4 <= h * _p2(D) // (32 * w) <= 64]
+    # Both kernels (halves 1: the two half tiles, each element loaded once; 0: the full tile and its partner
+    # reload) over the same head blocks and warps; a program reads heads x D elements either way.
+    cands = [{"heads": h, "warps": w, "halves": v} for v in (1, 0) for h in (1, 2, 4, 8, 16, 32) if h <= _p2(H)
+             for w in (1, 2, 4, 8) if 4 <= h * _p2(D) // (32 * w) <= 64]
 
     def make(device, fill):
         g = torch.Generator(device=device).manual_seed(0) if fill else None

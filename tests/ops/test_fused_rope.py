@@ -446,6 +446,90 @@ def test_rope_backward_under_a_dispatch_mode_and_second_derivative(triton_device
     assert_rel_close(gg, torch.full_like(gg, 2.0), tol=1e-5)
 
 
+def _bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _halves_cases(dev, dtype):
+    """(mode, rot, x, y, tables, cu, head block, warps) launches of ``apex._kernels.fused_rope.rope``: modes 0-2
+    on strided views, 5 heads (not a multiple of the head block), rotary dim below, at and far below the head dim,
+    R/2 not a power of two, one angle tile and several copies (rot // 2 against 16 x warps)."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(dev)
+
+    def angles(s, r):
+        return (torch.rand(s, 1, 1, r, generator=g) * 12 - 6).to(dev)
+
+    s, b, h = 4, 2, 5
+    bshd = randn(b, s, h, 24).transpose(0, 1)  # sbhd view of [b, s, h, d] memory
+    padded = randn(s, b, h, 30)[..., 3:27]  # rows padded: a strided slice
+    y_bshd = torch.empty(b, s, h, 24, dtype=dtype, device=dev).transpose(0, 1)
+    f16, f32, f10, f0 = angles(s, 16), angles(s, 32), angles(s, 10), angles(s, 0)
+    tab = torch.float32 if dtype == torch.float32 else dtype
+    cu = torch.tensor([1, 4, 4, 9], dtype=torch.int32, device=dev)  # tokens 0, 9, 10 outside: pass through
+    thd = randn(11, 3, 16).unsqueeze(1)
+    return [
+        (0, 16, bshd, y_bshd, (f16,), None, 4, 1),
+        (0, 32, randn(s, b, h, 32), None, (f32,), None, 4, 1),
+        (0, 0, padded, None, (f0,), None, 4, 2),
+        (1, 10, padded, None, (f10.cos().to(tab), f10.sin().to(tab)), None, 4, 8),
+        (1, 24, bshd, None, (angles(s, 24).cos().to(dtype), angles(s, 24).sin().to(dtype)), None, 8, 1),
+        (2, 12, thd, None, (angles(8, 12),), cu, 4, 4),
+        (2, 16, thd, None, (angles(8, 16),), cu, 4, 1),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_halves_match_the_full_tile_bit_for_bit(triton_device, dtype):
+    """The half-tile kernel (modes 0-2: each element loaded once, each column's cos/sin once per program) gives
+    the full tile's bits, forward and backward, whichever the launch configuration; thd rows outside
+    ``cu_seqlens`` and the columns past the rotary dim are copies of the input."""
+    from apex._kernels import _tuning
+    from apex._kernels import fused_rope as K
+
+    if triton_device.type == "meta":
+        pytest.skip("compares computed values")
+    for mode, rot, x, y, tables, cu, heads, warps in _halves_cases(triton_device, dtype):
+        for backward in (False, True):
+            op = "fused_rope.bwd" if backward else "fused_rope.fwd"
+            out = []
+            for halves in (0, 1):
+                o = torch.empty_like(x) if y is None else torch.empty_like(y).copy_(y)
+                with _tuning.override(op, heads=heads, warps=warps, halves=halves):
+                    K.rope(x, o, mode, backward, rot, *tables, cu=cu, dims=(0, 3))
+                    assert _tuning.last[op]["halves"] == halves
+                out.append(o)
+            case = (mode, rot, backward, heads, warps)
+            assert torch.equal(_bits(out[1]), _bits(out[0])), case
+            assert torch.equal(_bits(out[1][..., rot:]), _bits(x[..., rot:])), case
+            if mode == 2:
+                assert torch.equal(_bits(out[1][[0, 9, 10]]), _bits(x[[0, 9, 10]])), case
+
+
+def test_rope_takes_the_half_tiles_by_default_and_under_measured_entries():
+    """The formula takes the half tiles; a measured entry timed before they existed (no ``halves`` key: the full
+    tile's head block and warps) keeps its head block and warps and takes them too. Planned on a meta tensor:
+    nothing runs."""
+    from apex._kernels import _tuning
+    from apex._kernels import fused_rope as K
+
+    x = torch.empty(4096, 4, 32, 128, dtype=torch.bfloat16, device="meta")
+    for backward in (False, True):
+        op = "fused_rope.bwd" if backward else "fused_rope.fwd"
+        assert K._plan(x, backward)[-1]["halves"] == 1
+        with _tuning.assume_device("NVIDIA H200", 132):
+            measured = _tuning.lookup(op, "NVIDIA H200", 2, (4096 * 4, 32, 128))
+            plan = K._plan(x, backward)
+        if measured is None:
+            continue
+        cfg = plan[-1]
+        assert (cfg["heads"], cfg["warps"], cfg["halves"]) == (measured["heads"], measured["warps"],
+                                                               measured.get("halves", 1))
+        assert plan[9] == (16 * cfg["warps"] if cfg["halves"] else 0)  # HALVES: half the program's threads
+
+
 def test_rope_head_blocks_follow_an_override(triton_device):
     """The launch plan keeps the grid's launcher with the head block: a head block set by ``_tuning.override``
     (and the default one again after it) launches its own grid, every head rotated each way."""
