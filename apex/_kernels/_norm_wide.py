@@ -24,6 +24,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _xhat(v, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+          MEM_EFF: tl.constexpr):
+    """x̂ of a tile as the one-pass kernel forms it: from the saved output (``MEM_EFF``: the affine transform
+    undone with the chunk's ``w``, ``b``), else from the saved input and the rows' ``mean`` (LayerNorm) and
+    ``rstd``; 0 outside ``mask``. Arguments a configuration does not use are placeholders."""
+    if MEM_EFF:
+        xhat = v
+        if HAS_B:
+            xhat = xhat - b[None, :]
+        if HAS_W:
+            xhat = xhat / w[None, :]
+    else:
+        if IS_RMS:
+            xhat = v * rstd[:, None]
+        else:
+            xhat = (v - mean[:, None]) * rstd[:, None]
+    return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
 def _bwd_stats_kernel(DY, V, W, B, Mean, Rstd, C, M, N, stride_dy, stride_v,
                       IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MEM_EFF: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -32,6 +52,7 @@ def _bwd_stats_kernel(DY, V, W, B, Mean, Rstd, C, M, N, stride_dy, stride_v,
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+    mean = rstd  # (a placeholder where unused)
     if not IS_RMS:
         if not MEM_EFF:
             mean = tl.load(Mean + rows, mask=rmask, other=0.0)
@@ -44,20 +65,14 @@ def _bwd_stats_kernel(DY, V, W, B, Mean, Rstd, C, M, N, stride_dy, stride_v,
         mask = rmask[:, None] & cmask[None, :]
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = tl.load(V + rows64[:, None] * stride_v + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = rstd  # (placeholders where unused)
+        b = rstd
         if HAS_W:
             w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
         if MEM_EFF:
-            xhat = v
             if HAS_B:
-                xhat = xhat - tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if HAS_W:
-                xhat = xhat / w[None, :]
-        else:
-            if IS_RMS:
-                xhat = v * rstd[:, None]
-            else:
-                xhat = (v - mean[:, None]) * rstd[:, None]
-        xhat = tl.where(mask, xhat, 0.0)
+                b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        xhat = _xhat(v, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, MEM_EFF)
         if HAS_W:
             wdy = dy * w[None, :]
         else:
@@ -80,6 +95,8 @@ def _bwd_split_kernel(DY, V, W, B, Mean, Rstd, C, DR, DX, DWp, DBp, M, N, stride
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
+    w = tl.full([BLOCK_N], 1.0, tl.float32)  # (placeholders where unused)
+    b = w
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
     if MEM_EFF:
@@ -97,19 +114,11 @@ def _bwd_split_kernel(DY, V, W, B, Mean, Rstd, C, DR, DX, DWp, DBp, M, N, stride
         v = tl.load(V + rows64[:, None] * stride_v + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
         c1 = tl.load(C + rows, mask=rmask, other=0.0)
-        if MEM_EFF:
-            xhat = v
-            if HAS_B:
-                xhat = xhat - b[None, :]
-            if HAS_W:
-                xhat = xhat / w[None, :]
-        else:
-            if IS_RMS:
-                xhat = v * rstd[:, None]
-            else:
+        mean = rstd
+        if not IS_RMS:
+            if not MEM_EFF:
                 mean = tl.load(Mean + rows, mask=rmask, other=0.0)
-                xhat = (v - mean[:, None]) * rstd[:, None]
-        xhat = tl.where(mask, xhat, 0.0)
+        xhat = _xhat(v, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, MEM_EFF)
         if HAS_W:
             dw_acc += dy * xhat
         if HAS_B:

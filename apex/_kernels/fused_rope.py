@@ -44,6 +44,18 @@ from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
 
 @triton.jit
+def _sequence(CU, n_cu, s, BLOCK_CU: tl.constexpr):
+    """(start, first token, end) of the ``cu_seqlens`` sequence holding token ``s`` (mode 2): its index is the
+    number of ``cu_seqlens[1:]`` entries <= s."""
+    k = tl.arange(0, BLOCK_CU)
+    cu = tl.load(CU + k, mask=k < n_cu, other=0).to(tl.int64)
+    lo = tl.load(CU).to(tl.int64)
+    hi = tl.load(CU + n_cu - 1).to(tl.int64)
+    seq = tl.sum(((k >= 1) & (k < n_cu) & (cu <= s)).to(tl.int32), axis=0)
+    return tl.load(CU + seq).to(tl.int64), lo, hi
+
+
+@triton.jit
 def _rope_tile(X, Y, TA, TB, TC, TD, CU, B, H, D, R: tl.constexpr, n_cu, img_w,
                xs_s, xs_b, xs_h, xs_d, ys_s, ys_b, ys_h, ys_d,
                ta_r, ta_c, tb_r, tb_c, tc_r, tc_c, td_r, td_c,
@@ -71,13 +83,8 @@ def _rope_tile(X, Y, TA, TB, TC, TD, CU, B, H, D, R: tl.constexpr, n_cu, img_w,
     pcol = tl.where(first, col + half, col - half)
 
     if MODE == 2:
-        # Sequence of token s: the number of cu_seqlens[1:] entries <= s; rows outside pass through.
-        k = tl.arange(0, BLOCK_CU)
-        cu = tl.load(CU + k, mask=k < n_cu, other=0).to(tl.int64)
-        lo = tl.load(CU).to(tl.int64)
-        hi = tl.load(CU + n_cu - 1).to(tl.int64)
-        seq = tl.sum(((k >= 1) & (k < n_cu) & (cu <= s)).to(tl.int32), axis=0)
-        start = tl.load(CU + seq).to(tl.int64)
+        # Rows outside every sequence pass through.
+        start, lo, hi = _sequence(CU, n_cu, s, BLOCK_CU)
         sb = d * 0 + s  # as a block: a scalar mask does not combine with block masks in the interpreter
         rot = rot & (sb >= lo) & (sb < hi)
         pos = s - start
@@ -150,13 +157,8 @@ def _rope_halves(X, Y, TA, TB, CU, B, H, D, R: tl.constexpr, n_cu, xs_s, xs_b, x
         x2 = tl.load(x_row + (j + half) * xs_d, mask=m, other=0.0).to(tl.float32)
         fm = jt < half
         if MODE == 2:
-            # Sequence of token s: the number of cu_seqlens[1:] entries <= s; rows outside pass through.
-            k = tl.arange(0, BLOCK_CU)
-            cu = tl.load(CU + k, mask=k < n_cu, other=0).to(tl.int64)
-            lo = tl.load(CU).to(tl.int64)
-            hi = tl.load(CU + n_cu - 1).to(tl.int64)
-            seq = tl.sum(((k >= 1) & (k < n_cu) & (cu <= s)).to(tl.int32), axis=0)
-            start = tl.load(CU + seq).to(tl.int64)
+            # Rows outside every sequence pass through.
+            start, lo, hi = _sequence(CU, n_cu, s, BLOCK_CU)
             # As blocks: a scalar mask does not combine with block masks in the interpreter.
             inside = (j * 0 + s >= lo) & (j * 0 + s < hi)
             tm = tm & inside
