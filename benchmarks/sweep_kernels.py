@@ -38,8 +38,11 @@ BF16, FP16 = torch.bfloat16, torch.float16
 TABLE = ROOT / "apex" / "_kernels" / "_tuned.py"
 # The shapes of issue 34: the norms (rows x hidden), RoPE sbhd, bias-SwiGLU (rows x 2*hidden), cross-entropy.
 NORM_SHAPES = [(16384, 4096), (65536, 1024), (32768, 2048), (8192, 8192), (4096, 16384)]
-SHAPES = {"norm": NORM_SHAPES, "rope": [(4096, 4, 32, 128)], "swiglu": [(16384, 16384)], "xent": [(8192, 128256)]}
-SMALL = {"norm": [(48, 256)], "rope": [(6, 2, 4, 32)], "swiglu": [(40, 256)], "xent": [(12, 1000)]}
+# Softmax: [b, np, sq, sk] scores, causal (the GPU benchmark's shape).
+SHAPES = {"norm": NORM_SHAPES, "rope": [(4096, 4, 32, 128)], "swiglu": [(16384, 16384)], "xent": [(8192, 128256)],
+          "softmax": [(1, 128, 2048, 2048)]}
+SMALL = {"norm": [(48, 256)], "rope": [(6, 2, 4, 32)], "swiglu": [(40, 256)], "xent": [(12, 1000)],
+         "softmax": [(1, 2, 40, 40)]}
 
 
 @dataclass
@@ -222,6 +225,35 @@ def _xent_case(shape, dtype, backward: bool) -> SweepCase:
                      pass_bytes=lambda cfg: cfg["rows"] * cfg["block"] * s)
 
 
+def _softmax_case(shape, dtype, backward: bool) -> SweepCase:
+    from apex._kernels import scaled_masked_softmax as sm
+
+    b, h, sq, sk = shape
+    n, s = b * h * sq, dtype.itemsize
+    # Rows per program x warps with 8-64 keys a thread (each row held in registers, read once); the formula's
+    # launch at sk = 2048 is 2 rows x 4 warps.
+    cands = [{"rows": r, "warps": w} for r in (1, 2, 4, 8) for w in (1, 2, 4, 8, 16)
+             if 8 <= r * _p2(sk) // (32 * w) <= 64]
+
+    def make(device, fill):
+        g = torch.Generator(device=device).manual_seed(0) if fill else None
+        x = _fill(shape, dtype, device, fill, g, 4.0)
+        y = sm.forward(x, None, 0.125, True) if fill else torch.empty(shape, dtype=dtype, device=device)
+        return {"x": x, "y": y, "dy": _fill(shape, dtype, device, fill, g)}
+
+    def run(i):
+        if backward:
+            return sm.backward(i["dy"], i["y"], 0.125, True, dtype)
+        return sm.forward(i["x"], None, 0.125, True)
+
+    size = n * sk * s
+    # Minimum bytes as the GPU benchmark counts them (the whole square: x, y; dy, y, dx); a causal program
+    # reads only the keys up to each row's diagonal, half its rows' length on average (of each input).
+    return SweepCase(sm.BWD_OP if backward else sm.FWD_OP, shape, (n, sk, 1), dtype, size * (2 if backward else 1),
+                     size, make, run, cands,
+                     pass_bytes=lambda cfg: cfg["rows"] * (sk + 1) // 2 * s * (2 if backward else 1))
+
+
 def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132) -> list[SweepCase]:
     """Every sweep case, in the order they run: forward before backward, one op after another."""
     shapes = shapes or SHAPES
@@ -235,6 +267,8 @@ def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132)
         out += [_swiglu_case(sh, dtype, phase) for sh in shapes["swiglu"]]
     for backward in (False, True):
         out += [_xent_case(sh, dtype, backward) for sh in shapes["xent"]]
+    for backward in (False, True):
+        out += [_softmax_case(sh, dtype, backward) for sh in shapes["softmax"]]
     return out
 
 

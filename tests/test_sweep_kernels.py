@@ -16,7 +16,8 @@ from benchmarks import _sweep_run as runner
 from benchmarks import sweep_kernels as sk
 
 OPS = ["layer_norm.fwd", "layer_norm.bwd", "rms_norm.fwd", "rms_norm.bwd", "fused_rope.fwd", "fused_rope.bwd",
-       "bias_swiglu.fwd", "bias_swiglu.bwd", "bias_swiglu.bwd_db", "xentropy.fwd", "xentropy.bwd"]
+       "bias_swiglu.fwd", "bias_swiglu.bwd", "bias_swiglu.bwd_db", "xentropy.fwd", "xentropy.bwd",
+       "scaled_softmax.fwd", "scaled_softmax.bwd"]
 
 
 def _small(op: str, dtype=torch.float32) -> sk.SweepCase:
@@ -40,7 +41,8 @@ def test_the_cases_are_the_issue_shapes():
         for m, n in sk.NORM_SHAPES:
             assert {f"{op}.fwd {m}x{n} bfloat16", f"{op}.bwd {m}x{n} bfloat16"} <= names
     assert {"fused_rope.bwd 4096x4x32x128 bfloat16", "bias_swiglu.bwd_db 16384x16384 bfloat16",
-            "xentropy.fwd 8192x128256 bfloat16", "xentropy.bwd 8192x128256 bfloat16"} <= names
+            "xentropy.fwd 8192x128256 bfloat16", "xentropy.bwd 8192x128256 bfloat16",
+            "scaled_softmax.fwd 1x128x2048x2048 bfloat16", "scaled_softmax.bwd 1x128x2048x2048 bfloat16"} <= names
     assert {c.op for c in sk.cases()} == set(OPS)
     assert all(c.candidates for c in sk.cases())
 

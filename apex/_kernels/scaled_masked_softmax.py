@@ -6,8 +6,10 @@ broadcast strides; causal: key ``k > q`` masked); a fully masked row gives zeros
 
 Rows of up to ``max_block`` keys are held in one block: the scores are read once and the probabilities
 written once. Longer rows run an online max/sum over blocks and then a second sweep that writes the
-probabilities (so they are read twice). Masked scores (and, with ``causal``, the upper triangle) are never
-loaded. Several short rows share one program.
+probabilities (so they are read twice). Masked scores are never loaded; with ``causal`` each row is read up
+to its diagonal in whole groups of 8 keys (16-byte loads; the diagonal's DRAM sector), the rest of the upper
+triangle never. Several short rows share one program. Rows per program and warps: ``_config``'s formula, or
+the configuration ``_tuning`` names (an override, the table measured on this GPU).
 """
 
 from __future__ import annotations
@@ -47,11 +49,22 @@ def _load_scores(X, M, xrow, mrow, q, rmask, k, SK, scale, sxk, smk, HAS_MASK: t
     inb = rmask[:, None] & (k < SK)
     keep = inb
     if CAUSAL:
+        q = q.to(tl.int32)  # (a query index: 32-bit compares, not 64-bit pairs, against the int32 keys)
         keep = keep & (k <= q[:, None])
     if HAS_MASK:
         mv = tl.load(M + mrow[:, None] + k * smk, mask=keep, other=1)
         keep = keep & (mv == 0)
-    x = tl.load(X + xrow[:, None] + k * sxk, mask=keep, other=0.0).to(tl.float32)
+        x = tl.load(X + xrow[:, None] + k * sxk, mask=keep, other=0.0)
+    elif CAUSAL:
+        # Read up to the diagonal in whole groups of 8 keys: a per-key bound splits the load into one scalar
+        # access per key, while 8-key groups are 16-byte vectors of 16-bit scores (two of fp32). The group
+        # that holds the diagonal lies in the diagonal's 32-byte DRAM sector; its keys past the diagonal are
+        # read but dropped by ``keep`` below.
+        end = tl.multiple_of((q // 8 + 1) * 8, 8)
+        x = tl.load(X + xrow[:, None] + k * sxk, mask=inb & (k < end[:, None]), other=0.0)
+    else:
+        x = tl.load(X + xrow[:, None] + k * sxk, mask=keep, other=0.0)
+    x = x.to(tl.float32)
     s = tl.where(keep, x * scale, float("-inf"))
     return s, keep, inb
 
@@ -72,7 +85,8 @@ def _fwd_kernel(X, M, Y, scale, R, NP, SQ, SK,
         mx = tl.max(s, axis=1)
         # A fully masked row has max -inf: subtract 0 instead, so every exp is exp(-inf) = 0, never NaN.
         mx = tl.where(mx == float("-inf"), 0.0, mx)
-        e = tl.where(keep, tl.exp(s - mx[:, None]), 0.0)
+        # Masked scores are -inf and mx is finite or +inf (tl.max skips NaN): their exp is exactly 0.
+        e = tl.exp(s - mx[:, None])
         den = tl.sum(e, axis=1)
         inv = tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
         y = e * inv[:, None]
@@ -111,11 +125,17 @@ def _bwd_kernel(DY, Y, DX, scale, R, NP, SQ, SK,
     cols = tl.arange(0, BLOCK)[None, :]
     if ONE_BLOCK:
         inb = rmask[:, None] & (cols < SK)
-        live = inb
         if CAUSAL:  # y is zero above the diagonal: nothing to read there
-            live = live & (cols <= q[:, None])
-        dy = tl.load(DY + drow[:, None] + cols * sdk, mask=live, other=0.0).to(tl.float32)
-        y = tl.load(Y + yrow[:, None] + cols * syk, mask=live, other=0.0).to(tl.float32)
+            # Whole 8-key groups up to the diagonal, as the forward reads (16-byte vectors); the keys past
+            # the diagonal that they hold are zeroed, as the unread ones are.
+            q = q.to(tl.int32)
+            live = inb & (cols <= q[:, None])
+            rd = inb & (cols < tl.multiple_of((q // 8 + 1) * 8, 8)[:, None])
+            dy = tl.where(live, tl.load(DY + drow[:, None] + cols * sdk, mask=rd, other=0.0).to(tl.float32), 0.0)
+            y = tl.where(live, tl.load(Y + yrow[:, None] + cols * syk, mask=rd, other=0.0).to(tl.float32), 0.0)
+        else:
+            dy = tl.load(DY + drow[:, None] + cols * sdk, mask=inb, other=0.0).to(tl.float32)
+            y = tl.load(Y + yrow[:, None] + cols * syk, mask=inb, other=0.0).to(tl.float32)
         dot = tl.sum(dy * y, axis=1)
         dx = scale * y * (dy - dot[:, None])
         tl.store(DX + xrow[:, None] + cols, dx.to(DX.dtype.element_ty), mask=inb)
@@ -160,19 +180,28 @@ def _config(n_rows: int, sk: int, max_block: int | None) -> tuple[int, int, bool
     return rows, block, one, num_warps
 
 
-# (rows, keys, max_block) -> _config's answer and the grid's launchers, forward and backward, asked at every
-# launch (emptied with the other plan caches).
-_PLANS = _tuning.plan_cache()
+# (rows, keys, max_block, dtype, causal, device index: another GPU may have other entries) -> the launch's
+# (ROWS, BLOCK, ONE_BLOCK, warps, launcher), forward and backward apart (each phase has its own measured
+# configuration), asked at every launch (emptied with the other plan caches).
+_FWD_PLANS = _tuning.plan_cache()
+_BWD_PLANS = _tuning.plan_cache()
+FWD_OP, BWD_OP = "scaled_softmax.fwd", "scaled_softmax.bwd"
 
 
-def _plan(n_rows: int, sk: int, max_block: int | None) -> tuple:
-    key = (n_rows, sk, max_block)
-    plan = _PLANS.get(key)
-    if plan is None:
-        rows, block, one, warps = _config(n_rows, sk, max_block)
-        # kernel[grid] builds its launcher anew at every call: the grid's kept with the plan.
-        grid = (cdiv(n_rows, rows),)
-        plan = _PLANS[key] = (rows, block, one, warps, _fwd_kernel[grid], _bwd_kernel[grid])
+def _plan(t: torch.Tensor, key: tuple, backward: bool) -> tuple:
+    """The launch of ``key = (n_rows, sk, max_block, t.dtype, causal, device index)`` (``t``: the scores or
+    the gradient): ``_config``'s rows per program and warps unless ``_tuning`` names others (an override, or
+    the table measured on this GPU, keyed by ``(n_rows, sk, causal)``: the causal kernel reads half of what
+    the others do)."""
+    n_rows, sk, max_block, _, causal, _ = key
+    rows, block, one, warps = _config(n_rows, sk, max_block)
+    op = BWD_OP if backward else FWD_OP
+    cfg = _tuning.pick(op, t.device, t.element_size(), (n_rows, sk, int(causal)), {"rows": rows, "warps": warps})
+    rows = cfg["rows"]
+    # kernel[grid] builds its launcher anew at every call: the grid's kept with the plan.
+    grid = (cdiv(n_rows, rows),)
+    plan = (rows, block, one, cfg["warps"], (_bwd_kernel if backward else _fwd_kernel)[grid])
+    (_BWD_PLANS if backward else _FWD_PLANS)[key] = plan
     return plan
 
 
@@ -212,7 +241,12 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
     n_rows = b * h * sq
     if n_rows * sk == 0:
         return y
-    rows, block, one, warps, launch, _ = _plan(n_rows, sk, max_block)
+    causal = bool(causal)
+    key = (n_rows, sk, max_block, x.dtype, causal, x.get_device())
+    plan = _FWD_PLANS.get(key)
+    # (A hit leaves _tuning.last as the miss recorded it: the sweep times each configuration from its first
+    # launch, a miss.)
+    rows, block, one, warps, launch = plan if plan is not None else _plan(x, key, False)
     if mask is not None:
         # A bool mask is read as it is: Triton loads a bool pointer's bytes and compares them with zero (no
         # uint8 view, an operator call at every forward).
@@ -222,7 +256,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
     # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a
     # dictionary entry to build and bind.
     launch(
-        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, bool(causal), rows, block, one,
+        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, causal, rows, block, one,
         num_warps=warps)
     return y
 
@@ -235,8 +269,11 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
     n_rows = b * h * sq
     if n_rows * sk == 0:
         return dx
-    rows, block, one, warps, _, launch = _plan(n_rows, sk, max_block)
+    causal = bool(causal)
+    key = (n_rows, sk, max_block, y.dtype, causal, y.get_device())
+    plan = _BWD_PLANS.get(key)
+    rows, block, one, warps, launch = plan if plan is not None else _plan(y, key, True)
     launch(
-        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(), bool(causal), rows, block, one,
+        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(), causal, rows, block, one,
         num_warps=warps)  # CAUSAL, ROWS, BLOCK, ONE_BLOCK
     return dx

@@ -200,18 +200,80 @@ def test_random_shapes(backend_name, b, h, sq, sk, causal, masked):
 
 
 def test_causal_kernel_reads_only_the_lower_triangle(triton_device):
-    """Forward: reads the lower triangle once and writes every probability once (fp16, one block)."""
+    """Forward: reads the lower triangle once, in whole groups of 8 keys up to the diagonal (16-byte vectors,
+    in the diagonal's 32-byte sector), and writes every probability once (fp16, one block)."""
     n = 64
     x = torch.randn(1, 2, n, n).half()
     with apex.backend("triton"), TritonTrace(bounds=True) as tr:
         y = S.scaled_masked_softmax_forward(x, None, 1.0, True)
-    tri = n * (n + 1) // 2
+    tri = sum(min(8 * (q // 8 + 1), n) for q in range(n))
     assert tr.launches == 1
     assert tr.bytes_unique == 2 * (tri + n * n) * 2
     dy = torch.randn_like(y)
     with apex.backend("triton"), TritonTrace(bounds=True) as tr:
         S.scaled_masked_softmax_backward(dy, y, 1.0, True)
     assert tr.launches == 1 and tr.bytes_unique == 2 * (2 * tri + n * n) * 2
+
+
+def _triu(n):
+    return torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 40, 100, 257])
+def test_causal_kernel_matches_its_masked_form_exactly(triton_device, n, dtype):
+    """The causal kernel reads only up to each row's diagonal (whole 8-key groups); every row length, with
+    anything at all (NaN, inf) above the diagonal, gives exactly what the kernel gives with the upper triangle
+    passed as a mask (every key loaded one by one), and the float64 reference's values."""
+    dev = triton_device
+    if dev.type == "meta":
+        pytest.skip("compares computed values")
+    x = (3 * torch.randn(2, 2, n, n)).to(dtype)
+    x_dirty = x.masked_fill(_triu(n), float("nan"))
+    x_dirty[0, 0] = x_dirty[0, 0].masked_fill(_triu(n)[0, 0], float("inf"))
+    dy = torch.randn(2, 2, n, n).to(dtype)
+    with apex.backend("triton"):
+        y = S.scaled_masked_softmax_forward(x_dirty.to(dev), None, 0.37, True)
+        y_mask = S.scaled_masked_softmax_forward(x.to(dev), _triu(n).to(dev), 0.37, False)
+        dx = S.scaled_masked_softmax_backward(dy.masked_fill(_triu(n), float("nan")).to(dev),
+                                              y.masked_fill(_triu(n).to(dev), float("nan")), 0.37, True)
+        dx_ref = S.scaled_masked_softmax_backward(dy.to(dev), y, 0.37, False)
+    assert torch.equal(y, y_mask)
+    assert (y.cpu()[_triu(n).expand(2, 2, n, n)] == 0).all()
+    torch.testing.assert_close(y.float().sum(-1).cpu(), torch.ones(2, 2, n), atol=1e-2, rtol=0)
+    assert torch.equal(dx, dx_ref)  # (== : a zero's sign aside)
+    _check(x, None, 0.37, True, dy, y.cpu(), dx.cpu())
+
+
+@pytest.mark.parametrize("causal,masked", [(True, False), (False, True), (False, False)])
+def test_launch_configurations_give_the_same_probabilities(triton_device, causal, masked):
+    """The configuration a sweep or the measured table forces (rows per program, warps) changes only how
+    rows share programs: each row's probabilities and gradient are the same (bit for bit where the reduction
+    order is the same, under the interpreter; to rounding on a GPU, whose reductions follow the warps)."""
+    from apex._kernels import _tuning
+    from apex._kernels import scaled_masked_softmax as K
+
+    dev = triton_device
+    if dev.type == "meta":
+        pytest.skip("compares computed values")
+    n = 40
+    x = (3 * torch.randn(1, 3, n, n)).to(torch.bfloat16).to(dev)
+    dy = torch.randn(1, 3, n, n).to(torch.bfloat16).to(dev)
+    mask = (torch.rand(1, 1, n, n) < 0.3).to(dev) if masked else None
+    outs = []
+    for cfg in ({"rows": 1, "warps": 1}, {"rows": 8, "warps": 2}, {"rows": 64, "warps": 4}):
+        with _tuning.override(K.FWD_OP, **cfg), _tuning.override(K.BWD_OP, **cfg):
+            y = K.forward(x, mask, 0.5, causal)
+            dx = K.backward(dy, y, 0.5, causal, y.dtype)
+            assert _tuning.last[K.FWD_OP] == {**_tuning.last[K.FWD_OP], **cfg}
+            assert _tuning.last[K.BWD_OP] == {**_tuning.last[K.BWD_OP], **cfg}
+        outs.append((y, dx))
+    for y, dx in outs[1:]:
+        if dev.type == "cpu":
+            assert torch.equal(y, outs[0][0]) and torch.equal(dx, outs[0][1])
+        else:
+            torch.testing.assert_close(y, outs[0][0])
+            torch.testing.assert_close(dx, outs[0][1])
 
 
 def test_padding_kernel_moves_the_minimum(triton_device):
