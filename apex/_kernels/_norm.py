@@ -21,6 +21,7 @@ import triton.language as tl
 
 from apex._kernels import _norm_wide, _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
+from apex._kernels._norm_wide import _chunk_params, _xhat
 
 
 @triton.jit
@@ -91,12 +92,8 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
     cmask = cols < N
     dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
-    if HAS_W:
-        if not W_PER_TILE:
-            w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-    if MEM_EFF:
-        if HAS_B:  # the bias is only needed to undo the affine transform
-            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    # The weight held across passes unless W_PER_TILE; the bias only to undo the affine transform (MEM_EFF).
+    w, b = _chunk_params(W, B, cols, cmask, HAS_W and not W_PER_TILE, HAS_B, MEM_EFF)
     for t in range(0, tiles_per_prog):
         rows, rmask, rows64, mask = _row_tile(pid, t, tiles_per_prog, M, cmask, BLOCK_M)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -105,20 +102,11 @@ def _bwd_kernel(DY, V, W, B, Mean, Rstd, DR, DX, DWp, DBp, M, N, stride_dy, stri
         if HAS_W:
             if W_PER_TILE:  # wide rows: the weight from L1/L2 each pass frees its registers
                 w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-        if MEM_EFF:
-            # v is the forward output: undo the affine transform to get x̂ back.
-            xhat = v
-            if HAS_B:
-                xhat = xhat - b[None, :]
-            if HAS_W:
-                xhat = xhat / w[None, :]
-        else:
-            if IS_RMS:
-                xhat = v * rstd[:, None]
-            else:
+        mean = rstd  # (a placeholder where unused)
+        if not IS_RMS:
+            if not MEM_EFF:
                 mean = tl.load(Mean + rows, mask=rmask, other=0.0)
-                xhat = (v - mean[:, None]) * rstd[:, None]
-        xhat = tl.where(mask, xhat, 0.0)
+        xhat = _xhat(v, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, MEM_EFF)
         # The dw/db sums first: dy is then dead once w·dy is formed, and what stays live across the row's
         # reductions is x̂ and w·dy (at 16 elements a thread, 96 registers instead of 106 for RMSNorm).
         if HAS_W:

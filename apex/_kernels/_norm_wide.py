@@ -26,9 +26,10 @@ import triton.language as tl
 @triton.jit
 def _xhat(v, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
           MEM_EFF: tl.constexpr):
-    """x̂ of a tile as the one-pass kernel forms it: from the saved output (``MEM_EFF``: the affine transform
-    undone with the chunk's ``w``, ``b``), else from the saved input and the rows' ``mean`` (LayerNorm) and
-    ``rstd``; 0 outside ``mask``. Arguments a configuration does not use are placeholders."""
+    """x̂ of a tile (this module's kernels' and the one-pass ``_norm._bwd_kernel``'s): from the saved output
+    (``MEM_EFF``: the affine transform undone with the chunk's ``w``, ``b``), else from the saved input and
+    the rows' ``mean`` (LayerNorm) and ``rstd``; 0 outside ``mask``. Arguments a configuration does not use
+    are placeholders."""
     if MEM_EFF:
         xhat = v
         if HAS_B:
@@ -41,6 +42,20 @@ def _xhat(v, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, 
         else:
             xhat = (v - mean[:, None]) * rstd[:, None]
     return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
+def _chunk_params(W, B, cols, cmask, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MEM_EFF: tl.constexpr):
+    """The weight and (memory-efficient only: it undoes the affine transform) bias of columns ``cols`` in fp32,
+    ones where a configuration does not use them (placeholders for :func:`_xhat`)."""
+    w = tl.full(cols.shape, 1.0, tl.float32)
+    b = w
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
+    if MEM_EFF:
+        if HAS_B:
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    return w, b
 
 
 @triton.jit
@@ -65,13 +80,7 @@ def _bwd_stats_kernel(DY, V, W, B, Mean, Rstd, C, M, N, stride_dy, stride_v,
         mask = rmask[:, None] & cmask[None, :]
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = tl.load(V + rows64[:, None] * stride_v + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = rstd  # (placeholders where unused)
-        b = rstd
-        if HAS_W:
-            w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-        if MEM_EFF:
-            if HAS_B:
-                b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        w, b = _chunk_params(W, B, cols, cmask, HAS_W, HAS_B, MEM_EFF)
         xhat = _xhat(v, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, MEM_EFF)
         if HAS_W:
             wdy = dy * w[None, :]
@@ -95,13 +104,7 @@ def _bwd_split_kernel(DY, V, W, B, Mean, Rstd, C, DR, DX, DWp, DBp, M, N, stride
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    w = tl.full([BLOCK_N], 1.0, tl.float32)  # (placeholders where unused)
-    b = w
-    if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=1.0).to(tl.float32)
-    if MEM_EFF:
-        if HAS_B:
-            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    w, b = _chunk_params(W, B, cols, cmask, HAS_W, HAS_B, MEM_EFF)
     # Per-element sums over the rows walked, reduced across the tile's rows once at the end.
     dw_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     db_acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
