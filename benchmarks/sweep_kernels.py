@@ -83,7 +83,8 @@ def _fill(shape, dtype, device, fill: bool, g=None, scale=1.0, shift=0.0):
 # ----------------------------------------------------------------------------- the cases
 def _norm_candidates(n: int, backward: bool) -> list[dict]:
     """Rows per program x warps with 8-64 elements per thread (4-32 in the backward, which also holds the
-    weight-gradient accumulators in registers); the backward also over 1-8 programs per SM, and for rows of
+    weight-gradient accumulators in registers), the forward from 16 elements a thread with the weight and bias
+    held in registers or read per tile (``wtile``); the backward also over 1-8 programs per SM, and for rows of
     4096 columns and more the column-chunked backward (``_norm_wide``): chunks of 1024 or 2048 columns, 1 or 2
     rows, 8 elements a thread (16-byte loads of 16-bit inputs), 4 or 8 programs' worth per SM."""
     lo, hi = (4, 32) if backward else (8, 64)
@@ -100,6 +101,9 @@ def _norm_candidates(n: int, backward: bool) -> list[dict]:
         out = [{**c, "split": 0} for c in out]
         out += [{"rows": r, "warps": r * s // 256, "programs_per_sm": p, "split": s}
                 for s in (1024, 2048) for r in (1, 2) for p in (4, 8)]
+    if not backward:  # the parameters held in registers (wtile 0) or read per tile (1), from 16 elements a thread
+        out = [{**c, "wtile": w} for c in out
+               for w in ((0, 1) if c["rows"] * _p2(n) >= 16 * 32 * c["warps"] else (0,))]
     return out
 
 

@@ -247,8 +247,9 @@ bwd = {"DY": "*fp16", "V": "*fp16", "W": "*fp32", "B": "*fp32", "Mean": "*fp32",
 red = {"DWp": "*fp32", "DBp": "*fp32", "DW": "*bf16", "DB": "*bf16", "P": "i32", "N": "i32"}
 jobs = []
 for rms in (False, True):
-    jobs.append((K._fwd_kernel, fwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, HAS_RES=rms, BLOCK_M=4,
-                                          BLOCK_N=1024)))
+    for wtile in (False, True):
+        jobs.append((K._fwd_kernel, fwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, HAS_RES=rms, BLOCK_M=4,
+                                              BLOCK_N=1024, W_PER_TILE=wtile)))
     for mem_eff in (False, True):
         jobs.append((K._bwd_kernel, bwd, dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, MEM_EFF=mem_eff,
                                               HAS_DR=mem_eff, ONE_DIRECTION=False, BLOCK_M=1, BLOCK_N=8192,
@@ -292,7 +293,7 @@ def test_kernels_compile_for_an_nvidia_gpu():
     out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "compiled 19" in out.stdout
+    assert "compiled 21" in out.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -441,3 +442,60 @@ def test_layer_norm_backward_takes_the_wide_design_where_one_pass_spills(monkeyp
             assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 2048
         with _tuning.override("layer_norm.bwd"):  # the formula's own choice, as the sweep times it
             assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 1024
+
+
+# ------------------------------------------------------------------ the forward's parameters: held or per tile
+@pytest.mark.parametrize("params", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_norm_forward_parameters_per_tile_or_held_give_the_same_bits(triton_device, dtype, params):
+    """The forward holds weight and bias in registers across its passes (wtile 0) or reads them per tile
+    after the row's sums (1, wide rows): the same arithmetic, the same bits, LayerNorm and RMSNorm (with the
+    residual add), over tiles of two rows and programs walking several tiles."""
+    from apex._kernels import _norm as K
+
+    x, r = torch.randn(_M, _N).to(dtype), torch.randn(_M, _N).to(dtype)
+    w, b = (t.detach() for t in _params((_N,), dtype))
+    w, b = (w if params in ("both", "weight") else None), (b if params in ("both", "bias") else None)
+    for rms in (False, True):
+        res = r if rms else None
+        outs = []
+        for wtile in (0, 1):
+            with apex.backend("triton"), _tuning.override(K._op_name(rms, False), rows=2, warps=1,
+                                                          programs_per_sm=1, wtile=wtile):
+                outs.append(K.forward(x, w, None if rms else b, 1e-5, dtype, rms, res, dtype))
+                assert K._PLANS and all(p.w_per_tile == bool(wtile) for p in K._PLANS.values() if not rms
+                                        and p.op == "layer_norm.fwd")
+        for a, c in zip(*outs):
+            assert (a is None and c is None) or torch.equal(a, c)
+        h = (x.double() + r.double()).to(dtype).double() if rms else x.double()
+        if rms:
+            ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * (w.double() if w is not None else 1)
+        else:
+            ref = F.layer_norm(h, (_N,), *(t.double() if t is not None else None for t in (w, b)), 1e-5)
+        _close([outs[1][0]], [ref], dtype, tol=1e-5 if dtype == torch.float32 else None, name="y")
+
+
+def test_norm_forward_reads_parameters_per_tile_from_32_elements_a_thread(monkeypatch):
+    """The GPU formula reads weight and bias per tile where a thread holds 32 elements of a row tile or more
+    (every shape of the formula's one-warp-per-1024-columns tiles); a measured entry without "wtile" (timed
+    before the choice existed) keeps them held; an override naming it takes either, one that does not takes
+    the rule for its own tile."""
+    from apex._kernels import _norm as K
+    from apex._kernels import _tuned
+
+    monkeypatch.setattr(K, "_INTERP", False)  # the GPU's formula; nothing is launched
+    cpu = torch.device("cpu")
+    entry = {"rows": 4, "warps": 16, "programs_per_sm": 0}
+    monkeypatch.setattr(_tuned, "TABLES", {"Measured GPU": {"layer_norm.fwd": [
+        {"itemsize": 2, "key": [8192, 8192], "config": entry, "gbps": 1}]}})
+    with _tuning.assume_device("Unmeasured GPU", 132):
+        for rms in (False, True):
+            for m, n in ((8192, 8192), (4096, 16384), (65536, 1024), (1000, 100), (16384, 4096)):
+                cfg = K._config(m, n, cpu, 2, rms, False)
+                assert cfg["wtile"] == 1, (m, n, cfg)
+    with _tuning.assume_device("Measured GPU", 132):
+        assert K._config(8192, 8192, cpu, 2, False, False) == {**entry, "wtile": 0}
+        with _tuning.override("layer_norm.fwd", rows=1, warps=8, programs_per_sm=0, wtile=1):
+            assert K._config(8192, 8192, cpu, 2, False, False)["wtile"] == 1
+        with _tuning.override("layer_norm.fwd", rows=1, warps=16, programs_per_sm=0):
+            assert K._config(8192, 8192, cpu, 2, False, False)["wtile"] == 0  # 16 elements a thread
