@@ -31,13 +31,14 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                  eps, weight_decay,
                  G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                  W_DT: tl.constexpr, MODE: tl.constexpr, CAPTURABLE: tl.constexpr,
-                 BIAS_CORRECTION: tl.constexpr, HAS_MASTER: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
-    w_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, W_DT)
+                 BIAS_CORRECTION: tl.constexpr, HAS_MASTER: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 ALIGNED: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
+    w_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, W_DT, ALIGNED)
     if CAPTURABLE:
         # Device-side scalars: no host synchronisation, and a set noop flag masks every access.
         n = n * (tl.load(noop_flag) != 1).to(n.dtype)
@@ -121,7 +122,7 @@ def run(tabs: list, has_master: bool, noop_flag, lr_t, step_t, inv_t, lr, bc1, b
     options = (int(mode), bool(capturable), bool(bias_correction), bool(has_master))
     for tab in tabs:  # (mt.launch's launch, inline)
         _adam_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-                                      *args, *tab.dtypes, *options, tab.chunk, tab.block)
+                                      *args, *tab.dtypes, *options, tab.chunk, tab.block, tab.aligned)
 
 
 def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,

@@ -159,3 +159,66 @@ def test_triton_capturable_equals_the_host_step_bit_for_bit_from_zero_moments(tr
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), host[1:], dev[1:]):
         for i, (x, y) in enumerate(zip(a, b)):
             assert torch.equal(x, y), f"{name}[{i}]: {(x - y).abs().max().item():.3g}"
+
+
+# ------------------------------------------------------------------------------- 16-byte-aligned tables
+def test_tables_say_when_every_address_and_size_allows_vector_accesses(triton_device):
+    """A table is ``aligned`` (the kernel's 4-element vector accesses) only when every address of every list
+    is a multiple of 16 bytes and every size of 4 elements; a table whose gradients alone moved
+    (``with_first_list``) is re-judged on the new addresses."""
+    from apex._kernels import multi_tensor as mt
+    from apex._kernels import multi_tensor_adam as A
+
+    def lists(sizes, offset=0, dtype=torch.float32):
+        flat = [torch.zeros(sum(sizes) + 64 * len(sizes), dtype=dtype) for _ in range(4)]
+        out = []
+        for buf in flat:  # each tensor a view at offset elements past a 32-element boundary of its buffer
+            views, at = [], 0
+            for n in sizes:
+                views.append(buf[at + offset:at + offset + n])
+                at += -(-(n + offset) // 32) * 32
+            assert [t.numel() for t in views] == list(sizes)
+            out.append(views)
+        return out
+
+    (tab,) = A.tables(lists((64, 4096, 8)))
+    assert tab.aligned and tab.rest_aligned
+    (tab,) = A.tables(lists((64, 4096, 8), offset=2))  # 8-byte, not 16-byte, addresses
+    assert not tab.aligned and not tab.rest_aligned
+    (tab,) = A.tables(lists((64, 4098, 8)))  # a size of 2 elements past a multiple of 4
+    assert not tab.aligned and not tab.rest_aligned
+    (tab,) = A.tables(lists((64, 4096, 8), dtype=torch.bfloat16))
+    assert tab.aligned
+    g, p, m, v = lists((64, 4096, 8))
+    (tab,) = A.tables([g, p, m, v])
+    moved = lists((64, 4096, 8), offset=1)[0]  # new gradients at odd addresses
+    assert not mt.with_first_list(tab, [t.data_ptr() for t in moved]).aligned
+    fresh = [torch.zeros_like(t) for t in g]
+    assert mt.with_first_list(tab, [t.data_ptr() for t in fresh]).aligned
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_on_views_at_any_offset_matches_float64(triton_device, dtype, offset):
+    """Tensors that are views into flat buffers at 4-, 8- and 16-byte boundaries (as in a bucketed gradient
+    buffer): the aligned table's vector accesses only where every address allows them, the same results."""
+    sizes = (4, 4100, 65540, 12)
+    gen = torch.Generator().manual_seed(offset)
+
+    def views(dt, scale=1.0, absolute=False):
+        buf = torch.randn(sum(sizes) + 4 * len(sizes) + 8, generator=gen).to(dt) * scale
+        buf = buf.abs() if absolute else buf
+        out, at = [], offset
+        for n in sizes:
+            out.append(buf[at:at + n])
+            at += n + 4
+        return out
+
+    g, p = views(dtype), views(dtype)
+    m, v = views(torch.float32, 0.1), views(torch.float32, 0.1, absolute=True)
+    refs = [_ref(*t, 1, 1) for t in zip(g, p, m, v)]
+    amp_C.multi_tensor_adam(2048 * 32, flag(), [g, p, m, v], LR, B1, B2, EPS, STEP, 1, 1, WD)
+    for x, mm, vv, (rp, rm, rv) in zip(p, m, v, refs):
+        assert_rel_close(x, rp, baseline=rp.to(dtype))
+        assert_rel_close(mm, rm, torch.float32)
+        assert_rel_close(vv, rv, torch.float32)
