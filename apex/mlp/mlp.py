@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from copy import copy
+from operator import itemgetter
 
 import torch
 from torch import nn
@@ -63,8 +64,12 @@ def _names(n: int, bias: bool) -> tuple[str, ...]:
 
 @kept_per_key
 def _module_plan(n: int, bias: bool, activation: int) -> tuple:
-    """An MLP module's parameter names and :func:`_layout`, in one lookup per call."""
-    return _names(n, bias), _layout(n, bias, activation)
+    """An MLP module's parameter names, a getter of those parameters from ``_parameters`` (one C call for all
+    of them), and :func:`_layout`, in one lookup per call."""
+    names = _names(n, bias)
+    # (itemgetter of one name returns the item itself, not a 1-tuple)
+    get = itemgetter(*names) if len(names) > 1 else (lambda params: (params[names[0]],))
+    return names, get, _layout(n, bias, activation)
 
 
 # _module_plan's answers for eager calls (not read or filled while tracing: a graph would guard on it); a few
@@ -133,9 +138,9 @@ class MLP(nn.Module):
             plan = _module_plan(*key)
             if not compiling:
                 _MODULE_PLANS[key] = plan
-        names, layout = plan
+        _, get, layout = plan
         try:
-            args = (input, *map(self._parameters.__getitem__, names))
+            args = (input, *get(self._parameters))
         except KeyError:
             args = (input, *self.weights, *self.biases)
         return apply_chain(MlpFunction, (bias, activation), args, *layout, compiling)

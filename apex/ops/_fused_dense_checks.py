@@ -1,6 +1,6 @@
 """The checks of a dense chain (:mod:`apex.ops.fused_dense`): the activation codes, and the validation of the
 input, weights and biases, with fast paths for the usual one-layer and MLP calls and errors naming the offending
-argument."""
+argument; and :func:`plan_key`, the facts those checks read as one key (the eager path's cached plans')."""
 
 from __future__ import annotations
 
@@ -155,3 +155,45 @@ def _check_layers(input: object, weights, biases, acts) -> None:
 
 
 _CHECKED_ACTS: set = set()
+
+
+# Plain tensors only (a member_set: a type's membership by its hash): the types plan_key takes.
+_PLAIN_TYPES = member_set(torch.Tensor, torch.nn.Parameter)
+
+
+def plan_key(input: Tensor, weights, biases, acts) -> tuple | None:
+    """Every fact :func:`check_chain` reads of a chain of plain tensors, and the strides its launches take: the
+    codes, and for the input, each weight and each bias its shape, dtype and device, with the input's and
+    the weights' strides; None where a tensor is not a plain ``Tensor``/``Parameter`` (a subclass may answer
+    anything) or a bias is not contiguous (the plans read biases at unit stride; the general launcher copies).
+    Two calls with equal keys pass or fail the checks alike: a key seen checked needs no check. One flat
+    tuple (hashed and compared element by element), spelled out for the usual one- and two-layer chains with
+    biases (FusedDense, FusedDenseGeluDense, a two-layer MLP: ~2 µs less than the loop)."""
+    n = len(weights)
+    if n == len(biases) and 0 < n <= 2:
+        if n == 1:
+            x, w, b = input, weights[0], biases[0]
+            if (type(x) not in _PLAIN_TYPES or type(w) not in _PLAIN_TYPES or type(b) not in _PLAIN_TYPES
+                    or not b.is_contiguous()):
+                return None
+            return (acts, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
+                    b.shape, b.dtype, b.device)
+        x, (w, v), (b, c) = input, weights, biases
+        if (type(x) not in _PLAIN_TYPES or type(w) not in _PLAIN_TYPES or type(v) not in _PLAIN_TYPES
+                or type(b) not in _PLAIN_TYPES or type(c) not in _PLAIN_TYPES
+                or not (b.is_contiguous() and c.is_contiguous())):
+            return None
+        return (acts, x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
+                v.shape, v.stride(), v.dtype, v.device, b.shape, b.dtype, b.device, c.shape, c.dtype, c.device)
+    if type(input) not in _PLAIN_TYPES:
+        return None
+    key = [acts, input.shape, input.stride(), input.dtype, input.device]
+    for w in weights:
+        if type(w) not in _PLAIN_TYPES:
+            return None
+        key += (w.shape, w.stride(), w.dtype, w.device)
+    for b in biases:
+        if type(b) not in _PLAIN_TYPES or not b.is_contiguous():
+            return None
+        key += (b.shape, b.dtype, b.device)
+    return tuple(key)

@@ -117,6 +117,25 @@ def test_leading_dims_and_non_contiguous(backend_name):
         assert_rel_close(list(g), list(ref_g), tol=1e-5)
 
 
+def test_strided_bias(backend_name):
+    """A bias that is a strided view (a column of a matrix): read at its own strides, not as contiguous
+    memory, through the module entry (cached plans after the first call) and the functional chain."""
+    from apex.fused_dense import FusedDense
+
+    x, dy = torch.randn(5, 9, requires_grad=True), torch.randn(5, 6)
+    table = torch.randn(6, 3)
+    mod = FusedDense(9, 6)
+    with torch.no_grad():
+        mod.bias.set_(table[:, 1])  # stride 3
+    assert not mod.bias.is_contiguous()
+    for call in (lambda: mod(x), lambda: mod(x), lambda: FD.dense_chain(x, [mod.weight], [mod.bias], ("none",))):
+        y, g = _grads(call, [x, mod.weight, mod.bias], dy)
+        ref_y, ref_g = _grads(lambda: F.linear(x.double(), mod.weight.double(), mod.bias.double()),
+                              [x, mod.weight, mod.bias], dy.double())
+        assert_rel_close(y, ref_y, tol=1e-5)
+        assert_rel_close(list(g), list(ref_g), tol=1e-5)
+
+
 def test_only_weight_grads(backend_name):
     x, ws, bs = _make(5, [7, 9, 3], torch.float32)
     x.requires_grad_(False)
