@@ -24,11 +24,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from apex import _backend
 from apex.ops import sync_batch_norm as ops
 from apex.parallel._comm import require_process_group
+from apex.parallel._syncbn_direct import module_forward as _direct_forward
 
 
 def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
-    acc = mean.dtype
     """All-gather ``(count, mean, var)`` over ``group`` and merge them (parallel Welford, in fp64)."""
+    acc = mean.dtype
     C = mean.numel()
     mine = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
                       mean.double(), var.double()])
@@ -266,6 +267,12 @@ class SyncBatchNorm(_BatchNorm):
         return (super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}")
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        # The usual eager call first: the Triton path's facts from a plan cached per input shape (or PyTorch's
+        # eval-mode batch norm), None where it does not apply. Compiling traces the general path below.
+        if not torch.compiler.is_compiling() and input.__class__ is torch.Tensor:
+            y = _direct_forward(self, input, z)
+            if y is not None:
+                return y
         self._check_input_dim(input)
         channel_last = self.channel_last or input.dim() == 2
         c_dim = input.dim() - 1 if channel_last else 1
