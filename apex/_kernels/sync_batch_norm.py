@@ -300,8 +300,7 @@ class Plan:
 
     def train_stats(self, x: torch.Tensor, weight, bias, running_mean, running_var, eps: float, momentum: float,
                     gather=None, tracked=None) -> tuple[int, torch.Tensor]:
-        """:func:`train_stats` on this size (``apex.ops._syncbn_direct.forward`` makes the local case's two calls
-        itself)."""
+        """:func:`train_stats` on this size."""
         ws = self.stats(x)
         if gather is None:
             st = ws.new_empty(4, self.C)

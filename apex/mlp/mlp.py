@@ -64,12 +64,12 @@ def _names(n: int, bias: bool) -> tuple[str, ...]:
 
 @kept_per_key
 def _module_plan(n: int, bias: bool, activation: int) -> tuple:
-    """An MLP module's parameter names, a getter of those parameters from ``_parameters`` (one C call for all
-    of them), and :func:`_layout`, in one lookup per call."""
+    """A getter of an MLP module's parameters from ``_parameters`` (one C call for all of them) and
+    :func:`_layout`, in one lookup per call."""
     names = _names(n, bias)
     # (itemgetter of one name returns the item itself, not a 1-tuple)
     get = itemgetter(*names) if len(names) > 1 else (lambda params: (params[names[0]],))
-    return names, get, _layout(n, bias, activation)
+    return get, _layout(n, bias, activation)
 
 
 # _module_plan's answers for eager calls (not read or filled while tracing: a graph would guard on it); a few
@@ -138,7 +138,7 @@ class MLP(nn.Module):
             plan = _module_plan(*key)
             if not compiling:
                 _MODULE_PLANS[key] = plan
-        _, get, layout = plan
+        get, layout = plan
         try:
             args = (input, *get(self._parameters))
         except KeyError:

@@ -100,11 +100,6 @@ def forward(p: Plan, input: torch.Tensor, z: torch.Tensor | None, weight, bias, 
         zz = z if z.dtype == x.dtype and z.is_contiguous() else z.detach().contiguous().to(x.dtype)
     if not use_batch_stats:
         count, st = None, _kernels().eval_stats(p.C, weight, bias, running_mean, running_var, eps)
-    elif gather is None:
-        # Plan.train_stats's local case, its two calls here: a Python frame less above their launches (~1 µs).
-        count, ws = p.R, p.stats(x)
-        st = ws.new_empty(4, p.C)
-        p.finish(ws, st, weight, bias, running_mean, running_var, tracked, eps, momentum)
     else:
         count, st = p.train_stats(x, weight, bias, running_mean, running_var, eps, momentum, gather, tracked)
     y = p.normalize(x, zz, st, fuse_relu)
