@@ -415,19 +415,27 @@ def test_triton_layer_norm_wide_backward_row_strides_and_determinism(triton_devi
     _close(list(first), ref_g, tol=1e-5, name="grads")
 
 
+def _gpu_formula_with_one_entry(monkeypatch, op, key, config):
+    """The launchers' GPU formula (nothing is launched) and a table holding one bf16 entry of ``op``, measured
+    on "Measured GPU"."""
+    from apex._kernels import _norm as K
+    from apex._kernels import _tuned
+
+    monkeypatch.setattr(K, "_INTERP", False)
+    monkeypatch.setattr(_tuned, "TABLES", {"Measured GPU": {op: [
+        {"itemsize": 2, "key": key, "config": config, "gbps": 1}]}})
+
+
 def test_layer_norm_backward_takes_the_wide_design_where_one_pass_spills(monkeypatch):
     """The GPU formula: the column-chunked backward for rows wider than 8,192 (16,384 and up: the one-pass
     kernel's sm_90 code spills there; for RMSNorm of 16-bit types from 32,768), the one-pass kernel below. A
     measured entry without "split" (written before the design existed) keeps the one-pass kernel; an override
     takes either."""
     from apex._kernels import _norm as K
-    from apex._kernels import _tuned
 
-    monkeypatch.setattr(K, "_INTERP", False)  # the GPU's formula; nothing is launched
     cpu = torch.device("cpu")
     entry = {"rows": 1, "warps": 16, "programs_per_sm": 1}
-    monkeypatch.setattr(_tuned, "TABLES", {"Measured GPU": {"layer_norm.bwd": [
-        {"itemsize": 2, "key": [4096, 16384], "config": entry, "gbps": 1}]}})
+    _gpu_formula_with_one_entry(monkeypatch, "layer_norm.bwd", [4096, 16384], entry)
     with _tuning.assume_device("Unmeasured GPU", 132):
         assert K._config(4096, 16384, cpu, 2, False, True)["split"] == 1024
         assert K._config(1000, 20000, cpu, 4, False, True)["split"] == 1024
@@ -481,13 +489,10 @@ def test_norm_forward_reads_parameters_per_tile_from_32_elements_a_thread(monkey
     before the choice existed) keeps them held; an override naming it takes either, one that does not takes
     the rule for its own tile."""
     from apex._kernels import _norm as K
-    from apex._kernels import _tuned
 
-    monkeypatch.setattr(K, "_INTERP", False)  # the GPU's formula; nothing is launched
     cpu = torch.device("cpu")
     entry = {"rows": 4, "warps": 16, "programs_per_sm": 0}
-    monkeypatch.setattr(_tuned, "TABLES", {"Measured GPU": {"layer_norm.fwd": [
-        {"itemsize": 2, "key": [8192, 8192], "config": entry, "gbps": 1}]}})
+    _gpu_formula_with_one_entry(monkeypatch, "layer_norm.fwd", [8192, 8192], entry)
     with _tuning.assume_device("Unmeasured GPU", 132):
         for rms in (False, True):
             for m, n in ((8192, 8192), (4096, 16384), (65536, 1024), (1000, 100), (16384, 4096)):
