@@ -264,6 +264,8 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor |
     n = x.shape[1]
     c = g.new_empty(m, n)
     if m == 0 or n == 0:
+        if n == 0 and db is not None:
+            bias_grad_alone(g, dact, aux, db)
         return c
     plan = plans.get((m, n, k, g.dtype))
     if plan is None:
@@ -277,6 +279,16 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dact: int, aux: torch.Tensor |
     launch(g, x, c, c, aux, c, c if db is None else db, m, n, k, sa0, sa1, sb0, sb1, NONE, dact, dact != NONE,
            pro_b, False, NONE, NONE, db is not None, *(tf32 if allow_tf32 else ieee), **options)
     return c
+
+
+def bias_grad_alone(g: torch.Tensor, dact: int, aux: torch.Tensor | None, db: torch.Tensor) -> None:
+    """``db`` of a layer whose input has no columns: the weight gradient is empty, so no GEMM runs whose
+    epilogue would sum the rows of ``g · act'(aux)`` into ``db``; PyTorch sums them here instead."""
+    if dact == RELU:
+        g = torch.ops.aten.threshold_backward(g, aux, 0)
+    elif dact == SIGMOID:
+        g = torch.ops.aten.sigmoid_backward(g, aux)
+    db.copy_(g.sum(0, dtype=torch.float32))
 
 
 def input_grad(g: torch.Tensor, w: torch.Tensor, dact_a: int, aux_a: torch.Tensor | None, dact_c: int,
@@ -482,6 +494,8 @@ class ChainPlan:
                     db = grads[2 + n + i] = alloc(rows)
                 if kernel is not None:
                     kernel.run(g, saved[b], c, c, aux, c, db, *tails[allow_tf32], **keywords)
+                elif self.has_bias and cols == 0:
+                    bias_grad_alone(g, self.acts[-1] if i == n - 1 else NONE, aux, db)
             if ig is not None:
                 rows, cols, kernel, tails, keywords, dact_c = ig
                 c = alloc(rows, cols)

@@ -136,6 +136,30 @@ def test_strided_bias(backend_name):
         assert_rel_close(list(g), list(ref_g), tol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [[0, 5], [4, 0, 5]], ids=str)
+@pytest.mark.parametrize("act", ACT_NAMES)
+def test_bias_gradient_of_a_layer_without_input_columns(backend_name, act, sizes):
+    """A layer whose input has no columns (in_features 0, or an empty hidden layer) has an empty weight
+    gradient, so no GEMM runs whose epilogue sums the bias gradient: it must still be the rows' sum (the
+    Triton path returned uninitialised memory). Twice: the general path, then the cached plan."""
+    x, ws, bs = _make(3, sizes, torch.float32)
+    with torch.no_grad():
+        for b in bs:
+            b.normal_()  # (an activation's derivative not constant over the outputs)
+    leaves = [x, *ws, *bs]
+    dy = torch.randn(3, sizes[-1])
+    acts = ("relu",) * (len(ws) - 1) + (act,)
+    x64 = [t.detach().double().requires_grad_() for t in leaves]
+    n = len(ws)
+    ref_y, ref_g = _grads(lambda: _plain(x64[0], x64[1:1 + n], x64[1 + n:], acts), x64, dy.double())
+    for _ in range(2):
+        y, g = _grads(lambda: FD.dense_chain(x, ws, bs, acts), leaves, dy)
+        assert_rel_close(y, ref_y, tol=1e-6)
+        for got, want in zip(g, ref_g):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_only_weight_grads(backend_name):
     x, ws, bs = _make(5, [7, 9, 3], torch.float32)
     x.requires_grad_(False)
