@@ -16,11 +16,11 @@ from apex._kernels._rounding import cast
 @triton.jit
 def _adagrad_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, lr, eps, weight_decay,
                     G_DT: tl.constexpr, P_DT: tl.constexpr, H_DT: tl.constexpr,
-                    MODE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    h_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, H_DT)
+                    MODE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    h_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, H_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -40,4 +40,5 @@ def _adagrad_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, lr, eps, 
 
 def adagrad(lists, lr: float, eps: float, mode: int, weight_decay: float) -> None:
     for _, sub in mt.group(lists):
-        mt.launch(_adagrad_kernel, mt.table(sub), float(lr), float(eps), float(weight_decay), options=(int(mode),))
+        tab = mt.table(sub)
+        mt.launch(_adagrad_kernel, tab, float(lr), float(eps), float(weight_decay), options=(int(mode), tab.aligned))

@@ -12,12 +12,12 @@ from apex._kernels import multi_tensor as mt
 @triton.jit
 def _axpby_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, a, b,
                   X_DT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr,
-                  CHECK_X: tl.constexpr, CHECK_Y: tl.constexpr,
+                  CHECK_X: tl.constexpr, CHECK_Y: tl.constexpr, ALIGNED: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, X_DT)
-    y_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, Y_DT)
-    o_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, OUT_DT)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, X_DT, ALIGNED)
+    y_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, Y_DT, ALIGNED)
+    o_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, OUT_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -32,5 +32,6 @@ def _axpby_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, 
 
 def axpby(noop_flag: torch.Tensor, xs: list, ys: list, outs: list, a: float, b: float, arg_to_check: int) -> None:
     for _, sub in mt.group([xs, ys, outs]):
-        mt.launch(_axpby_kernel, mt.table(sub), noop_flag, float(a), float(b),
-                  options=(arg_to_check in (-1, 0), arg_to_check in (-1, 1)))
+        tab = mt.table(sub)
+        mt.launch(_axpby_kernel, tab, noop_flag, float(a), float(b),
+                  options=(arg_to_check in (-1, 0), arg_to_check in (-1, 1), tab.aligned))

@@ -23,12 +23,12 @@ def _partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials
                      inv_scale_ptr, out_scale,
                      IN_DT: tl.constexpr, OUT_DT: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
                      WRITE_OUT: tl.constexpr, MAX_NORM: tl.constexpr, SKIP_IF_FLAGGED: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, IN_DT)
+                     ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, IN_DT, ALIGNED)
     o_ptr = x_ptr
     if WRITE_OUT:
-        o_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, OUT_DT)
+        o_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, OUT_DT, ALIGNED)
     if SKIP_IF_FLAGGED:
         # A flagged step is skipped whole: nothing is read, every partial is 0.
         n = tl.where(tl.load(noop_flag) != 0, 0, n)
@@ -121,7 +121,7 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
         mt.launch_with_dtypes(
             _partials_kernel, tab, (in_dt, out_dt), partials, offset, noop_flag,
             inv_scale if inv_scale is not None else dummy, float(out_scale),
-            options=(inv_scale is not None, outputs is not None, max_norm, skip_if_flagged))
+            options=(inv_scale is not None, outputs is not None, max_norm, skip_if_flagged, tab.aligned))
         offset += tab.n_chunks
     n = len(inputs)
     want_per_tensor = per_tensor or blend_into is not None
@@ -139,12 +139,13 @@ def norms(noop_flag: torch.Tensor, inputs: list, *, per_tensor: bool, outputs: l
 
 @triton.jit
 def _pair_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials, n_chunks, noop_flag,
-                          A_DT: tl.constexpr, B_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                          A_DT: tl.constexpr, B_DT: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
     """Each chunk's sums of squares of lists 0 and 1 (at ``partials[pid]``, ``partials[n_chunks + pid]``),
     summed as :func:`_partials_kernel` sums; flags a non-finite one."""
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    a_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, A_DT)
-    b_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, B_DT)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    a_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, A_DT, ALIGNED)
+    b_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, B_DT, ALIGNED)
     acc_a = tl.zeros([BLOCK], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(0, CHUNK, BLOCK):
@@ -172,7 +173,8 @@ def pair_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, scratch: dict | Non
 
     device = tab.ptrs.device
     partials = _scratch(scratch, ("pair partials", device), 2 * tab.n_chunks, device)
-    mt.launch_with_dtypes(_pair_partials_kernel, tab, tab.dtypes[:2], partials, tab.n_chunks, noop_flag)
+    mt.launch_with_dtypes(_pair_partials_kernel, tab, tab.dtypes[:2], partials, tab.n_chunks, noop_flag,
+                          options=(tab.aligned,))
     out = _scratch(scratch, ("pair norms", device), 2 * tab.n_tensors, device)
     reduce_rows(partials, tab, out, 2)
     return out
@@ -193,7 +195,7 @@ def total_of_tables(noop_flag: torch.Tensor, tables: list, *, skip_if_flagged: b
     for tab in tables:
         in_dt = tab.dtypes[0]
         mt.launch_with_dtypes(_partials_kernel, tab, (in_dt, in_dt), partials, offset, noop_flag, partials, 1.0,
-                              options=(False, False, False, skip_if_flagged))
+                              options=(False, False, False, skip_if_flagged, tab.aligned))
         offset += tab.n_chunks
     _finalize_kernel[(1,)](partials, n_partials, partials, 0, 0, total, total, total, 1.0, 1.0,
                            False, False, False, min(1024, next_power_of_2(max(n_partials, 1))))

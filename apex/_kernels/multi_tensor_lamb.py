@@ -76,16 +76,17 @@ def _moments_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                     O_DT: tl.constexpr, ADAM_W: tl.constexpr, NEED_P: tl.constexpr, TRUST: tl.constexpr,
                     HAS_OUT: tl.constexpr, SKIP: tl.constexpr, HAS_SCALE: tl.constexpr,
                     MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
-                    BIAS_CORR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                    BIAS_CORR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # (ALIGNED: the table's ``aligned``, 4-element vector accesses; see mt.tensor_ptr)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
                                         step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
     n = n * live  # a skipped step touches no memory
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
-    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
+    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT, ALIGNED)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(inv_scale).to(tl.float32)
@@ -138,8 +139,10 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                   O_DT: tl.constexpr,
                   ADAM_W: tl.constexpr, HAS_OUT: tl.constexpr, SKIP: tl.constexpr,
                   MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
-                  BIAS_CORR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                  BIAS_CORR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # (ALIGNED: the table's ``rest_aligned``: the gradients' list 0, which alone moves from step to step, is
+    # not read here)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
                                         step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
     n = n * live  # a skipped step touches no memory
@@ -148,10 +151,10 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     safe = tl.where(u_norm != 0.0, u_norm, 1.0)  # both branches are evaluated: avoid 0/0
     ratio = tl.where((u_norm != 0.0) & (p_norm != 0.0), lr * tl.div_rn(p_norm, safe), lr)
     # (the moments launch's table [g, p, m, v, out]: the gradients' list is not read)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
-    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
+    o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -222,13 +225,14 @@ def lamb_on(noop_flag: torch.Tensor, tabs: list, *, has_out: bool, lr, beta1: fl
         mt.launch(_moments_kernel, tab, partials, tab.n_chunks, noop_flag, grad_norm, maxn_f, maxn_arg,
                   inv_scale if inv_scale is not None else grad_norm, lr_f, lr_arg, bc1, bc2, step_arg, betas,
                   float(beta1), float(beta2), float(beta3), 1.0 - float(beta2), eps, decay,
-                  options=(adam_w, trust or decay != 0.0, trust, has_out, skip, inv_scale is not None) + ptrs)
+                  options=(adam_w, trust or decay != 0.0, trust, has_out, skip, inv_scale is not None) + ptrs
+                  + (tab.aligned,))
         if not trust:
             continue
         norms = _buffer(scratch, "norms", 2 * tab.n_tensors, device)
         reduce_rows(partials, tab, norms, 2)
         mt.launch(_apply_kernel, tab, norms, noop_flag, grad_norm, maxn_f, maxn_arg, lr_f, lr_arg, bc1, bc2,
-                  step_arg, betas, eps, decay, options=(adam_w, has_out, skip) + ptrs)
+                  step_arg, betas, eps, decay, options=(adam_w, has_out, skip) + ptrs + (tab.rest_aligned,))
 
 
 def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> torch.Tensor:
@@ -246,16 +250,16 @@ def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> to
 def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, grad_norm, max_norm,
                    beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, eps,
                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                   U_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                   U_DT: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     gn = tl.load(grad_norm).to(tl.float32)
     clip = tl.where(gn > max_norm, tl.div_rn(gn, max_norm), 1.0)
     decay = tl.load(decays + t).to(tl.float32)
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT)
-    u_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, U_DT)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
+    v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
+    u_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, U_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -271,16 +275,16 @@ def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, gr
 
 @triton.jit
 def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u_norms, lr,
-                   P_DT: tl.constexpr, U_DT: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                   P_DT: tl.constexpr, U_DT: tl.constexpr, TRUST: tl.constexpr, ALIGNED: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     ratio = lr
     if TRUST:
         pn = tl.load(p_norms + t).to(tl.float32)
         un = tl.load(u_norms + t).to(tl.float32)
         ratio = tl.where((un != 0.0) & (pn != 0.0), lr * tl.div_rn(pn, tl.where(un != 0.0, un, 1.0)), lr)
-    p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT)
-    u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT)
+    p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT, ALIGNED)
+    u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -295,8 +299,10 @@ def stage1(lists: list, decays: torch.Tensor, grad_norm: torch.Tensor, max_norm:
     n = len(lists[0])
     for idx, subs in mt.group(lists):
         sel = decays if len(idx) == n else decays.index_select(0, mt.index_on(idx, decays.device))
-        mt.launch(_stage1_kernel, mt.table(subs), sel.contiguous(), grad_norm, float(max_norm), float(beta1),
-                  float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps))
+        tab = mt.table(subs)
+        mt.launch(_stage1_kernel, tab, sel.contiguous(), grad_norm, float(max_norm), float(beta1),
+                  float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps),
+                  options=(tab.aligned,))
 
 
 def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float, trust: bool) -> None:
@@ -308,4 +314,5 @@ def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float,
         else:  # this group's tensors' norms, in order (gathered with an index uploaded once)
             at = mt.index_on(idx, p_norms.device)
             pn, un = p_norms.index_select(0, at), u_norms.index_select(0, at)
-        mt.launch(_stage2_kernel, mt.table(subs), pn, un, float(lr), options=(bool(trust),))
+        tab = mt.table(subs)
+        mt.launch(_stage2_kernel, tab, pn, un, float(lr), options=(bool(trust), tab.aligned))

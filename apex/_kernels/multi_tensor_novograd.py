@@ -18,9 +18,10 @@ from apex._kernels._chunk_reduce import reduce_rows
 
 @triton.jit
 def _norm_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, partials, noop_flag,
-                          G_DT: tl.constexpr, MAX: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
+                          G_DT: tl.constexpr, MAX: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
@@ -43,12 +44,12 @@ def _norm_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, par
 def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
                    lr, beta1, beta3, bc1, bc2, eps, decay,
                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, REG_INSIDE: tl.constexpr,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                   ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     denom = tl.div_rn(tl.load(norms + t), bc2) + eps
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -73,7 +74,9 @@ def blend_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, norms: torch.Tenso
     non-empty: new gradients cost one table for both launches)."""
     partials = torch.empty(tab.n_chunks, dtype=torch.float32, device=tab.ptrs.device)
     mt.launch_with_dtypes(_norm_partials_kernel, tab, tab.dtypes[:1], partials, noop_flag,
-                          options=(bool(max_norm),))
+                          # (the whole table's flag: reading list 0 alone would allow vectors more often,
+                          # but a table keeps no flag of list 0 apart)
+                          options=(bool(max_norm), tab.aligned))
     reduce_rows(partials, tab, norms, 1, use_max=bool(max_norm), blend=(alpha, beta))
 
 
@@ -82,4 +85,4 @@ def update(tab: mt.TensorTable, norms: torch.Tensor, *, lr: float, beta1: float,
     """The NovoGrad update of one (device, dtype) group (``tab``: its table of ``[g, p, m]``) with its
     running norms ``norms``."""
     mt.launch(_update_kernel, tab, norms, float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
-              float(eps), float(weight_decay), options=(bool(reg_inside_moment),))
+              float(eps), float(weight_decay), options=(bool(reg_inside_moment), tab.aligned))

@@ -11,14 +11,14 @@ from apex._kernels import multi_tensor as mt
 
 @triton.jit
 def _scale_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, noop_flag, scale,
-                  IN_DT: tl.constexpr, OUT_DT: tl.constexpr, SCALE_IS_PTR: tl.constexpr,
+                  IN_DT: tl.constexpr, OUT_DT: tl.constexpr, SCALE_IS_PTR: tl.constexpr, ALIGNED: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     if SCALE_IS_PTR:
         # A device-side scale (e.g. a clipping coefficient) is read here, so the host never waits for it.
         scale = tl.load(scale).to(tl.float32)
-    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, IN_DT)
-    o_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, OUT_DT)
+    x_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, IN_DT, ALIGNED)
+    o_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, OUT_DT, ALIGNED)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -31,5 +31,5 @@ def scale(noop_flag: torch.Tensor, inputs: list, outputs: list, scale: float | t
     """``scale`` is a Python number or a one-element tensor on the inputs' device."""
     is_ptr = isinstance(scale, torch.Tensor)
     for _, (ins, outs) in mt.group([inputs, outputs]):
-        mt.launch(_scale_kernel, mt.table([ins, outs]), noop_flag, scale if is_ptr else float(scale),
-                  options=(is_ptr,))
+        tab = mt.table([ins, outs])
+        mt.launch(_scale_kernel, tab, noop_flag, scale if is_ptr else float(scale), options=(is_ptr, tab.aligned))

@@ -35,13 +35,14 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                 G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
                 WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr, ROUND: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
+                ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # (ALIGNED: the table's ``aligned``, 4-element vector accesses; see mt.tensor_ptr)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
     n = n * (tl.load(noop_flag) == 0).to(n.dtype)  # Apex skips the whole update when the flag is set
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    w_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, W_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT)
-    c_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, C_DT)
+    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
+    w_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, W_DT, ALIGNED)
+    m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
+    c_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, C_DT, ALIGNED)
     if LARS:
         # Layer-wise rate: lr * tc * ‖w‖ / (‖g‖ + wd ‖w‖ + eps), or lr when either norm is zero.
         g_norm = tl.load(grad_norms + t)
@@ -111,12 +112,13 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
             gn, pn = grad_norms.index_select(0, at), param_norms.index_select(0, at)
         else:
             gn = pn = noop_flag
-        mt.launch(_sgd_kernel, mt.table(sub), noop_flag, gn, pn,
+        tab = mt.table(sub)
+        mt.launch(_sgd_kernel, tab, noop_flag, gn, pn,
                   # 1 - dampening in double: from an fp32 dampening of 0.9 it would be 2.4e-7 off
                   float(lr), float(wd), float(momentum), 1.0 - float(dampening), float(scale),
                   float(trust_coefficient), float(eps),
                   options=(momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy,
-                           bool(lars), rounded))
+                           bool(lars), rounded, tab.aligned))
 
 
 def tables(lists) -> list:
@@ -136,4 +138,4 @@ def run(tabs: list, has_copy: bool, noop_flag, *, lr, wd, momentum, dampening, n
     for tab in tabs:
         rounded = not has_copy and tab.dtypes[1] != tl.float32  # (as sgd: fp16/bf16 weights without masters)
         _sgd_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-                                     *args, *tab.dtypes, *flags, rounded, tab.chunk, tab.block)
+                                     *args, *tab.dtypes, *flags, rounded, tab.aligned, tab.chunk, tab.block)

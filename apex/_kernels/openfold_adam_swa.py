@@ -48,17 +48,35 @@ def _sqrt(x, CT: tl.constexpr):
 
 
 @triton.jit
+def _ptr(ptrs, list_index, n_tensors, t, DT: tl.constexpr, ALIGNED: tl.constexpr, WIDE: tl.constexpr):
+    """:func:`mt.tensor_ptr`; with ``WIDE`` (a list of fp64) known aligned to 2 elements, not 4: a 16-byte
+    vector holds 2 fp64, and 4-element vectors of the 16-bit lists beside them cost a shared-memory layout
+    conversion (bf16 beside fp64 on sm_90: 16 barriers a pass and 144 registers; 2 elements a vector in every
+    list: none, and 128)."""
+    if WIDE:
+        p = mt.tensor_ptr(ptrs, list_index, n_tensors, t, DT)
+        if ALIGNED:
+            p = tl.multiple_of(p, DT.primitive_bitwidth // 4)
+    else:
+        p = mt.tensor_ptr(ptrs, list_index, n_tensors, t, DT, ALIGNED)
+    return p
+
+
+@triton.jit
 def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, clip_ptr,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, C_DT: tl.constexpr, S_DT: tl.constexpr,
                      M_DT: tl.constexpr, V_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                     MODE: tl.constexpr, FIRST_AVERAGE: tl.constexpr, CT: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start)
-    g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT)
-    p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT)
-    c_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, C_DT)
-    s_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, S_DT)
-    m_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, M_DT)
-    v_ptr = mt.tensor_ptr(ptrs, 5, n_tensors, t, V_DT)
+                     MODE: tl.constexpr, FIRST_AVERAGE: tl.constexpr, CT: tl.constexpr, ALIGNED: tl.constexpr):
+    # (ALIGNED: the table's ``aligned``: vector accesses, see _ptr)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    wide = (G_DT == tl.float64) | (P_DT == tl.float64) | (C_DT == tl.float64) | (S_DT == tl.float64) | \
+        (M_DT == tl.float64) | (V_DT == tl.float64)
+    g_ptr = _ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED, wide)
+    p_ptr = _ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED, wide)
+    c_ptr = _ptr(ptrs, 2, n_tensors, t, C_DT, ALIGNED, wide)
+    s_ptr = _ptr(ptrs, 3, n_tensors, t, S_DT, ALIGNED, wide)
+    m_ptr = _ptr(ptrs, 4, n_tensors, t, M_DT, ALIGNED, wide)
+    v_ptr = _ptr(ptrs, 5, n_tensors, t, V_DT, ALIGNED, wide)
     lr = tl.load(hyper + 0).to(CT)
     beta1 = tl.load(hyper + 1).to(CT)
     beta2 = tl.load(hyper + 2).to(CT)
@@ -105,5 +123,6 @@ def adam_swa(lists, hyper: torch.Tensor, clip: torch.Tensor, mode: int, first_av
     by ``LR … DECAY`` on the parameters' device; ``clip``: one-element tensor scaling the gradients."""
     for _, sub in mt.group(lists):
         ct = tl.float64 if sub[1][0].dtype == torch.float64 else tl.float32
-        mt.launch(_adam_swa_kernel, mt.table(sub), hyper, clip, MODE=int(mode),
-                  FIRST_AVERAGE=bool(first_average), CT=ct)
+        tab = mt.table(sub)
+        mt.launch(_adam_swa_kernel, tab, hyper, clip, MODE=int(mode), FIRST_AVERAGE=bool(first_average), CT=ct,
+                  ALIGNED=tab.aligned)
