@@ -39,10 +39,11 @@ TABLE = ROOT / "apex" / "_kernels" / "_tuned.py"
 # The shapes of issue 34: the norms (rows x hidden), RoPE sbhd, bias-SwiGLU (rows x 2*hidden), cross-entropy.
 NORM_SHAPES = [(16384, 4096), (65536, 1024), (32768, 2048), (8192, 8192), (4096, 16384)]
 # Softmax: [b, np, sq, sk] scores, causal (the GPU benchmark's shape).
+# FusedAdam: (tensors, elements each), fp32 (the GPU benchmark's optimizer cases).
 SHAPES = {"norm": NORM_SHAPES, "rope": [(4096, 4, 32, 128)], "swiglu": [(16384, 16384)], "xent": [(8192, 128256)],
-          "softmax": [(1, 128, 2048, 2048)]}
+          "softmax": [(1, 128, 2048, 2048)], "adam": [(100, 1 << 20), (24, 4096 * 4096), (1000, 96 * 1024)]}
 SMALL = {"norm": [(48, 256)], "rope": [(6, 2, 4, 32)], "swiglu": [(40, 256)], "xent": [(12, 1000)],
-         "softmax": [(1, 2, 40, 40)]}
+         "softmax": [(1, 2, 40, 40)], "adam": [(3, 5000)]}
 
 
 @dataclass
@@ -258,6 +259,40 @@ def _softmax_case(shape, dtype, backward: bool) -> SweepCase:
                      pass_bytes=lambda cfg: cfg["rows"] * (sk + 1) // 2 * s * (2 if backward else 1))
 
 
+def _adam_case(shape) -> SweepCase:
+    """One fp32 AdamW step over ``tensors`` tensors of ``numel`` elements (one launch, ``mt.parts``' grid): its
+    chunks each split over 1-8 programs (the last wave of a grid of long programs leaves SMs idle), walked in
+    steps of 512-4096 elements with 4-32 elements a thread. Key: the table's (chunks, chunk)."""
+    from apex._kernels import multi_tensor as mt
+    from apex._kernels import multi_tensor_adam as A
+
+    count, numel = shape
+    chunk = min(mt.MAX_CHUNK, _p2(numel))
+    cands = [{"parts": p, "block": b, "warps": w} for p in (1, 2, 4, 8) for b in (512, 1024, 2048, 4096)
+             for w in (2, 4, 8) if 4 <= b // (32 * w) <= 32]
+
+    def make(device, fill):
+        g = torch.Generator(device=device).manual_seed(0) if fill else None
+        lists = []
+        for k in range(4):  # g, p, m, v; without values (the model, a compile) one buffer at every place
+            if fill:
+                lists.append([_fill((numel,), torch.float32, device, True, g, 0.1, 0.0).abs_() if k == 3
+                              else _fill((numel,), torch.float32, device, True, g) for _ in range(count)])
+            else:
+                lists.append([torch.empty(numel, device=device)] * count)
+        return {"tabs": A.tables(lists), "noop": torch.zeros(1, dtype=torch.int32, device=device), "lists": lists}
+
+    def run(i):  # (updates the lists in place: what a step does; they are returned for comparisons)
+        A.run(i["tabs"], False, i["noop"], None, None, None, 1e-3, 0.1, 0.001, 0.9, 0.999, 1e-8, 0.01, 1, True,
+              capturable=False)
+        return i["lists"]
+
+    size = count * numel * 4
+    return SweepCase(A.OP, shape, (count * -(-numel // chunk), chunk), torch.float32, 4 * size, 3 * size, make,
+                     run, cands, passes=lambda cfg, progs: math.ceil(chunk / cfg["parts"] / cfg["block"]),
+                     pass_bytes=lambda cfg: cfg["block"] * 16)
+
+
 def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132) -> list[SweepCase]:
     """Every sweep case, in the order they run: forward before backward, one op after another."""
     shapes = shapes or SHAPES
@@ -273,6 +308,7 @@ def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132)
         out += [_xent_case(sh, dtype, backward) for sh in shapes["xent"]]
     for backward in (False, True):
         out += [_softmax_case(sh, dtype, backward) for sh in shapes["softmax"]]
+    out += [_adam_case(sh) for sh in shapes.get("adam", ())]  # (fp32, whatever the others' dtype)
     return out
 
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from apex._kernels import _tuning
 from apex._kernels._lists import column, columns
 
 TORCH_TO_TL = {
@@ -404,18 +405,59 @@ def launch_with_dtypes(kernel, tab: TensorTable, dtypes: tuple, *args, options: 
 
 
 @triton.jit
-def chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED: tl.constexpr = False):
+def chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED: tl.constexpr = False, PARTS: tl.constexpr = 1,
+                 PART: tl.constexpr = 0):
     """(tensor index, first element of this program's chunk, tensor size) for the current program; with
     ``ALIGNED`` (the table's ``aligned``) the start and size known to the compiler as multiples of 4, so
-    that a mask ``idx < n`` is the same over a thread's vector of 4 elements (see :func:`tensor_ptr`)."""
+    that a mask ``idx < n`` is the same over a thread's vector of 4 elements (see :func:`tensor_ptr`).
+    ``PARTS`` > 1: a grid of ``PARTS`` programs a chunk, program ``p`` taking the ``PART`` elements (a power of
+    two, ``CHUNK / PARTS``) of part ``p % PARTS`` of chunk ``p // PARTS`` (see :func:`parts`)."""
     pid = tl.program_id(0)
-    t = tl.load(chunk_tensor + pid)
-    start = tl.load(chunk_start + pid)
+    if PARTS > 1:
+        t = tl.load(chunk_tensor + pid // PARTS)
+        start = tl.load(chunk_start + pid // PARTS) + (pid % PARTS) * PART
+    else:
+        t = tl.load(chunk_tensor + pid)
+        start = tl.load(chunk_start + pid)
     n = tl.load(sizes + t)
     if ALIGNED:
         start = tl.multiple_of(start, 4)
         n = tl.multiple_of(n, 4)
     return t, start, n
+
+
+_PARTS = _tuning.plan_cache()  # (op, chunks, chunk, list dtypes) -> parts(...)'s answer
+# Elements of a part in the formula's grid: a chunk of 65536 over 4 programs. One program a chunk, a grid of
+# 1,600 chunks (100 tensors of 1 M) is 1.7 waves of Adam's 7 programs an SM on an H200, its last one ~70% full
+# (the occupancy model: 87% of the bound; measured: 69% of the copy rate, PyTorch's fused step 82%); 1,000
+# tensors of 96 K, whose second chunks are half full, 72%. Parts of 16 K: 93-95%, a program's start (its table
+# reads) once per 16 K elements.
+PART_ELEMENTS = 16384
+
+
+def parts(op: str, tab: TensorTable, default_warps: int = 4) -> tuple[int, int, int, int, int]:
+    """The launch of ``op`` over ``tab`` as :func:`apex._kernels._tuning.pick` answers for it, ``(programs, PARTS,
+    PART, BLOCK, warps)``: the table's chunks each split over ``parts`` programs (a finer grid: the last wave
+    of a grid of long programs leaves SMs idle), each walking its part ``block`` elements a step with
+    ``warps`` warps. Formula: parts of :data:`PART_ELEMENTS` on GPUs (one program a chunk under the interpreter,
+    whose cost is per program and per step, not per element), the table's block, ``default_warps``. The table
+    key is ``(chunks, chunk)``; the configuration is kept per key, so a step costs one lookup."""
+    key = (op, tab.n_chunks, tab.chunk, tab.dtypes)
+    got = _PARTS.get(key)
+    if got is None:
+        # (the interpreter's layout walks a chunk in one step: block == chunk)
+        default = {"parts": max(1, tab.chunk // PART_ELEMENTS) if tab.block < tab.chunk else 1, "block": tab.block,
+                   "warps": default_warps}
+        itemsize = tab.dtypes[1].primitive_bitwidth // 8 if len(tab.dtypes) > 1 else 4
+        cfg = _tuning.pick(op, tab.ptrs.device, itemsize, (tab.n_chunks, tab.chunk), default)
+        # (a power of two no larger than the chunk's, so parts start at multiples of 4 and never cross a chunk)
+        n = max(1, min(_next_pow2(int(cfg["parts"])), tab.chunk))
+        part = tab.chunk // n
+        got = _PARTS[key] = ((tab.n_chunks * n, n, part, min(_next_pow2(int(cfg["block"])), part),
+                              int(cfg["warps"])), cfg)
+    else:
+        _tuning.last[op] = got[1]  # as pick records it (what a sweep reports)
+    return got[0]
 
 
 @triton.jit

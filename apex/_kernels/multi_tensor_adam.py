@@ -32,8 +32,9 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                  G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                  W_DT: tl.constexpr, MODE: tl.constexpr, CAPTURABLE: tl.constexpr,
                  BIAS_CORRECTION: tl.constexpr, HAS_MASTER: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 ALIGNED: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+                 ALIGNED: tl.constexpr, PARTS: tl.constexpr = 1):
+    # PARTS programs a chunk: each walks CHUNK // PARTS elements of it (mt.parts).
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
@@ -57,7 +58,7 @@ def _adam_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         inv_scale = 1.0
         bc1 = bc1_value
         bc2 = bc2_value
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -98,6 +99,7 @@ def tables(lists) -> list:
     return [mt.table(sub) for _, sub in mt.group(full)]
 
 
+OP = "multi_tensor_adam"  # its name in apex._kernels._tuning (the sweep's, the measured table's)
 _betas: dict = {}
 
 
@@ -120,9 +122,11 @@ def run(tabs: list, has_master: bool, noop_flag, lr_t, step_t, inv_t, lr, bc1, b
             inv_t if capturable else dummy, float(lr), float(bc1), float(bc2),
             *_beta_args(float(beta1), float(beta2)), float(eps), float(weight_decay))
     options = (int(mode), bool(capturable), bool(bias_correction), bool(has_master))
-    for tab in tabs:  # (mt.launch's launch, inline)
-        _adam_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-                                      *args, *tab.dtypes, *options, tab.chunk, tab.block, tab.aligned)
+    for tab in tabs:  # (mt.launch's launch, inline; the grid and block as measured for it, see mt.parts)
+        programs, parts, _, block, warps = mt.parts(OP, tab)
+        _adam_kernel[(programs,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                                  *args, *tab.dtypes, *options, tab.chunk, block, tab.aligned, parts,
+                                  num_warps=warps)
 
 
 def adam(noop_flag, lists, lr_t, step_t, inv_t, lr, bc1, bc2, beta1, beta2, eps, weight_decay, mode,

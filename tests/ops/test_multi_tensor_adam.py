@@ -217,8 +217,33 @@ def test_adam_on_views_at_any_offset_matches_float64(triton_device, dtype, offse
     g, p = views(dtype), views(dtype)
     m, v = views(torch.float32, 0.1), views(torch.float32, 0.1, absolute=True)
     refs = [_ref(*t, 1, 1) for t in zip(g, p, m, v)]
-    amp_C.multi_tensor_adam(2048 * 32, flag(), [g, p, m, v], LR, B1, B2, EPS, STEP, 1, 1, WD)
+    with apex.backend("triton"):
+        amp_C.multi_tensor_adam(2048 * 32, flag(), [g, p, m, v], LR, B1, B2, EPS, STEP, 1, 1, WD)
     for x, mm, vv, (rp, rm, rv) in zip(p, m, v, refs):
         assert_rel_close(x, rp, baseline=rp.to(dtype))
         assert_rel_close(mm, rm, torch.float32)
         assert_rel_close(vv, rv, torch.float32)
+
+
+# ------------------------------------------------------------------------ several programs a chunk (mt.parts)
+@pytest.mark.parametrize("parts,block", [(2, 1024), (4, 4096), (8, 2048)])
+def test_adam_over_several_programs_a_chunk_is_the_same_step(triton_device, parts, block):
+    """The launch a measured table may choose for a GPU, ``parts`` programs a chunk each walking its part in
+    ``block``-element steps (``apex._kernels.multi_tensor.parts``), updates every element as one program a
+    chunk does: the same bits, over ragged sizes whose last chunk holds one element."""
+    from apex._kernels import _tuning
+    from apex._kernels import multi_tensor as mt
+    from apex._kernels import multi_tensor_adam as A
+
+    state = _state(torch.float32, 5)
+    runs = []
+    for forced in ({}, {"parts": parts, "block": block}):
+        lists = [[t.clone() for t in lst] for lst in state]
+        with apex.backend("triton"), _tuning.override(A.OP, **forced):
+            amp_C.multi_tensor_adam(2048 * 32, flag(), lists, LR, B1, B2, EPS, STEP, 1, 1, WD)
+            programs, got_parts, part, got_block, _ = mt.parts(A.OP, mt.table(lists))
+        runs.append(lists)
+    assert (got_parts, got_block) == (parts, min(block, part)) and programs == got_parts * mt.table(lists).n_chunks
+    for a, b in zip(runs[0], runs[1]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

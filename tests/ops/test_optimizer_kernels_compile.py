@@ -26,7 +26,7 @@ adam = dict(base, noop_flag="*i32", lr_ptr="*fp32", step_ptr="*fp32", inv_scale_
             bc1_value="fp32", bc2_value="fp32", beta1="fp32", beta2="fp32", one_m_b1="fp32", one_m_b2="fp32",
             beta1_lo="fp32", beta2_lo="fp32", eps="fp32", weight_decay="fp32",
             G_DT=c, P_DT=c, M_DT=c, V_DT=c, W_DT=c, CHUNK=c, BLOCK=c, MODE=c, CAPTURABLE=c, BIAS_CORRECTION=c,
-            HAS_MASTER=c, ALIGNED=c)
+            HAS_MASTER=c, ALIGNED=c, PARTS=c)
 sgd = dict(base, noop_flag="*i32", grad_norms="*fp32", param_norms="*fp32", lr="fp32", wd="fp32", momentum="fp32",
            one_m_dampening="fp32", scale="fp32", trust_coefficient="fp32", eps="fp32", G_DT=c, W_DT=c, M_DT=c, C_DT=c,
            CHUNK=c, BLOCK=c, HAS_MOMENTUM=c, FIRST_RUN=c, NESTEROV=c, WD_AFTER=c, HAS_COPY=c, LARS=c, ROUND=c,
@@ -36,9 +36,11 @@ ada = dict(base, lr="fp32", eps="fp32", weight_decay="fp32", G_DT=c, P_DT=c, H_D
 f32, bf16, f16 = tl.float32, tl.bfloat16, tl.float16
 jobs = [
     (A._adam_kernel, adam, dict(G_DT=bf16, P_DT=bf16, M_DT=f32, V_DT=f32, W_DT=f32, CHUNK=65536, BLOCK=1024,
-                                MODE=1, CAPTURABLE=True, BIAS_CORRECTION=True, HAS_MASTER=True, ALIGNED=False)),
+                                MODE=1, CAPTURABLE=True, BIAS_CORRECTION=True, HAS_MASTER=True, ALIGNED=False,
+                                PARTS=1)),
     (A._adam_kernel, adam, dict(G_DT=f32, P_DT=f32, M_DT=f32, V_DT=f32, W_DT=f32, CHUNK=65536, BLOCK=1024,
-                                MODE=0, CAPTURABLE=False, BIAS_CORRECTION=False, HAS_MASTER=False, ALIGNED=False)),
+                                MODE=0, CAPTURABLE=False, BIAS_CORRECTION=False, HAS_MASTER=False, ALIGNED=False,
+                                PARTS=4)),
     (S._sgd_kernel, sgd, dict(G_DT=f16, W_DT=f32, M_DT=f32, C_DT=f16, CHUNK=65536, BLOCK=1024, HAS_MOMENTUM=True,
                               FIRST_RUN=False, NESTEROV=True, WD_AFTER=True, HAS_COPY=True, LARS=True, ROUND=False,
                               ALIGNED=False)),
@@ -55,7 +57,7 @@ print("compiled", len(jobs))
 # with no shared-memory layout conversion between the 2- and 4-byte lists; unaligned, scalar accesses.
 for dts, aligned in (((f32, f32), True), ((bf16, f32), True), ((f32, f32), False)):
     consts = dict(G_DT=dts[0], P_DT=dts[0], M_DT=dts[1], V_DT=dts[1], W_DT=f32, CHUNK=65536, BLOCK=1024, MODE=1,
-                  CAPTURABLE=False, BIAS_CORRECTION=True, HAS_MASTER=False, ALIGNED=aligned)
+                  CAPTURABLE=False, BIAS_CORRECTION=True, HAS_MASTER=False, ALIGNED=aligned, PARTS=4)
     k = triton.compile(ASTSource(fn=A._adam_kernel, signature=adam, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32))
     ptx = k.asm["ptx"]
