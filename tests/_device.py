@@ -109,6 +109,33 @@ class LaunchCounter:
         autotuner.Autotuner.run = self._saved["auto"]
 
 
+@contextlib.contextmanager
+def count_interpreted_launches() -> Iterator[list]:
+    """The interpreter's launches while the block runs, as a list of one entry per event: every
+    ``kernel[grid]`` and every direct ``kernel.run(...)`` (what the launch-plan paths call), so a test that
+    replaces ``run`` with a stand-in (the host-cost stubs) still shows its launches."""
+    from triton.runtime import interpreter, jit
+
+    events: list = []
+    patched = []
+    for owner, name in ((jit.KernelInterface, "__getitem__"), (interpreter.InterpretedFunction, "run")):
+        original = vars(owner).get(name)
+        if original is None:
+            continue
+
+        def counting(*args, _original=original, **kwargs):
+            events.append(1)
+            return _original(*args, **kwargs)
+
+        setattr(owner, name, counting)
+        patched.append((owner, name, original))
+    try:
+        yield events
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
 def cap_autotuning() -> None:
     """Under ``APEX_TEST_DEVICE=cuda``: each ``triton.autotune`` kernel keeps at most
     ``APEX_TEST_AUTOTUNE_CONFIGS`` of its configs (default 2, spread over its list; ``0`` keeps all).

@@ -136,6 +136,24 @@ if DEVICE == "meta":
             _device.CHECK.outcome(exc)
 
 
+if DEVICE == "cpu" and HAS_TRITON:
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):
+        """A test taking ``triton_device`` must launch a Triton kernel (interpreted here): the fixture selects no
+        backend, so a public entry called without ``apex.backend("triton")`` runs PyTorch's path on CPU tensors
+        and the test, passing, checks nothing of the Triton path. Tests that launch none by design (a refusal
+        before any launch, a recording stand-in for the kernel) say so with ``@pytest.mark.no_triton_launch``."""
+        if "triton_device" not in getattr(item, "fixturenames", ()) or item.get_closest_marker("no_triton_launch"):
+            return (yield)
+        with _device.count_interpreted_launches() as launches:
+            result = yield
+        if not launches:
+            pytest.fail("took the triton_device fixture but launched no Triton kernel: select the Triton path "
+                        "(apex.backend('triton')), or mark the test no_triton_launch(reason)", pytrace=False)
+        return result
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_name(request):
     """Run a test once on the PyTorch path (CPU tensors) and once on the Triton path (interpreted on CPU
@@ -186,6 +204,8 @@ def pytest_configure(config):
                                        "APEX_TEST_DEVICE (it takes the dist_device fixture)")
     config.addinivalue_line("markers", "triton_path: a test that runs the Triton path itself (it takes the "
                                        "triton_device fixture); -k triton selects it by this name")
+    config.addinivalue_line("markers", "no_triton_launch(reason): a test taking triton_device that launches no "
+                                       "Triton kernel by design (on the CPU every other one must launch one)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k select on the markers

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import apex
 from tests import _device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,8 @@ def test_benchmark_gpu_rows_are_rates_of_the_minimum_bytes(monkeypatch, triton_d
     monkeypatch.setattr(dev, "cuda_time_pair", lambda a, b: (a(), b(), 0.5, 2.0)[2:])
     monkeypatch.setattr(dev, "cuda_time", lambda fn: (fn(), 0.25)[1])
     (case,) = cases()
-    row = gpu_case(case, triton_device, peak_gbps=100.0)
+    with apex.backend("triton"):  # (the interpreter on the CPU: the fixture selects no backend)
+        row = gpu_case(case, triton_device, peak_gbps=100.0)
     assert "error" not in row, row
     assert row["ratio"] == 0.25 and row["counted_bytes"] > 0
     assert row["gbps"] == pytest.approx(row["counted_bytes"] / 0.25e-3 / 1e9)
@@ -197,6 +199,7 @@ def test_meta_mode_fails_what_a_gpu_run_would_fail(tmp_path):
     assert "stopped after 1 checked Triton launches" in out
 
 
+@pytest.mark.no_triton_launch("checks the test's own markers")
 def test_kernel_tests_are_selected_by_the_gpu_checks_keyword(triton_device, request):
     """A test taking ``triton_device`` runs Triton kernels whatever its name (this one has no "triton" in it):
     the ``triton_path`` marker puts the word in its keywords, so the GPU check's ``-k triton`` selects it
@@ -207,3 +210,43 @@ def test_kernel_tests_are_selected_by_the_gpu_checks_keyword(triton_device, requ
     assert request.node.get_closest_marker("triton_path") is not None
     assert "triton" not in request.node.name
     assert Expression.compile("triton or cuda_graph").evaluate(KeywordMatcher.from_item(request.node))
+
+
+_NO_LAUNCH = '''
+import pytest
+import torch
+
+import apex
+from apex.normalization import fused_rms_norm
+
+
+def test_forgets_the_backend(triton_device):
+    fused_rms_norm(torch.randn(4, 8), (8,))  # the fixture selects no backend: PyTorch's path
+
+
+def test_selects_it(triton_device):
+    with apex.backend("triton"):
+        fused_rms_norm(torch.randn(4, 8), (8,))
+
+
+@pytest.mark.no_triton_launch("a refusal before any launch")
+def test_launches_none_by_design(triton_device):
+    pass
+'''
+
+
+def test_a_triton_device_test_that_launches_nothing_fails(tmp_path):
+    """On the CPU a test taking ``triton_device`` must launch a Triton kernel: one calling a public entry
+    without ``apex.backend("triton")`` checks PyTorch's path only and fails, naming the fix; a marked one passes."""
+    pytest.importorskip("triton")
+    if _device.requested() != "cpu":
+        pytest.skip("the interpreter's launches are counted (on a GPU the default backend is Triton's)")
+    (tmp_path / "test_planted_launches.py").write_text(_NO_LAUNCH)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "-p", "tests.conftest", "-v", "--tb=line", str(tmp_path / "test_planted_launches.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    outcomes = dict(re.findall(r"::(\S+) (PASSED|FAILED)", proc.stdout))
+    assert outcomes == {"test_forgets_the_backend": "FAILED", "test_selects_it": "PASSED",
+                        "test_launches_none_by_design": "PASSED"}, proc.stdout + proc.stderr
+    assert "launched no Triton kernel: select the Triton path" in proc.stdout

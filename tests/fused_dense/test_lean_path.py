@@ -259,6 +259,7 @@ class _Recorder:
         self.precisions.append(args[23])
 
 
+@pytest.mark.no_triton_launch("a recording stand-in replaces the GEMM kernel")
 def test_tf32_flag_is_read_at_every_call(monkeypatch, triton_device):
     """On a GPU the plan's fp32 launches take tf32 exactly where ``torch.backends.cuda.matmul.allow_tf32``
     allows it at that call, forward and backward (the flag is not part of the key: the plan holds both

@@ -162,6 +162,7 @@ def test_triton_capturable_equals_the_host_step_bit_for_bit_from_zero_moments(tr
 
 
 # ------------------------------------------------------------------------------- 16-byte-aligned tables
+@pytest.mark.no_triton_launch("builds launch tables only")
 def test_tables_say_when_every_address_and_size_allows_vector_accesses(triton_device):
     """A table is ``aligned`` (the kernel's 4-element vector accesses) only when every address of every list
     is a multiple of 16 bytes and every size of 4 elements; a table whose gradients alone moved

@@ -112,6 +112,7 @@ def test_fused_adam_swa_params_without_grad_are_averaged_not_updated():
     assert not torch.equal(p[0].detach(), c[0].grad)
 
 
+@pytest.mark.no_triton_launch("refused before any launch")
 @pytest.mark.parametrize("which", [0, 1, 3, 5])
 def test_adam_swa_step_refuses_tensors_on_another_device(triton_device, which):
     """The Triton path's kernels read every list's tensors next to the gradients: one on another device

@@ -168,6 +168,7 @@ def test_bad_inputs():
         assert bn(torch.randn(3, 4)).shape == (3, 4)
 
 
+@pytest.mark.no_triton_launch("refused before any launch")
 @pytest.mark.parametrize("case", ["weight", "running_mean", "z", "eval", "elemt_z", "backward_reduce_dy"])
 def test_triton_path_refuses_tensors_on_another_device(triton_device, case):
     """The Triton kernels read the parameters, running statistics, z and the backward's tensors next to the

@@ -195,6 +195,7 @@ def test_module_without_gradient_records_nothing(backend_name, monkeypatch):
     assert len(mod.mask_probe) == 2 and torch.equal(mod.mask_probe[0], mod.mask_probe[1])
 
 
+@pytest.mark.no_triton_launch("refused before any launch")
 @pytest.mark.parametrize("case", ["g", "lengths", "g_packed", "backward_mask", "backward_lengths"])
 def test_triton_path_refuses_tensors_on_another_device(triton_device, case):
     """The Triton path's kernels read g, the lengths and the backward's mask next to f (or the gradient): one

@@ -202,6 +202,7 @@ def _assert_unchanged(params, opt, before) -> None:
                 assert torch.equal(value, before[1]["state"][k][key]), key
 
 
+@pytest.mark.no_triton_launch("refused before any launch")
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_gradient_moved_to_another_device_is_refused(triton_device, name):
     # ``grad.data = t`` takes a tensor of any dense device (``module.cpu()`` relies on it), and a new gradient
