@@ -45,6 +45,7 @@ from apex.ops._norm import check_devices
 
 Tensor = torch.Tensor
 _K = lazy_module("apex._kernels.fused_dense")
+_KC = lazy_module("apex._kernels._fused_dense_chain")
 _any_autocast = torch._C._is_any_autocast_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _any_requires_grad = torch._C._any_requires_grad
@@ -138,7 +139,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 # What torch.backends.cuda.matmul.allow_tf32 returns, without its module __getattr__ (~1.3 µs a call).
 _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
-_LOADED: list = []  # the kernels' module, once an eager call has loaded it
+_LOADED: list = []  # the kernels' module and its chain plans' module, once an eager call has loaded them
 
 
 def _kernels(compiling: bool):
@@ -149,7 +150,7 @@ def _kernels(compiling: bool):
     if compiling and torch.compiler.is_compiling():
         return _K().traced
     if not _LOADED:
-        _LOADED.append(_K())
+        _LOADED.extend((_K(), _KC()))
     return _LOADED[0]
 
 
@@ -337,7 +338,7 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
 
 def _lean(x: Tensor, ws: tuple, bs: tuple, acts: tuple, args: tuple) -> Tensor | None:
     """The eager Triton path of a chain of plain tensors (no dispatch mode, tracer or ``torch.func``
-    transform): its cached :class:`~apex._kernels.fused_dense.ChainPlan` launched directly, inside
+    transform): its cached :class:`~apex._kernels._fused_dense_chain.ChainPlan` launched directly, inside
     :class:`_DirectChain` when a gradient is needed. None: the caller takes the general path (checked here
     already), for tensor subclasses, the PyTorch path, or a chain the kernels do not run alone.
 
@@ -350,7 +351,7 @@ def _lean(x: Tensor, ws: tuple, bs: tuple, acts: tuple, args: tuple) -> Tensor |
     if key is None:  # a tensor subclass: the general path
         check_chain(x, ws, bs, acts, False)
         return None
-    k = _LOADED[0]
+    k = _LOADED[1]
     plan = k.CHAINS.get(key)
     if not plan:  # None: never seen; False: checked, not planned (it took the PyTorch path)
         if plan is None:

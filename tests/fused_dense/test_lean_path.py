@@ -21,6 +21,12 @@ def _kernels():
     return K
 
 
+def _chains():
+    from apex._kernels import _fused_dense_chain as C
+
+    return C
+
+
 def _mlp64(x, ws, bs, act):
     for w, b in zip(ws, bs or [None] * len(ws)):
         x = F.linear(x, w, b)
@@ -234,15 +240,15 @@ def test_tuning_invalidate_forgets_the_plans(triton_device):
     empties both, and the next call plans again."""
     from apex._kernels import _tuning
 
-    K = _kernels()
+    C = _chains()
     mlp = MLP([7, 9, 3]).to(triton_device)
     x = torch.randn(5, 7, device=triton_device, requires_grad=True)
     with apex.backend("triton"):
         _check_mlp(mlp, x)
         _check_mlp(mlp, x)
-        assert any(isinstance(p, K.ChainPlan) for p in K.CHAINS.values())
+        assert any(isinstance(p, C.ChainPlan) for p in C.CHAINS.values())
         _tuning.invalidate()
-        assert not K.CHAINS
+        assert not C.CHAINS
         _check_mlp(mlp, x)
 
 
@@ -271,7 +277,7 @@ def test_tf32_flag_is_read_at_every_call(monkeypatch, triton_device):
                                                                          num_stages=None))
     monkeypatch.setattr(K, "_gemm_kernel", rec)
     monkeypatch.setattr(K, "_PLANS", {})
-    monkeypatch.setattr(K, "CHAINS", {})
+    monkeypatch.setattr(_chains(), "CHAINS", {})
     dense = FusedDense(7, 5).to(triton_device)
     x = torch.randn(4, 7, device=triton_device, requires_grad=True)
     flag = torch.backends.cuda.matmul.allow_tf32
