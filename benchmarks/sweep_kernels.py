@@ -39,11 +39,13 @@ TABLE = ROOT / "apex" / "_kernels" / "_tuned.py"
 # The shapes of issue 34: the norms (rows x hidden), RoPE sbhd, bias-SwiGLU (rows x 2*hidden), cross-entropy.
 NORM_SHAPES = [(16384, 4096), (65536, 1024), (32768, 2048), (8192, 8192), (4096, 16384)]
 # Softmax: [b, np, sq, sk] scores, causal (the GPU benchmark's shape).
-# FusedAdam: (tensors, elements each), fp32 (the GPU benchmark's optimizer cases).
+# FusedAdam, FusedSGD, amp's unscale: (tensors, elements each), fp32 (the GPU benchmark's optimizer cases).
+MT_SHAPES = [(100, 1 << 20), (1000, 96 * 1024)]
 SHAPES = {"norm": NORM_SHAPES, "rope": [(4096, 4, 32, 128)], "swiglu": [(16384, 16384)], "xent": [(8192, 128256)],
-          "softmax": [(1, 128, 2048, 2048)], "adam": [(100, 1 << 20), (24, 4096 * 4096), (1000, 96 * 1024)]}
+          "softmax": [(1, 128, 2048, 2048)], "adam": [(100, 1 << 20), (24, 4096 * 4096), (1000, 96 * 1024)],
+          "sgd": MT_SHAPES, "scale": MT_SHAPES}
 SMALL = {"norm": [(48, 256)], "rope": [(6, 2, 4, 32)], "swiglu": [(40, 256)], "xent": [(12, 1000)],
-         "softmax": [(1, 2, 40, 40)], "adam": [(3, 5000)]}
+         "softmax": [(1, 2, 40, 40)], "adam": [(3, 5000)], "sgd": [(3, 5000)], "scale": [(3, 5000)]}
 
 
 @dataclass
@@ -259,12 +261,14 @@ def _softmax_case(shape, dtype, backward: bool) -> SweepCase:
                      pass_bytes=lambda cfg: cfg["rows"] * (sk + 1) // 2 * s * (2 if backward else 1))
 
 
-def _adam_case(shape) -> SweepCase:
-    """One fp32 AdamW step over ``tensors`` tensors of ``numel`` elements (one launch, ``mt.parts``' grid): its
-    chunks each split over 1-8 programs (the last wave of a grid of long programs leaves SMs idle), walked in
-    steps of 512-4096 elements with 4-32 elements a thread. Key: the table's (chunks, chunk)."""
+def _multi_tensor_case(op: str, shape, lists: int, read: int, write: int, prepare, step,
+                       absolute: int = -1) -> SweepCase:
+    """One fp32 step of the multi-tensor ``op`` over ``tensors`` tensors of ``numel`` elements in ``lists`` lists,
+    ``read`` of them read and ``write`` written (one launch, ``mt.parts``' grid): its chunks each split over 1-8
+    programs (the last wave of a grid of long programs leaves SMs idle), walked in steps of 512-4096 elements
+    with 4-32 elements a thread. Key: the table's (chunks, chunk). ``step(prepare(lists), lists, noop)`` is the
+    launch (over tables held as an optimizer holds them); list ``absolute`` holds non-negative values."""
     from apex._kernels import multi_tensor as mt
-    from apex._kernels import multi_tensor_adam as A
 
     count, numel = shape
     chunk = min(mt.MAX_CHUNK, _p2(numel))
@@ -273,24 +277,55 @@ def _adam_case(shape) -> SweepCase:
 
     def make(device, fill):
         g = torch.Generator(device=device).manual_seed(0) if fill else None
-        lists = []
-        for k in range(4):  # g, p, m, v; without values (the model, a compile) one buffer at every place
+        ls = []
+        for k in range(lists):  # without values (the model, a compile) one buffer at every place of a list
             if fill:
-                lists.append([_fill((numel,), torch.float32, device, True, g, 0.1, 0.0).abs_() if k == 3
-                              else _fill((numel,), torch.float32, device, True, g) for _ in range(count)])
+                ls.append([_fill((numel,), torch.float32, device, True, g, 0.1, 0.0).abs_() if k == absolute
+                           else _fill((numel,), torch.float32, device, True, g) for _ in range(count)])
             else:
-                lists.append([torch.empty(numel, device=device)] * count)
-        return {"tabs": A.tables(lists), "noop": torch.zeros(1, dtype=torch.int32, device=device), "lists": lists}
+                ls.append([torch.empty(numel, device=device)] * count)
+        return {"held": prepare(ls), "noop": torch.zeros(1, dtype=torch.int32, device=device), "lists": ls}
 
     def run(i):  # (updates the lists in place: what a step does; they are returned for comparisons)
-        A.run(i["tabs"], False, i["noop"], None, None, None, 1e-3, 0.1, 0.001, 0.9, 0.999, 1e-8, 0.01, 1, True,
-              capturable=False)
+        step(i["held"], i["lists"], i["noop"])
         return i["lists"]
 
     size = count * numel * 4
-    return SweepCase(A.OP, shape, (count * -(-numel // chunk), chunk), torch.float32, 4 * size, 3 * size, make,
+    return SweepCase(op, shape, (count * -(-numel // chunk), chunk), torch.float32, read * size, write * size, make,
                      run, cands, passes=lambda cfg, progs: math.ceil(chunk / cfg["parts"] / cfg["block"]),
-                     pass_bytes=lambda cfg: cfg["block"] * 16)
+                     pass_bytes=lambda cfg: cfg["block"] * 4 * read)
+
+
+def _adam_case(shape) -> SweepCase:
+    """FusedAdam's AdamW step: g, p, m, v read; p, m, v written."""
+    from apex._kernels import multi_tensor_adam as A
+
+    def step(tabs, lists, noop):
+        A.run(tabs, False, noop, None, None, None, 1e-3, 0.1, 0.001, 0.9, 0.999, 1e-8, 0.01, 1, True,
+              capturable=False)
+
+    return _multi_tensor_case(A.OP, shape, 4, 4, 3, A.tables, step, absolute=3)
+
+
+def _sgd_case(shape) -> SweepCase:
+    """FusedSGD's step with momentum (not the first): g, w, buf read; w, buf written."""
+    from apex._kernels import multi_tensor_sgd as S
+
+    def step(tabs, lists, noop):
+        S.run(tabs, False, noop, lr=0.1, wd=1e-4, momentum=0.9, dampening=0.0, nesterov=False, first_run=False,
+              wd_after_momentum=False, scale=1.0)
+
+    return _multi_tensor_case(S.OP, shape, 3, 3, 2, S.tables, step)
+
+
+def _scale_case(shape) -> SweepCase:
+    """amp's unscale of fp32 gradients into fp32 master gradients (multi_tensor_scale): one read, one write."""
+    from apex._kernels import multi_tensor_scale as SC
+
+    def step(_, lists, noop):
+        SC.scale(noop, lists[0], lists[1], 2.0 ** -16)
+
+    return _multi_tensor_case(SC.OP, shape, 2, 1, 1, lambda lists: None, step)
 
 
 def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132) -> list[SweepCase]:
@@ -308,7 +343,10 @@ def cases(dtype: torch.dtype = BF16, shapes: dict | None = None, sms: int = 132)
         out += [_xent_case(sh, dtype, backward) for sh in shapes["xent"]]
     for backward in (False, True):
         out += [_softmax_case(sh, dtype, backward) for sh in shapes["softmax"]]
-    out += [_adam_case(sh) for sh in shapes.get("adam", ())]  # (fp32, whatever the others' dtype)
+    # (fp32, whatever the others' dtype)
+    out += [_adam_case(sh) for sh in shapes.get("adam", ())]
+    out += [_sgd_case(sh) for sh in shapes.get("sgd", ())]
+    out += [_scale_case(sh) for sh in shapes.get("scale", ())]
     return out
 
 

@@ -17,7 +17,7 @@ from benchmarks import sweep_kernels as sk
 
 OPS = ["layer_norm.fwd", "layer_norm.bwd", "rms_norm.fwd", "rms_norm.bwd", "fused_rope.fwd", "fused_rope.bwd",
        "bias_swiglu.fwd", "bias_swiglu.bwd", "bias_swiglu.bwd_db", "xentropy.fwd", "xentropy.bwd",
-       "scaled_softmax.fwd", "scaled_softmax.bwd", "multi_tensor_adam"]
+       "scaled_softmax.fwd", "scaled_softmax.bwd", "multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_scale"]
 
 
 def _small(op: str, dtype=torch.float32) -> sk.SweepCase:
@@ -43,7 +43,8 @@ def test_the_cases_are_the_issue_shapes():
     assert {"fused_rope.bwd 4096x4x32x128 bfloat16", "bias_swiglu.bwd_db 16384x16384 bfloat16",
             "xentropy.fwd 8192x128256 bfloat16", "xentropy.bwd 8192x128256 bfloat16",
             "scaled_softmax.fwd 1x128x2048x2048 bfloat16", "scaled_softmax.bwd 1x128x2048x2048 bfloat16"} <= names
-    assert {"multi_tensor_adam 100x1048576 float32", "multi_tensor_adam 1000x98304 float32"} <= names
+    assert {f"{op} {shape} float32" for op in ("multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_scale")
+            for shape in ("100x1048576", "1000x98304")} <= names
     assert {c.op for c in sk.cases()} == set(OPS)
     assert all(c.candidates for c in sk.cases())
 

@@ -10,7 +10,8 @@ all on one device) as device-side int64 tables:
   reduce per-chunk results per tensor.
 
 A kernel written for the engine starts with :func:`chunk_coords` and :func:`tensor_ptr`, and is launched
-by :func:`launch` on a grid of one program per chunk. Chunks are ``CHUNK`` elements, a power of two fixed
+by :func:`launch` on a grid of one program per chunk (an element-wise kernel: ``PARTS`` per chunk, see
+:func:`parts`). Chunks are ``CHUNK`` elements, a power of two fixed
 by the engine (never by Apex's ``chunk_size`` argument), so results do not depend on ``chunk_size``.
 Launchers take tensor lists that :func:`group` has split by (device, dtype per list): a call costs one
 launch per group, whatever the number of tensors.
@@ -372,15 +373,31 @@ def index_on(idx: list[int], device: torch.device) -> torch.Tensor:
     return dev
 
 
-def launch(kernel, tab: TensorTable, *args, options: tuple = (), **meta) -> None:
-    """Launch ``kernel`` with one program per chunk of ``tab``.
+def launch(kernel, tab: TensorTable, *args, options: tuple = (), op: str | None = None,
+           default_parts: int | None = None, **meta) -> None:
+    """Launch ``kernel`` with one program per chunk of ``tab`` (with ``op``, :func:`parts`' grid).
 
     The kernel's parameters are, in order: ``ptrs, sizes, chunk_tensor, chunk_start, n_tensors``, then
     ``*args``, then one ``tl.constexpr`` dtype per list, then the op's constexprs ``options``, then ``CHUNK``
     and ``BLOCK``, all passed by position: each keyword costs a Triton launch about 2,000 instructions of
     dictionary building and binding. Keyword constexprs (``**meta``) are still accepted, for kernels that
     name theirs (``CHUNK`` and ``BLOCK`` are then passed by name too).
+
+    ``op`` (the kernel's name in :mod:`apex._kernels._tuning`): an element-wise kernel whose last constexpr,
+    after ``BLOCK``, is ``PARTS`` (its :func:`chunk_coords` walks ``CHUNK // PARTS`` elements): launched on
+    ``parts(op, tab, default_parts=default_parts)``'s grid, ``PARTS`` programs a chunk with its block and warps
+    (one cached lookup a table).
     """
+    if op is not None:
+        programs, n, _, block, warps = parts(op, tab, default_parts=default_parts)
+        if meta:
+            kernel[(programs,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                                *args, *tab.dtypes, *options, CHUNK=tab.chunk, BLOCK=block, PARTS=n, **meta,
+                                num_warps=warps)
+            return
+        kernel[(programs,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                            *args, *tab.dtypes, *options, tab.chunk, block, n, num_warps=warps)
+        return
     if meta:
         kernel[(tab.n_chunks,)](
             tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
@@ -426,35 +443,48 @@ def chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED: tl.constexpr = False
     return t, start, n
 
 
-_PARTS = _tuning.plan_cache()  # (op, chunks, chunk, list dtypes) -> parts(...)'s answer
+_PARTS = _tuning.plan_cache()  # (op, chunks, chunk, id of the dtypes tuple) -> (answer, config, the tuple)
+_PARTS_MAX = 256
 # Elements of a part in the formula's grid: a chunk of 65536 over 4 programs. One program a chunk, a grid of
 # 1,600 chunks (100 tensors of 1 M) is 1.7 waves of Adam's 7 programs an SM on an H200, its last one ~70% full
 # (the occupancy model: 87% of the bound; measured: 69% of the copy rate, PyTorch's fused step 82%); 1,000
 # tensors of 96 K, whose second chunks are half full, 72%. Parts of 16 K: 93-95%, a program's start (its table
-# reads) once per 16 K elements.
+# reads) once per 16 K elements. Kernels light enough for 16 programs an SM (SGD, scale, LAMB's stage 2: 1,600
+# programs are under one wave) keep one program a chunk (``default_parts=1``): 4 parts would make 3 waves.
 PART_ELEMENTS = 16384
 
 
-def parts(op: str, tab: TensorTable, default_warps: int = 4) -> tuple[int, int, int, int, int]:
+def parts(op: str, tab: TensorTable, default_warps: int = 4, default_parts: int | None = None
+          ) -> tuple[int, int, int, int, int]:
     """The launch of ``op`` over ``tab`` as :func:`apex._kernels._tuning.pick` answers for it, ``(programs, PARTS,
     PART, BLOCK, warps)``: the table's chunks each split over ``parts`` programs (a finer grid: the last wave
     of a grid of long programs leaves SMs idle), each walking its part ``block`` elements a step with
-    ``warps`` warps. Formula: parts of :data:`PART_ELEMENTS` on GPUs (one program a chunk under the interpreter,
-    whose cost is per program and per step, not per element), the table's block, ``default_warps``. The table
-    key is ``(chunks, chunk)``; the configuration is kept per key, so a step costs one lookup."""
-    key = (op, tab.n_chunks, tab.chunk, tab.dtypes)
+    ``warps`` warps. Formula: ``default_parts``, else parts of :data:`PART_ELEMENTS`, on GPUs (one program a
+    chunk under the interpreter, whose cost is per program and per step, not per element), the table's
+    block, ``default_warps``. The table key is ``(chunks, chunk)``; the answer is kept per key, so a step costs
+    one lookup."""
+    dtypes = tab.dtypes
+    # (the dtypes tuple by identity, kept alive in the entry so that its id stays its own: hashing Triton's
+    # dtypes costs ~0.3 µs each, and a table's tuple is the same object at every step)
+    key = (op, tab.n_chunks, tab.chunk, id(dtypes))
     got = _PARTS.get(key)
-    if got is None:
+    if got is None or got[2] is not dtypes:
         # (the interpreter's layout walks a chunk in one step: block == chunk)
-        default = {"parts": max(1, tab.chunk // PART_ELEMENTS) if tab.block < tab.chunk else 1, "block": tab.block,
-                   "warps": default_warps}
-        itemsize = tab.dtypes[1].primitive_bitwidth // 8 if len(tab.dtypes) > 1 else 4
+        if tab.block == tab.chunk:
+            n = 1
+        else:
+            n = default_parts if default_parts is not None else max(1, tab.chunk // PART_ELEMENTS)
+        default = {"parts": n, "block": tab.block, "warps": default_warps}
+        itemsize = dtypes[1].primitive_bitwidth // 8 if len(dtypes) > 1 else 4
         cfg = _tuning.pick(op, tab.ptrs.device, itemsize, (tab.n_chunks, tab.chunk), default)
-        # (a power of two no larger than the chunk's, so parts start at multiples of 4 and never cross a chunk)
-        n = max(1, min(_next_pow2(int(cfg["parts"])), tab.chunk))
+        # (a power of two, parts of 4 elements at least, so that they start at multiples of 4 -- the ALIGNED
+        # hint -- and never cross a chunk)
+        n = max(1, min(_next_pow2(int(cfg["parts"])), tab.chunk // 4))
         part = tab.chunk // n
+        if len(_PARTS) >= _PARTS_MAX:
+            _PARTS.clear()
         got = _PARTS[key] = ((tab.n_chunks * n, n, part, min(_next_pow2(int(cfg["block"])), part),
-                              int(cfg["warps"])), cfg)
+                              int(cfg["warps"])), cfg, dtypes)
     else:
         _tuning.last[op] = got[1]  # as pick records it (what a sweep reports)
     return got[0]

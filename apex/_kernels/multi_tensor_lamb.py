@@ -139,10 +139,12 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                   O_DT: tl.constexpr,
                   ADAM_W: tl.constexpr, HAS_OUT: tl.constexpr, SKIP: tl.constexpr,
                   MAXN_PTR: tl.constexpr, LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr,
-                  BIAS_CORR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  BIAS_CORR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  PARTS: tl.constexpr = 1):
     # (ALIGNED: the table's ``rest_aligned``: the gradients' list 0, which alone moves from step to step, is
     # not read here)
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     live, clip, lr, bc1, bc2 = _scalars(noop_flag, grad_norm, max_norm, max_norm_ptr, lr, lr_ptr, bc1, bc2,
                                         step_ptr, betas64, SKIP, MAXN_PTR, LR_PTR, STEP_PTR, BIAS_CORR)
     n = n * live  # a skipped step touches no memory
@@ -155,7 +157,7 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
     v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
     o_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, O_DT, ALIGNED)
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -167,6 +169,9 @@ def _apply_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
             tl.store(o_ptr + idx, p.to(O_DT), mask=mask)
 
 
+# Names in apex._kernels._tuning of the element-wise kernels, which mt.parts may split a chunk over programs
+# (the moments kernel writes one partial sum a program, indexed by program id: one program a chunk).
+APPLY_OP, STAGE1_OP, STAGE2_OP = "multi_tensor_lamb.apply", "multi_tensor_lamb.stage1", "multi_tensor_lamb.stage2"
 _betas_cache: dict = {}
 
 
@@ -232,7 +237,8 @@ def lamb_on(noop_flag: torch.Tensor, tabs: list, *, has_out: bool, lr, beta1: fl
         norms = _buffer(scratch, "norms", 2 * tab.n_tensors, device)
         reduce_rows(partials, tab, norms, 2)
         mt.launch(_apply_kernel, tab, norms, noop_flag, grad_norm, maxn_f, maxn_arg, lr_f, lr_arg, bc1, bc2,
-                  step_arg, betas, eps, decay, options=(adam_w, has_out, skip) + ptrs + (tab.rest_aligned,))
+                  step_arg, betas, eps, decay, options=(adam_w, has_out, skip) + ptrs + (tab.rest_aligned,),
+                  op=APPLY_OP)
 
 
 def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> torch.Tensor:
@@ -250,8 +256,10 @@ def _buffer(scratch: dict | None, name: str, n: int, device: torch.device) -> to
 def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, grad_norm, max_norm,
                    beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, eps,
                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                   U_DT: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+                   U_DT: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                   PARTS: tl.constexpr = 1):
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     gn = tl.load(grad_norm).to(tl.float32)
     clip = tl.where(gn > max_norm, tl.div_rn(gn, max_norm), 1.0)
     decay = tl.load(decays + t).to(tl.float32)
@@ -260,7 +268,7 @@ def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, gr
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
     v_ptr = mt.tensor_ptr(ptrs, 3, n_tensors, t, V_DT, ALIGNED)
     u_ptr = mt.tensor_ptr(ptrs, 4, n_tensors, t, U_DT, ALIGNED)
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         sg = tl.div_rn(tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32), clip)
@@ -276,8 +284,9 @@ def _stage1_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, decays, gr
 @triton.jit
 def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u_norms, lr,
                    P_DT: tl.constexpr, U_DT: tl.constexpr, TRUST: tl.constexpr, ALIGNED: tl.constexpr,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr = 1):
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     ratio = lr
     if TRUST:
         pn = tl.load(p_norms + t).to(tl.float32)
@@ -285,7 +294,7 @@ def _stage2_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, p_norms, u
         ratio = tl.where((un != 0.0) & (pn != 0.0), lr * tl.div_rn(pn, tl.where(un != 0.0, un, 1.0)), lr)
     p_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, P_DT, ALIGNED)
     u_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, U_DT, ALIGNED)
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -302,7 +311,7 @@ def stage1(lists: list, decays: torch.Tensor, grad_norm: torch.Tensor, max_norm:
         tab = mt.table(subs)
         mt.launch(_stage1_kernel, tab, sel.contiguous(), grad_norm, float(max_norm), float(beta1),
                   float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(bc1), float(bc2), float(eps),
-                  options=(tab.aligned,))
+                  options=(tab.aligned,), op=STAGE1_OP)
 
 
 def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float, trust: bool) -> None:
@@ -315,4 +324,5 @@ def stage2(lists: list, p_norms: torch.Tensor, u_norms: torch.Tensor, lr: float,
             at = mt.index_on(idx, p_norms.device)
             pn, un = p_norms.index_select(0, at), u_norms.index_select(0, at)
         tab = mt.table(subs)
-        mt.launch(_stage2_kernel, tab, pn, un, float(lr), options=(bool(trust), tab.aligned))
+        mt.launch(_stage2_kernel, tab, pn, un, float(lr), options=(bool(trust), tab.aligned), op=STAGE2_OP,
+                  default_parts=1)

@@ -44,13 +44,14 @@ def _norm_partials_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, par
 def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
                    lr, beta1, beta3, bc1, bc2, eps, decay,
                    G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, REG_INSIDE: tl.constexpr,
-                   ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+                   ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr = 1):
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     denom = tl.div_rn(tl.load(norms + t), bc2) + eps
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
     p_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, P_DT, ALIGNED)
     m_ptr = mt.tensor_ptr(ptrs, 2, n_tensors, t, M_DT, ALIGNED)
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -65,6 +66,11 @@ def _update_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, norms,
             p = p - lr * (tl.div_rn(tl.div_rn(m, bc1), denom) + decay * p)
         tl.store(p_ptr + idx, p.to(P_DT), mask=mask)
         tl.store(m_ptr + idx, m.to(M_DT), mask=mask)
+
+
+# The update's name in apex._kernels._tuning: element-wise, so mt.parts may split a chunk over programs (the
+# norm pass writes one partial sum a program, indexed by program id: one program a chunk).
+OP = "multi_tensor_novograd.update"
 
 
 def blend_norms(noop_flag: torch.Tensor, tab: mt.TensorTable, norms: torch.Tensor, alpha: float, beta: float,
@@ -85,4 +91,4 @@ def update(tab: mt.TensorTable, norms: torch.Tensor, *, lr: float, beta1: float,
     """The NovoGrad update of one (device, dtype) group (``tab``: its table of ``[g, p, m]``) with its
     running norms ``norms``."""
     mt.launch(_update_kernel, tab, norms, float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
-              float(eps), float(weight_decay), options=(bool(reg_inside_moment), tab.aligned))
+              float(eps), float(weight_decay), options=(bool(reg_inside_moment), tab.aligned), op=OP)

@@ -35,9 +35,10 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
                 G_DT: tl.constexpr, W_DT: tl.constexpr, M_DT: tl.constexpr, C_DT: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, FIRST_RUN: tl.constexpr, NESTEROV: tl.constexpr,
                 WD_AFTER: tl.constexpr, HAS_COPY: tl.constexpr, LARS: tl.constexpr, ROUND: tl.constexpr,
-                ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr = 1):
     # (ALIGNED: the table's ``aligned``, 4-element vector accesses; see mt.tensor_ptr)
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     n = n * (tl.load(noop_flag) == 0).to(n.dtype)  # Apex skips the whole update when the flag is set
     g_ptr = mt.tensor_ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED)
     w_ptr = mt.tensor_ptr(ptrs, 1, n_tensors, t, W_DT, ALIGNED)
@@ -51,7 +52,7 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
         denom = tl.where(ok, g_norm + w_norm * wd + eps, 1.0)
         ratio = tl.where(ok, tl.div_rn(trust_coefficient * w_norm, denom), 1.0)  # IEEE, as PyTorch
         lr = lr * ratio
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32) * scale
@@ -97,6 +98,11 @@ def _sgd_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors,
             tl.store(c_ptr + idx, cast(w, C_DT), mask=mask)
 
 
+# Its name in apex._kernels._tuning (the sweep's, the measured table's): every element independent, a chunk
+# may be split over several programs (mt.parts).
+OP = "multi_tensor_sgd"
+
+
 def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,
         grad_norms=None, param_norms=None, trust_coefficient=0.0, eps=0.0, lars=False) -> None:
     has_copy = len(lists) == 4
@@ -118,7 +124,7 @@ def sgd(noop_flag, lists, *, lr, wd, momentum, dampening, nesterov, first_run, w
                   float(lr), float(wd), float(momentum), 1.0 - float(dampening), float(scale),
                   float(trust_coefficient), float(eps),
                   options=(momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy,
-                           bool(lars), rounded, tab.aligned))
+                           bool(lars), rounded, tab.aligned), op=OP, default_parts=1)
 
 
 def tables(lists) -> list:
@@ -137,5 +143,7 @@ def run(tabs: list, has_copy: bool, noop_flag, *, lr, wd, momentum, dampening, n
     flags = (momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum), has_copy, False)
     for tab in tabs:
         rounded = not has_copy and tab.dtypes[1] != tl.float32  # (as sgd: fp16/bf16 weights without masters)
-        _sgd_kernel[(tab.n_chunks,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
-                                     *args, *tab.dtypes, *flags, rounded, tab.aligned, tab.chunk, tab.block)
+        programs, parts, _, block, warps = mt.parts(OP, tab, default_parts=1)  # (mt.launch's, inline)
+        _sgd_kernel[(programs,)](tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, tab.n_tensors,
+                                 *args, *tab.dtypes, *flags, rounded, tab.aligned, tab.chunk, block, parts,
+                                 num_warps=warps)

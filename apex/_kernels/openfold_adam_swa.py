@@ -66,9 +66,11 @@ def _ptr(ptrs, list_index, n_tensors, t, DT: tl.constexpr, ALIGNED: tl.constexpr
 def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, clip_ptr,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, C_DT: tl.constexpr, S_DT: tl.constexpr,
                      M_DT: tl.constexpr, V_DT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                     MODE: tl.constexpr, FIRST_AVERAGE: tl.constexpr, CT: tl.constexpr, ALIGNED: tl.constexpr):
+                     MODE: tl.constexpr, FIRST_AVERAGE: tl.constexpr, CT: tl.constexpr, ALIGNED: tl.constexpr,
+                     PARTS: tl.constexpr = 1):
     # (ALIGNED: the table's ``aligned``: vector accesses, see _ptr)
-    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED)
+    # PARTS programs a chunk, each walking CHUNK // PARTS elements of it (mt.parts)
+    t, start, n = mt.chunk_coords(sizes, chunk_tensor, chunk_start, ALIGNED, PARTS, CHUNK // PARTS)
     wide = (G_DT == tl.float64) | (P_DT == tl.float64) | (C_DT == tl.float64) | (S_DT == tl.float64) | \
         (M_DT == tl.float64) | (V_DT == tl.float64)
     g_ptr = _ptr(ptrs, 0, n_tensors, t, G_DT, ALIGNED, wide)
@@ -88,7 +90,7 @@ def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, c
     one_m_b2 = (1.0 - tl.load(hyper + 2)).to(CT)
     one_m_decay = (1.0 - tl.load(hyper + 7)).to(CT)
     clip = tl.load(clip_ptr).to(CT)
-    for off in range(0, CHUNK, BLOCK):
+    for off in range(0, CHUNK // PARTS, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(CT) * clip
@@ -118,6 +120,9 @@ def _adam_swa_kernel(ptrs, sizes, chunk_tensor, chunk_start, n_tensors, hyper, c
         tl.store(v_ptr + idx, _to(v, V_DT), mask=mask)
 
 
+OP = "openfold_adam_swa"  # its name in apex._kernels._tuning (mt.parts' grid: element-wise)
+
+
 def adam_swa(lists, hyper: torch.Tensor, clip: torch.Tensor, mode: int, first_average: bool) -> None:
     """One launch per group of tensors sharing (device, dtype of each list). ``hyper``: fp64 tensor indexed
     by ``LR … DECAY`` on the parameters' device; ``clip``: one-element tensor scaling the gradients."""
@@ -125,4 +130,4 @@ def adam_swa(lists, hyper: torch.Tensor, clip: torch.Tensor, mode: int, first_av
         ct = tl.float64 if sub[1][0].dtype == torch.float64 else tl.float32
         tab = mt.table(sub)
         mt.launch(_adam_swa_kernel, tab, hyper, clip, MODE=int(mode), FIRST_AVERAGE=bool(first_average), CT=ct,
-                  ALIGNED=tab.aligned)
+                  ALIGNED=tab.aligned, op=OP)

@@ -98,7 +98,7 @@ sig = {"ptrs": "*i64", "sizes": "*i64", "chunk_tensor": "*i32", "chunk_start": "
        "hyper": "*fp64", "clip_ptr": "*fp64"}
 build(S._adam_swa_kernel, sig, {"G_DT": tl.bfloat16, "P_DT": tl.float64, "C_DT": tl.bfloat16, "S_DT": tl.float64,
       "M_DT": tl.float64, "V_DT": tl.float64, "CHUNK": 65536, "BLOCK": 1024, "MODE": 2, "FIRST_AVERAGE": False,
-      "CT": tl.float64, "ALIGNED": False})
+      "CT": tl.float64, "ALIGNED": False, "PARTS": 4})
 print("compiled")
 """
 

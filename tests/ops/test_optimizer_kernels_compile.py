@@ -30,9 +30,9 @@ adam = dict(base, noop_flag="*i32", lr_ptr="*fp32", step_ptr="*fp32", inv_scale_
 sgd = dict(base, noop_flag="*i32", grad_norms="*fp32", param_norms="*fp32", lr="fp32", wd="fp32", momentum="fp32",
            one_m_dampening="fp32", scale="fp32", trust_coefficient="fp32", eps="fp32", G_DT=c, W_DT=c, M_DT=c, C_DT=c,
            CHUNK=c, BLOCK=c, HAS_MOMENTUM=c, FIRST_RUN=c, NESTEROV=c, WD_AFTER=c, HAS_COPY=c, LARS=c, ROUND=c,
-           ALIGNED=c)
+           ALIGNED=c, PARTS=c)
 ada = dict(base, lr="fp32", eps="fp32", weight_decay="fp32", G_DT=c, P_DT=c, H_DT=c, CHUNK=c, BLOCK=c, MODE=c,
-           ALIGNED=c)
+           ALIGNED=c, PARTS=c)
 f32, bf16, f16 = tl.float32, tl.bfloat16, tl.float16
 jobs = [
     (A._adam_kernel, adam, dict(G_DT=bf16, P_DT=bf16, M_DT=f32, V_DT=f32, W_DT=f32, CHUNK=65536, BLOCK=1024,
@@ -43,12 +43,13 @@ jobs = [
                                 PARTS=4)),
     (S._sgd_kernel, sgd, dict(G_DT=f16, W_DT=f32, M_DT=f32, C_DT=f16, CHUNK=65536, BLOCK=1024, HAS_MOMENTUM=True,
                               FIRST_RUN=False, NESTEROV=True, WD_AFTER=True, HAS_COPY=True, LARS=True, ROUND=False,
-                              ALIGNED=False)),
+                              ALIGNED=False, PARTS=4)),
     # fp16 parameters without masters: torch.optim.SGD's rounding after each operation.
     (S._sgd_kernel, sgd, dict(G_DT=f16, W_DT=f16, M_DT=f16, C_DT=f16, CHUNK=65536, BLOCK=1024, HAS_MOMENTUM=True,
                               FIRST_RUN=False, NESTEROV=True, WD_AFTER=False, HAS_COPY=False, LARS=False, ROUND=True,
-                              ALIGNED=False)),
-    (G._adagrad_kernel, ada, dict(G_DT=bf16, P_DT=bf16, H_DT=bf16, CHUNK=65536, BLOCK=1024, MODE=1, ALIGNED=False)),
+                              ALIGNED=False, PARTS=1)),
+    (G._adagrad_kernel, ada, dict(G_DT=bf16, P_DT=bf16, H_DT=bf16, CHUNK=65536, BLOCK=1024, MODE=1, ALIGNED=False,
+                                  PARTS=4)),
 ]
 for fn, sig, consts in jobs:
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
