@@ -81,17 +81,55 @@ def _tiles(M: int, N: int) -> tuple[int, int, tuple[int, int]]:
     return bm, bn, (cdiv(M, bm), cdiv(N, bn))
 
 
+class Plan:
+    """The launches of one ``[M, N]`` size (``M·N > 0``): tiles, and each kernel bound to its grid
+    (``kernel[grid]`` builds that closure at every call otherwise). Each kernel's argument list is written once,
+    in a method below; this module's launchers and ``apex.ops._bias_act_direct`` (which keeps the plan of an
+    input layout) both launch through them. ``sx*``, ``sd*``: the row and column strides of ``x`` and ``dy``;
+    the outputs are contiguous ``[M, N]`` (and ``[N]``). The constexprs go positionally: a keyword costs a
+    launch a dictionary entry to build and bind (~2,000 instructions)."""
+
+    __slots__ = ("M", "N", "bm", "bn", "cbm", "cbn", "_fwd", "_bwd", "_bwd_db")
+
+    def __init__(self, M: int, N: int):
+        self.M, self.N = M, N
+        self.bm, self.bn, grid = _tiles(M, N)
+        self.cbm, self.cbn, cgrid = column_tiles(M, N)
+        self._fwd, self._bwd, self._bwd_db = _fwd_kernel[grid], _bwd_kernel[grid], _bwd_db_kernel[cgrid]
+
+    def forward(self, x, sx0: int, sx1: int, bias, y) -> None:
+        self._fwd(x, bias if bias is not None else x, y, self.M, self.N, sx0, sx1, bias is not None, self.bm,
+                  self.bn)  # HAS_BIAS, BLOCK_M, BLOCK_N
+
+    def backward(self, dy, sd0: int, sd1: int, x, sx0: int, sx1: int, bias, dx) -> None:
+        self._bwd(dy, x, bias if bias is not None else x, dx, self.M, self.N, sd0, sd1, sx0, sx1, bias is not None,
+                  self.bm, self.bn)  # HAS_BIAS, BLOCK_M, BLOCK_N
+
+    def backward_db(self, dy, sd0: int, sd1: int, x, sx0: int, sx1: int, bias, dx, db) -> None:
+        """``dx`` and ``db = Σ_rows dx`` (``bias`` contiguous) in one launch."""
+        self._bwd_db(dy, x, bias, dx, db, self.M, self.N, sd0, sd1, sx0, sx1, self.cbm, self.cbn)  # BLOCK_M/N
+
+
+_PLANS: dict = {}  # (M, N) -> Plan: pure functions of the size, never stale
+
+
+def plan(M: int, N: int) -> Plan:
+    p = _PLANS.get((M, N))
+    if p is None:
+        if len(_PLANS) >= 256:  # sizes that keep changing (variable batch): stay bounded
+            _PLANS.clear()
+        p = _PLANS[(M, N)] = Plan(M, N)
+    return p
+
+
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x`` a 2-D ``[M, N]`` view; returns contiguous ``[M, N]``."""
     M, N = x.shape
     # new_empty takes x's device (and usually its dtype): no arguments to parse for them.
     y = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
-        bm, bn, grid = _tiles(M, N)
         sx = x.stride()  # one tuple: stride(dim) parses its int-or-name overloads on every call
-        # The constexprs positionally (HAS_BIAS, BLOCK_M, BLOCK_N): each keyword costs a launch ~2,000
-        # instructions of dictionary building and binding.
-        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, sx[0], sx[1], bias is not None, bm, bn)
+        plan(M, N).forward(x, sx[0], sx[1], bias, y)
     return y
 
 
@@ -99,10 +137,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
     M, N = x.shape
     dx = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
-        bm, bn, grid = _tiles(M, N)
         sd, sx = dy.stride(), x.stride()
-        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, sd[0], sd[1], sx[0], sx[1],
-                          bias is not None, bm, bn)  # HAS_BIAS, BLOCK_M, BLOCK_N
+        plan(M, N).backward(dy, sd[0], sd[1], x, sx[0], sx[1], bias, dx)
     return dx
 
 
@@ -113,7 +149,10 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     dx = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     db = bias.new_empty(N)
     if N:
-        bm, bn, grid = column_tiles(M, N)
         sd, sx = dy.stride(), x.stride()
-        _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, sd[0], sd[1], sx[0], sx[1], bm, bn)  # BLOCK_M, BLOCK_N
+        if M:
+            plan(M, N).backward_db(dy, sd[0], sd[1], x, sx[0], sx[1], bias, dx, db)
+        else:  # no rows: the kernel writes dbias = 0 (a plan is of a non-empty size)
+            bm, bn, grid = column_tiles(M, N)
+            _bwd_db_kernel[grid](dy, x, bias, dx, db, M, N, sd[0], sd[1], sx[0], sx[1], bm, bn)  # BLOCK_M, BLOCK_N
     return dx, db

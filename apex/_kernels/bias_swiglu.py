@@ -103,19 +103,46 @@ def _config(op: str, x: torch.Tensor, M: int, N: int) -> dict:
     return _tuning.pick(op, x.device, x.element_size(), (M, N), {"rows": bm, "cols": bn, "warps": 4})
 
 
-# (direction, M, N, itemsize, device index) -> (configuration, grid): what a launch derives from its shape.
+class Tiles:
+    """The forward or backward launch of one ``[M, 2N]`` size (``M·N > 0``): its configuration and kernel bound
+    to its grid (``kernel[grid]`` builds that closure at every call otherwise). The argument lists are written
+    once, here; this module's launchers and ``apex.ops._bias_act_direct`` both launch through them. ``sx*``,
+    ``sd*``: the row and column strides of ``x`` and ``dy``. The constexprs go positionally (a keyword costs a
+    launch a dictionary entry to build and bind, ~2,000 instructions)."""
+
+    __slots__ = ("cfg", "M", "N", "bm", "bn", "warps", "_launch")
+
+    def __init__(self, key: tuple, x: torch.Tensor):
+        op, M, N = key[0], key[1], key[2]
+        cfg = self.cfg = _config(op, x, M, N)
+        self.M, self.N, self.bm, self.bn, self.warps = M, N, cfg["rows"], cfg["cols"], cfg["warps"]
+        kernel = _fwd_kernel if op == FWD else _bwd_kernel
+        self._launch = kernel[(cdiv(M, self.bm), cdiv(N, self.bn))]
+
+    def forward(self, x, sx0: int, sx1: int, bias, y) -> None:
+        self._launch(x, bias if bias is not None else x, y, self.M, self.N, sx0, sx1, bias is not None, self.bm,
+                     self.bn, num_warps=self.warps)  # HAS_BIAS, BLOCK_M, BLOCK_N
+
+    def backward(self, dy, sd0: int, sd1: int, x, sx0: int, sx1: int, bias, dx) -> None:
+        self._launch(dy, x, bias if bias is not None else x, dx, self.M, self.N, sd0, sd1, sx0, sx1,
+                     bias is not None, self.bm, self.bn, num_warps=self.warps)  # HAS_BIAS, BLOCK_M, BLOCK_N
+
+
+FWD, BWD, BWD_DB = "bias_swiglu.fwd", "bias_swiglu.bwd", "bias_swiglu.bwd_db"
+# (op, M, N, itemsize, device index) -> Tiles or DbPlan: what a launch derives from its shape.
 _PLANS = _tuning.plan_cache()
 
 
-def _plan(op: str, x: torch.Tensor, M: int, N: int) -> tuple[dict, tuple[int, int]]:
-    key = (op, M, N, x.element_size(), x.get_device())
-    plan = _PLANS.get(key)
-    if plan is None:
-        cfg = _config(op, x, M, N)
-        plan = _PLANS[key] = (cfg, (cdiv(M, cfg["rows"]), cdiv(N, cfg["cols"])))
+def planned(key: tuple, x: torch.Tensor):
+    """The plan of ``key = (op, M, N, x.element_size(), x.get_device())`` for a launch on ``x``'s device: a
+    :class:`Tiles` (``FWD``, ``BWD``) or a :class:`DbPlan` (``BWD_DB``); ``_tuning.last[op]`` its
+    configuration, as :func:`_tuning.pick` records it (the configuration this launch takes)."""
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = DbPlan(key, x) if key[0] == BWD_DB else Tiles(key, x)
     else:
-        _tuning.last[op] = plan[0]  # as pick records it: the configuration this launch takes
-    return plan
+        _tuning.last[key[0]] = p.cfg
+    return p
 
 
 def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -125,12 +152,8 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) 
     # arguments to parse for them.
     y = x.new_empty(M, N) if out_dtype is x.dtype else x.new_empty(M, N, dtype=out_dtype)
     if M * N:
-        cfg, grid = _plan("bias_swiglu.fwd", x, M, N)
         sx = x.stride()  # one tuple: stride(dim) parses its int-or-name overloads on every call
-        # The constexprs positionally (HAS_BIAS, BLOCK_M, BLOCK_N): each keyword costs a launch ~2,000
-        # instructions of dictionary building and binding.
-        _fwd_kernel[grid](x, bias if bias is not None else x, y, M, N, sx[0], sx[1], bias is not None, cfg["rows"],
-                          cfg["cols"], num_warps=cfg["warps"])
+        planned((FWD, M, N, x.element_size(), x.get_device()), x).forward(x, sx[0], sx[1], bias, y)
     return y
 
 
@@ -139,10 +162,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_d
     M, N = x.shape[0], x.shape[1] // 2
     dx = x.new_empty(M, 2 * N) if out_dtype is x.dtype else x.new_empty(M, 2 * N, dtype=out_dtype)
     if M * N:
-        cfg, grid = _plan("bias_swiglu.bwd", x, M, N)
         sd, sx = dy.stride(), x.stride()
-        _bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, M, N, sd[0], sd[1], sx[0], sx[1],
-                          bias is not None, cfg["rows"], cfg["cols"], num_warps=cfg["warps"])  # HAS_BIAS, BLOCK_M/N
+        planned((BWD, M, N, x.element_size(), x.get_device()), x).backward(dy, sd[0], sd[1], x, sx[0], sx[1], bias,
+                                                                           dx)
     return dx
 
 
@@ -168,6 +190,34 @@ def _db_formula(M: int, N: int, dev: torch.device) -> dict:
     return {"rows": rows, "cols": cols, "warps": 4, "stages": 1, "splits": splits}
 
 
+class DbPlan:
+    """The backward with the bias gradient of one ``[M, 2N]`` size (``N > 0``): :func:`_db_formula`'s
+    configuration (or ``_tuning``'s), the rows per chunk, the kernel bound to its grid and, where the rows are
+    split, the fixed-order sum of the chunks' fp32 partials bound to its own."""
+
+    __slots__ = ("cfg", "M", "N", "per", "splits", "bm", "bn", "stages", "warps", "_launch", "_reduce")
+
+    def __init__(self, key: tuple, x: torch.Tensor):
+        op, M, N = key[0], key[1], key[2]
+        dev = x.device
+        cfg = self.cfg = _tuning.pick(op, dev, key[3], (M, N), _db_formula(M, N, dev))
+        per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
+        self.M, self.N, self.per, self.splits = M, N, per, cdiv(max(M, 1), per)
+        self.bm, self.bn, self.stages, self.warps = cfg["rows"], cfg["cols"], cfg["stages"], cfg["warps"]
+        self._launch = _bwd_db_kernel[(cdiv(N, self.bn), self.splits)]
+        self._reduce = _norm._reduce_kernel[(cdiv(2 * N, 128),)]
+
+    def backward_db(self, dy, sd0: int, sd1: int, x, sx0: int, sx1: int, bias, dx, db) -> None:
+        """``dx`` and ``db = Σ_rows dx`` (``bias`` contiguous): one launch, two where the rows are split."""
+        splits, N = self.splits, self.N
+        part = x.new_empty(splits, 2 * N, dtype=torch.float32) if splits > 1 else db
+        self._launch(dy, x, bias, dx, db, part, self.M, N, self.per, sd0, sd1, sx0, sx1, self.bm, self.bn,
+                     self.stages, splits > 1, num_warps=self.warps)  # BLOCK_M, BLOCK_N, STAGES, SPLIT
+        if splits > 1:
+            # The norms' fixed-order column sum of fp32 partial rows, one rounding to the bias dtype.
+            self._reduce(part, part, db, db, splits, 2 * N, False, 32, 128)
+
+
 def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
                             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`backward`, also returning ``dbias = Σ_rows dx`` (fp32 sums, one rounding to the bias dtype),
@@ -176,23 +226,7 @@ def backward_with_bias_grad(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     dx = x.new_empty(M, 2 * N) if out_dtype is x.dtype else x.new_empty(M, 2 * N, dtype=out_dtype)
     db = bias.new_empty(2 * N)
     if N:
-        key = ("bias_swiglu.bwd_db", M, N, x.element_size(), x.get_device())
-        plan = _PLANS.get(key)
-        if plan is None:
-            dev = x.device
-            cfg = _tuning.pick(key[0], dev, key[3], (M, N), _db_formula(M, N, dev))
-            per = cdiv(cdiv(max(M, 1), cfg["splits"]), cfg["rows"]) * cfg["rows"]
-            plan = _PLANS[key] = (cfg, per, cdiv(max(M, 1), per))
-        else:
-            _tuning.last[key[0]] = plan[0]
-        cfg, per, splits = plan
-        part = x.new_empty(splits, 2 * N, dtype=torch.float32) if splits > 1 else db
         sd, sx = dy.stride(), x.stride()
-        _bwd_db_kernel[(cdiv(N, cfg["cols"]), splits)](
-            dy, x, bias, dx, db, part, M, N, per, sd[0], sd[1], sx[0], sx[1],
-            cfg["rows"], cfg["cols"], cfg["stages"], splits > 1,  # BLOCK_M, BLOCK_N, STAGES, SPLIT
-            num_warps=cfg["warps"])
-        if splits > 1:
-            # The norms' fixed-order column sum of fp32 partial rows, one rounding to the bias dtype.
-            _norm._reduce_kernel[(cdiv(2 * N, 128),)](part, part, db, db, splits, 2 * N, False, 32, 128)
+        planned((BWD_DB, M, N, x.element_size(), x.get_device()), x).backward_db(dy, sd[0], sd[1], x, sx[0], sx[1],
+                                                                                 bias, dx, db)
     return dx, db

@@ -107,18 +107,39 @@ def _tiles(m: int, f: int):
     return rows, block_f
 
 
-_PLANS = _tuning.plan_cache()  # (rows, features, which launcher) -> (grid, ROWS, BLOCK_F)
+_PLANS = _tuning.plan_cache()  # (rows, features, which launcher) -> (launch, ROWS, BLOCK_F)
 
 
-def _plan(m: int, f: int, segment: bool) -> tuple:
+def plan(m: int, f: int, segment: bool) -> tuple:
+    """``(launch, ROWS, BLOCK_F)`` of the gather-multiply over ``m`` rows (``segment`` False) or of the segment
+    sum into ``m`` rows (True) of ``f`` features: the kernel bound to its grid (``kernel[grid]`` builds that
+    closure at every call otherwise) and its tiles."""
     key = (m, f, segment)
     p = _PLANS.get(key)
     if p is None:
         rows, bf = _tiles(m, f)
         if segment and _INTERP:
             rows = min(rows, 16)
-        p = _PLANS[key] = ((cdiv(m, rows), cdiv(f, bf)), rows, bf)
+        p = _PLANS[key] = ((_segment_mul_sum if segment else _gather_mul)[(cdiv(m, rows), cdiv(f, bf))], rows, bf)
     return p
+
+
+# The launches' argument lists, written once: this module's launchers and apex.ops._index_mul_direct (which keeps
+# the plans of a layout) both launch through them. The constexprs go positionally: a keyword costs a launch a
+# dictionary entry to build and bind (~2,000 instructions).
+def launch_gather(p: tuple, a, b, idx, out, R: int, m: int, f: int, sa: int, sb: int) -> None:
+    """``out = a[idx] * b`` (``out`` contiguous ``[m, f]``) with the plan ``p`` of ``(m, f, False)``; ``sa``,
+    ``sb`` the row strides of ``a`` (``R`` rows) and ``b`` (unit feature strides)."""
+    p[0](a, b, idx, out, R, m, f, sa, sb, f, p[1], p[2])  # ROWS, BLOCK_F
+
+
+def launch_segment(p: tuple, g, b, perm, ordered, out, a, out2, R: int, m: int, f: int, sg: int, sb: int,
+                   sa: int) -> None:
+    """The segment sum into ``out`` (contiguous ``[R, f]``) with the plan ``p`` of ``(R, f, True)``; with ``a``
+    (row stride ``sa``) also ``out2 = a[idx] * g`` (contiguous ``[m, f]``), else ``a`` and ``out2`` None."""
+    pair = a is not None
+    p[0](g, b, perm, ordered, out, a if pair else out, out2 if pair else out, R, m, f, m.bit_length(), sg, sb, f,
+         sa if pair else 0, f if pair else 0, p[1], p[2], pair)  # ROWS, BLOCK_F, PAIR
 
 
 def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -128,8 +149,7 @@ def gather_mul(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out_dtype: t
     # new_empty with integer sizes: ~1 µs less than torch.empty((m, f), device=..., dtype=...).
     out = b.new_empty(m, f) if out_dtype == b.dtype else b.new_empty(m, f, dtype=out_dtype)
     if m and f:
-        grid, rows, bf = _plan(m, f, False)
-        _gather_mul[grid](a, b, idx, out, a.shape[0], m, f, a.stride(0), b.stride(0), f, ROWS=rows, BLOCK_F=bf)
+        launch_gather(plan(m, f, False), a, b, idx, out, a.shape[0], m, f, a.stride(0), b.stride(0))
     return out
 
 
@@ -149,10 +169,7 @@ def segment_mul_sum(g: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rows_ou
             out2.zero_()  # every index is out of range (or no features)
         return (out, out2) if pair else out
     ordered, perm = order if order else torch.sort(idx, stable=True)
-    grid, rows, bf = _plan(rows_out, f, True)
     # out and out2 are contiguous: their row stride is f.
-    _segment_mul_sum[grid](
-        g, b, perm, ordered, out, a if pair else out, out2 if pair else out, rows_out, m, f, m.bit_length(),
-        g.stride(0), b.stride(0), f, a.stride(0) if pair else 0, f if pair else 0,
-        ROWS=rows, BLOCK_F=bf, PAIR=pair)
+    launch_segment(plan(rows_out, f, True), g, b, perm, ordered, out, a, out2, rows_out, m, f, g.stride(0),
+                   b.stride(0), a.stride(0) if pair else 0)
     return (out, out2) if pair else out

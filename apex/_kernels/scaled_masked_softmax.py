@@ -230,6 +230,27 @@ def _mask_strides(mask: torch.Tensor, shape: torch.Size) -> tuple[int, int, int,
 _MASK_STRIDES: dict = {}  # (mask shape, mask strides, scores shape) -> _mask_strides' answer (pure: never stale)
 
 
+def forward_launch(x: torch.Tensor, mask: torch.Tensor | None, causal: bool, max_block: int | None) -> tuple:
+    """``(launch, tail, warps)`` of the forward on the non-empty 4-D scores ``x``: the launch is
+    ``launch(x, mask or x, y, scale, *tail, num_warps=warps)``, ``tail`` every argument after the scale (sizes,
+    strides, constexprs), a function of ``x``'s shape, strides, dtype and device, ``mask``'s shape and strides
+    (or None), ``causal`` (a bool) and ``max_block``: :func:`forward` launches it, and
+    ``apex.ops._softmax_direct`` keeps it per layout."""
+    b, h, sq, sk = x.shape
+    n_rows = b * h * sq
+    key = (n_rows, sk, max_block, x.dtype, causal, x.get_device())
+    plan = _FWD_PLANS.get(key)
+    # (A hit leaves _tuning.last as the miss recorded it: the sweep times each configuration from its first
+    # launch, a miss.)
+    rows, block, one, warps, launch = plan if plan is not None else _plan(x, key, False)
+    # A bool mask is read as it is: Triton loads a bool pointer's bytes and compares them with zero (no uint8
+    # view, an operator call at every forward).
+    ms = _mask_strides(mask, x.shape) if mask is not None else (0, 0, 0, 0)  # (no mask: never read)
+    # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a
+    # dictionary entry to build and bind.
+    return launch, (n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, causal, rows, block, one), warps
+
+
 def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
             max_block: int | None = None) -> torch.Tensor:
     """Probabilities of the 4-D scores ``x`` (any strides); ``mask`` broadcasts to ``x``'s shape (at most
@@ -238,27 +259,24 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bo
     # Integer sizes (a tuple costs ~1 µs more to parse); new_empty takes x's dtype and device (no arguments to
     # parse for them).
     y = x.new_empty(b, h, sq, sk)
-    n_rows = b * h * sq
-    if n_rows * sk == 0:
+    if b * h * sq * sk == 0:
         return y
-    causal = bool(causal)
-    key = (n_rows, sk, max_block, x.dtype, causal, x.get_device())
-    plan = _FWD_PLANS.get(key)
-    # (A hit leaves _tuning.last as the miss recorded it: the sweep times each configuration from its first
-    # launch, a miss.)
-    rows, block, one, warps, launch = plan if plan is not None else _plan(x, key, False)
-    if mask is not None:
-        # A bool mask is read as it is: Triton loads a bool pointer's bytes and compares them with zero (no
-        # uint8 view, an operator call at every forward).
-        m, ms = mask, _mask_strides(mask, x.shape)
-    else:
-        m, ms = x, (0, 0, 0, 0)  # never read
-    # The constexprs positionally (HAS_MASK, CAUSAL, ROWS, BLOCK, ONE_BLOCK): a keyword costs the launch a
-    # dictionary entry to build and bind.
-    launch(
-        x, m, y, float(scale), n_rows, h, sq, sk, *x.stride(), *ms, mask is not None, causal, rows, block, one,
-        num_warps=warps)
+    launch, tail, warps = forward_launch(x, mask, bool(causal), max_block)
+    launch(x, mask if mask is not None else x, y, float(scale), *tail, num_warps=warps)
     return y
+
+
+def backward_plan(key: tuple, y: torch.Tensor) -> tuple:
+    """The backward's ``(ROWS, BLOCK, ONE_BLOCK, warps, launch)`` of ``key = (n_rows, sk, max_block, y.dtype,
+    causal, y.get_device())``."""
+    plan = _BWD_PLANS.get(key)
+    return plan if plan is not None else _plan(y, key, True)
+
+
+def backward_tail(plan: tuple, sizes: tuple, sd: tuple, sy: tuple, causal: bool) -> tuple:
+    """The backward launch's arguments after the scale: ``launch(dy, y, dx, scale, *tail, num_warps=plan[3])``
+    for ``sizes = (n_rows, h, sq, sk)`` and the 4-D strides of ``dy`` and ``y``."""
+    return (*sizes, *sd, *sy, causal, plan[0], plan[1], plan[2])  # CAUSAL, ROWS, BLOCK, ONE_BLOCK
 
 
 def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_dtype: torch.dtype,
@@ -270,10 +288,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_
     if n_rows * sk == 0:
         return dx
     causal = bool(causal)
-    key = (n_rows, sk, max_block, y.dtype, causal, y.get_device())
-    plan = _BWD_PLANS.get(key)
-    rows, block, one, warps, launch = plan if plan is not None else _plan(y, key, True)
-    launch(
-        dy, y, dx, float(scale), n_rows, h, sq, sk, *dy.stride(), *y.stride(), causal, rows, block, one,
-        num_warps=warps)  # CAUSAL, ROWS, BLOCK, ONE_BLOCK
+    plan = backward_plan((n_rows, sk, max_block, y.dtype, causal, y.get_device()), y)
+    plan[4](dy, y, dx, float(scale), *backward_tail(plan, (n_rows, h, sq, sk), dy.stride(), y.stride(), causal),
+            num_warps=plan[3])
     return dx

@@ -81,11 +81,16 @@ def _backward_with_bias_grad(grad_output: Tensor, input: Tensor, bias: Tensor) -
 
 # ------------------------------------------------------------------------------------------ custom ops
 # The ops run the unchecked forms (see bias_swiglu's).
-_run = register_bias_act_ops("bias_gelu", _forward, _backward, _backward_with_bias_grad, lambda shape: shape)
+_run = register_bias_act_ops("bias_gelu", _forward, _backward, _backward_with_bias_grad, lambda shape: shape, False,
+                             _kernels)
 _fwd_op = _run.op
+_lean = _run.lean
 
 
 def bias_gelu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable tanh-approximate GELU of ``input + bias``."""
-    check_args(input, bias, glu=False)
-    return _run(input, bias)
+    out = _lean(input, bias)  # a planned eager Triton call: its checks passed for the same facts
+    if out is None:
+        check_args(input, bias, glu=False)
+        out = _run(input, bias)
+    return out

@@ -22,6 +22,7 @@ from torch._C import _any_requires_grad, _are_functorch_transforms_active, _is_t
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex._backend import select_tensor
+from apex.ops._bias_act_direct import Lean
 from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE, custom_op, lazy_module
 from apex.ops._norm import _same_device
 
@@ -169,13 +170,15 @@ def bias_grad(dx: Tensor, bias: Tensor) -> Tensor:
 
 
 def register_bias_act_ops(name: str, forward: Callable, backward: Callable, backward_with_bias_grad: Callable,
-                          out_shape: Callable) -> Callable:
+                          out_shape: Callable, glu: bool, kernels: Callable) -> Callable:
     """The custom ops ``apex::<name>_fwd``, ``_bwd`` and ``_bwd_dbias`` over a bias + activation's dispatch
     functions, with fake implementations (``torch.compile``) and the autograd formula, which takes the bias
     gradient from the backward's own launch when the bias needs one. Returns the function a checked call
     takes: the forward op while compiling, exporting or tracing, under a dispatch mode or ``torch.func``
     transform, or for a tensor subclass; otherwise the dispatch functions themselves, inside one plain
-    ``autograd.Function`` when a gradient is needed (the custom op's eager call without its layers)."""
+    ``autograd.Function`` when a gradient is needed (the custom op's eager call without its layers). Its
+    ``lean`` attribute is the call's planned eager Triton path (:class:`apex.ops._bias_act_direct.Lean`, ``glu``
+    its activation, ``kernels`` its kernel module's getter), which the entry tries before checking."""
 
     @custom_op(f"apex::{name}_fwd")
     def fwd(input: Tensor, bias: Tensor | None) -> Tensor:
@@ -243,21 +246,27 @@ def register_bias_act_ops(name: str, forward: Callable, backward: Callable, back
         return forward(input, bias)
 
     run.op = fwd  # type: ignore[attr-defined]
+    run.lean = Lean(glu, kernels, autograd_backward, (forward, backward, backward_with_bias_grad),  # type: ignore
+                    check_args).run
     return run
 
 
 # The ops run the unchecked forms: their one caller, bias_swiglu, checked the arguments (and torch.compile
 # records them after that check); the backward's tensors are the forward's.
 _run = register_bias_act_ops("bias_swiglu", _forward, _backward, _backward_with_bias_grad,
-                             lambda shape: (*shape[:-1], shape[-1] // 2))
+                             lambda shape: (*shape[:-1], shape[-1] // 2), True, _kernels)
 _fwd_op = _run.op
+_lean = _run.lean
 
 
 # ------------------------------------------------------------------------------------- autograd entry
 def bias_swiglu(input: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable ``silu(x₁ + b₁)·(x₂ + b₂)`` over the halves of ``input``'s last dim."""
-    check_args(input, bias)
-    return _run(input, bias)
+    out = _lean(input, bias)  # a planned eager Triton call: its checks passed for the same facts
+    if out is None:
+        check_args(input, bias)
+        out = _run(input, bias)
+    return out
 
 
 def swiglu(input: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from apex._errors import AssertValueError, RuntimeTypeError, RuntimeValueError
 from apex.ops._dispatch import lazy_module
+from apex.ops._index_mul_direct import Lean
 from apex.ops._norm import check_devices, select
 
 Tensor = torch.Tensor
@@ -128,8 +129,9 @@ class IndexOrders:
         """``(idx, ordered, perm)``: ``idx1`` as a contiguous int64 tensor, and its stable sort."""
         key = id(idx1)
         e = self._entries.get(key)
+        # (len: its size, one slot call; stride(), no argument: stride(0) parses its int-or-name overloads)
         if e is not None and e[0]() is idx1 and e[1] == idx1._version and e[2] == idx1.data_ptr() and \
-                e[3] == idx1.shape[0] and e[4] == idx1.stride(0):
+                e[3] == len(idx1) and e[4] == idx1.stride():
             idx, ordered, perm = e[5]
             return idx1 if idx is None else idx, ordered, perm
         idx = _idx64(idx1)
@@ -141,7 +143,7 @@ class IndexOrders:
             del entries[next(iter(entries))]  # the oldest
         ref = weakref.ref(idx1, lambda r, key=key: entries.pop(key) if entries.get(key, (None,))[0] is r else None)
         # Not idx1 itself (a strong reference would keep it, and its entry, alive): None stands for it.
-        entries[key] = (ref, idx1._version, idx1.data_ptr(), idx1.shape[0], idx1.stride(0),
+        entries[key] = (ref, idx1._version, idx1.data_ptr(), len(idx1), idx1.stride(),
                         (None if idx is idx1 else idx, ordered, perm))
         return idx, ordered, perm
 
@@ -230,8 +232,24 @@ class IndexMul2dBackward(torch.autograd.Function):
         return d_in1, d_in2, None, d_g
 
 
+def _general_backward(grad_out: Tensor, in1: Tensor, in2: Tensor, idx: Tensor, order: tuple) -> tuple:
+    """:meth:`IndexMul2d.backward` of the Triton path, for the planned path's Function (its saved inputs, int64
+    index and sort)."""
+    if torch.is_grad_enabled():  # create_graph: the gradients are themselves differentiable
+        return IndexMul2dBackward.apply(in1, in2, idx, grad_out)
+    return _kernels().segment_mul_sum(_rows(grad_out), _rows(in2), idx, in1.shape[0], in2.dtype, _rows(in1), order)
+
+
+# The planned eager Triton path (apex.ops._index_mul_direct), which the entry tries first: a hit stands for the
+# checks, which passed for the same facts.
+_lean = Lean(_kernels, _check, _idx64, _general_backward).run
+
+
 def index_mul_2d(in1: Tensor, in2: Tensor, idx1: Tensor) -> Tensor:
     """``in1[idx1] * in2``, differentiable twice in ``in1`` and ``in2``."""
+    out = _lean(in1, in2, idx1, _ORDERS)
+    if out is not None:
+        return out
     # Outside torch.func transforms and tracing, the C++ Function.apply without its Python wrapper (which
     # unwraps torch.func's dead wrappers, ~4 µs).
     if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
