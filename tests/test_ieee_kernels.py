@@ -16,10 +16,7 @@ where a GPU launch passes fp32, so neither class shows in an interpreted test. T
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import torch
 
 from apex.testing import rel_error
 from tests import _device
+from tests._compiled import run_uninterpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,14 +248,8 @@ _PTX_SCRIPT = textwrap.dedent('''
 def approximate_instructions(calls: list[str], cwd: Path = ROOT, timeout: int = 600) -> dict[str, dict[str, int]]:
     """``{kernel: {instruction: count}}`` over the sm_90 PTX of every kernel that ``calls`` compile: each is
     ``module:function`` or ``module:function:argument``, run on CPU tensors. Every compiled kernel is a key."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "APEX_BACKEND")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "apex" / "_compat"), env.get("PYTHONPATH", "")])
-    env["APEX_BACKEND"] = "triton"
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, APPROXIMATE.pattern, *calls], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=timeout)
-    if proc.returncode != 0 and "not found" in proc.stderr and "ptxas" in proc.stderr:
-        pytest.skip("no CUDA compiler toolchain in this triton install")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_uninterpreted(["-c", _PTX_SCRIPT, APPROXIMATE.pattern, *calls], cwd=cwd, timeout=timeout,
+                             env={"APEX_BACKEND": "triton"})
     line = next(x for x in proc.stdout.splitlines() if x.startswith("PTX-FINDINGS "))
     return json.loads(line[len("PTX-FINDINGS "):])
 

@@ -5,18 +5,13 @@ known (compiled for sm_90 in a subprocess: no GPU needed)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from apex.testing import occupancy as occ
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests._compiled import run_uninterpreted
 
 
 def _res(warps=4, regs=32, shared=0, **kw) -> occ.Resources:
@@ -180,14 +175,7 @@ def known(tmp_path_factory):
     pytest.importorskip("triton")
     path = tmp_path_factory.mktemp("occ") / "known.py"
     path.write_text(KNOWN)
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "APEX_BACKEND")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=path.parent,
-                          timeout=600)
-    if proc.returncode != 0 and "not found" in proc.stderr and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
-        pytest.skip("no CUDA compiler toolchain in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_uninterpreted([str(path)], cwd=path.parent, timeout=600)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
