@@ -51,6 +51,7 @@ from apex.ops._fused_rope_checks import (  # noqa: F401
     check_sbhd,
     check_thd,
 )
+from apex.ops._rope_direct import Lean
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.fused_rope")
@@ -291,8 +292,16 @@ def _run(t: Tensor, ta: Tensor, tb: Tensor | None, tc: Tensor | None, td: Tensor
 
 
 # ------------------------------------------------------------------------------------- autograd entry
+# The planned eager Triton path (apex.ops._rope_direct): a call whose layout was checked before launches from
+# its plan; None for anything else (the general path below, its checks and errors).
+_lean = Lean(_kernels, check_sbhd, _rope_op).run
+
+
 def fused_rope(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
     """RoPE on ``t`` ``[s, b, h, d]`` with fp32 angles ``freqs`` ``[s, 1, 1, R]``, ``R ≤ d`` even."""
+    out = _lean(t, freqs, transpose_output_memory)
+    if out is not None:
+        return out
     tr = bool(transpose_output_memory)
     # Plain tensors (check_sbhd's quick test) in eager mode: _run's routing with two tensors and no cu_seqlens.
     # (torch.compiler.is_exporting() implies is_compiling(): torch.export sets both flags)

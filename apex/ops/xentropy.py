@@ -43,6 +43,7 @@ from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._checks import member_set
 from apex.ops._dispatch import custom_op, lazy_module
 from apex.ops._norm import _same_device, select
+from apex.ops._xentropy_direct import Lean
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.xentropy")
@@ -350,6 +351,9 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         Function itself (Dynamo takes ``apply`` of an autograd Function without calling this)."""
         if kwargs or not 2 <= len(args) <= 6:
             args = _bind(*args, **kwargs)
+        out = _lean(*args)  # a planned eager Triton call: its checks passed for the same facts
+        if out is not None:
+            return out
         if _are_functorch_transforms_active() or _dispatch_modes() or torch.compiler.is_compiling():
             return _op_loss(*_bind(*args))
         logits = args[0]
@@ -398,6 +402,10 @@ _EagerLoss = type("SoftmaxCrossEntropyLoss", (torch.autograd.Function,), {
     "__module__": __name__, "__qualname__": "_EagerLoss",
     "forward": staticmethod(_eager_forward), "backward": staticmethod(_eager_backward)})
 _c_apply = super(torch.autograd.Function, _EagerLoss).apply  # the C++ Function.apply
+
+# The planned eager Triton path (apex.ops._xentropy_direct): a call whose layout and scalars were checked
+# before launches from its plan; None for anything else (the general path, its checks and errors).
+_lean = Lean(_kernels, _check, _pad, _eager_backward).run
 
 
 def _check_inplace(logits: object, inplace_backward: object) -> None:

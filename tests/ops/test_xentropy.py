@@ -287,6 +287,9 @@ def test_xentropy_apply_without_a_gradient_runs_the_forward_alone(backend_name, 
     ran: list = []
     forward = X._EagerLoss.forward  # the Function an eager call with a gradient takes
     monkeypatch.setattr(X._EagerLoss, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
+    from apex.ops import _xentropy_direct as D  # the planned Triton path's Function: the same job
+    lean_forward = D._DirectLoss.forward
+    monkeypatch.setattr(D._DirectLoss, "forward", staticmethod(lambda *a: ran.append(1) or lean_forward(*a)))
     with torch.no_grad():
         got = SoftmaxCrossEntropyLoss.apply(x, lab, 0.1)
         with pytest.raises(ValueError, match="inplace_backward"):
