@@ -18,6 +18,7 @@ import torch
 
 from apex._errors import AssertValueError, RuntimeValueError
 from apex.ops import scaled_masked_softmax as _ops
+from apex.ops._dispatch import _PLAIN
 from apex.ops._norm import autocast_args
 from apex.transformer.enums import AttnMaskType
 
@@ -109,9 +110,12 @@ class ScaledSoftmax(torch.autograd.Function):
 def _autocast(inputs: object) -> object:
     """``inputs`` cast as upstream's ``_cast_if_autocast_enabled`` does; with autocast off everywhere (one
     query) no device object is built."""
-    if torch._C._is_any_autocast_enabled() and isinstance(inputs, torch.Tensor):
+    if _autocast_on() and isinstance(inputs, torch.Tensor):
         return autocast_args(inputs.device.type, inputs)[0]
     return inputs
+
+
+_autocast_on = torch._C._is_any_autocast_enabled
 
 
 def _check_4d(inputs: object, name: str = "inputs") -> None:
@@ -122,9 +126,26 @@ def _check_4d(inputs: object, name: str = "inputs") -> None:
                                 f"{list(inputs.shape)}")
 
 
+# The planned eager path (apex.ops._softmax_direct, the op's ``_lean``) is tried first where a hit stands for
+# every check below: a plan is made only for scores that ``check_args`` passes with its ``causal`` (a floating
+# dtype, 3-D or 4-D, sq == sk when causal, the mask's facts; with ``checked`` it is not asked, but a key whose
+# dtype the kernels do not take, a floating one included, is never planned), so what its key does not cover is
+# checked here first, in these functions' order: a plain tensor (before its shape is read; a subclass takes the
+# general path anyway), 4-D (the op plans 3-D scores too), the causal sq == sk (this function's error, before
+# check_args'), and autocast off (a plan runs on the scores as given; autocast casts them first). A miss (None:
+# not planned, another backend, a mode or transform) has changed nothing: the checks, then the op's general
+# path without its lean lookup again (``_run``: what scaled_masked_softmax[_checked] runs after a miss).
 def scaled_upper_triang_masked_softmax(inputs: Tensor, _: object, scale: float) -> Tensor:
     """Causal softmax of ``[b, np, sq, sk]`` scores (``sq == sk``, else ``ValueError``, also the
     ``AssertionError`` Apex raised); the second argument is ignored."""
+    tried = False
+    if type(inputs) in _PLAIN and not _autocast_on():
+        shape = inputs.shape
+        if len(shape) == 4 and shape[2] == shape[3]:
+            out = _ops._lean(inputs, None, scale, True, True)
+            if out is not None:
+                return out
+            tried = True
     _check_4d(inputs)
     if isinstance(inputs, torch.Tensor):
         shape = inputs.shape  # one read (.size(i) costs as much as .shape, twice)
@@ -132,20 +153,29 @@ def scaled_upper_triang_masked_softmax(inputs: Tensor, _: object, scale: float) 
             raise AssertValueError(f"causal mask is only for self attention: inputs must have sq == sk, got shape "
                                    f"{list(shape)}")
     _ops.check_args(inputs, None, True, "inputs")
+    if tried:  # (autocast off: the scores as given)
+        return _ops._run(inputs, None, _ops.check_scale(scale), True)
     # Checked once: autocast's cast keeps what check_args looked at (a floating 4-D tensor, its device).
     return _ops.scaled_masked_softmax_checked(_autocast(inputs), None, scale, True)
 
 
 def scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Padding-masked softmax of ``[b, np, sq, sk]`` scores; ``mask=None`` is :func:`scaled_softmax`."""
+    if type(inputs) in _PLAIN and not _autocast_on() and inputs.dim() == 4:
+        # The op's own entry, inline (a frame less): its lean path (a miss checks, with the op's errors, as the
+        # op called below would), then its checks and general path.
+        out = _ops._lean(inputs, mask, scale, False, False)
+        if out is None:
+            _ops.check_args(inputs, mask, False)
+            out = _ops._run(inputs, mask, _ops.check_scale(scale), False)
+        return out
     _check_4d(inputs)
     return _ops.scaled_masked_softmax(_autocast(inputs), mask, scale)
 
 
 def scaled_softmax(inputs: Tensor, scale: float) -> Tensor:
     """Softmax of ``scale ·`` ``[b, np, sq, sk]`` scores, no mask."""
-    _check_4d(inputs)
-    return _ops.scaled_masked_softmax(_autocast(inputs), None, scale)
+    return scaled_masked_softmax(inputs, None, scale)
 
 
 def generic_scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
