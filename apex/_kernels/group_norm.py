@@ -23,8 +23,25 @@ import triton.language as tl
 from apex._kernels import _tuning
 from apex._kernels._host import cdiv, interpreted, next_power_of_2
 
-# Tile sizes (elements); tests lower them to exercise the split path. None: the defaults below.
-LIMITS: dict[str, int | None] = {"tile": None, "fuse_max": None}
+
+class _Limits(dict):
+    """Tile sizes (elements; None: the defaults of ``_new_plan``), lowered by tests to exercise the split path. A
+    change empties every launch plan (``_tuning.invalidate``): also those ``apex.ops._group_norm_direct`` keeps."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _tuning.invalidate()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _tuning.invalidate()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        _tuning.invalidate()
+
+
+LIMITS: dict[str, int | None] = _Limits(tile=None, fuse_max=None)
 MAX_GROUP_CHANNELS = 16384
 
 
@@ -252,20 +269,11 @@ def supported(channels_per_group: int) -> bool:
     return channels_per_group <= MAX_GROUP_CHANNELS
 
 
-_PLANS = _tuning.plan_cache()  # (N, G, C/G, S, LIMITS) -> _plan's answer; ("reduce", rows, C) too
-
-
-def _plan(n: int, groups: int, cg: int, s: int):
-    """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem (cached per shape)."""
-    tile, fuse_max = LIMITS["tile"], LIMITS["fuse_max"]
-    key = (n, groups, cg, s, tile, fuse_max)
-    p = _PLANS.get(key)
-    if p is None:
-        p = _PLANS[key] = _new_plan(n, groups, cg, s, tile, fuse_max)
-    return p
+_PLANS = _tuning.plan_cache()  # (N, G, C/G, S, LIMITS) -> Plan
 
 
 def _new_plan(n: int, groups: int, cg: int, s: int, tile: int | None, fuse_max: int | None):
+    """``(fused, BLOCK_S, BLOCK_C, S_PER, SPLIT)`` for an (N, G, C/G, S) problem."""
     interp = _INTERP
     tile = tile or (65536 if interp else 4096)
     fuse_max = fuse_max or (65536 if interp else 16384)
@@ -283,36 +291,122 @@ def _new_plan(n: int, groups: int, cg: int, s: int, tile: int | None, fuse_max: 
 _F32 = torch.float32
 
 
+class Plan:
+    """The launches of one ``(N, G, C/G, S)`` size with ``N·C·S > 0``: tiles, split, each kernel bound to its grid
+    (``kernel[grid]`` builds that closure at every call otherwise). This module's launchers and
+    ``apex.ops._group_norm_direct`` (a plan per argument layout) both launch through its methods: the same
+    arguments, the same bits. ``sn, sc, ss``: the strides of x's ``[N, C, S]`` view (:func:`view_strides`), which
+    ``dy`` shares. Constexprs go by position: a keyword costs a launch ~2,000 instructions to bind."""
+
+    __slots__ = ("groups", "ch", "cg", "s", "ng", "fused", "bs", "bc", "s_per", "split", "bp", "rows", "block_r",
+                 "block", "_fwd", "_stats", "_apply", "_sums", "_dx", "_reduce")
+
+    def __init__(self, n: int, groups: int, cg: int, s: int, tile: int | None, fuse_max: int | None):
+        self.groups, self.cg, self.s, self.ch, self.ng = groups, cg, s, groups * cg, n * groups
+        self.fused, self.bs, self.bc, self.s_per, self.split = _new_plan(n, groups, cg, s, tile, fuse_max)
+        self.bp, self.rows = next_power_of_2(self.split), n * self.split
+        grid = (self.ng, self.split)
+        self._fwd, self._stats, self._apply = _gn_fwd_fused[(self.ng,)], _gn_stats[grid], _gn_apply[grid]
+        self._sums, self._dx = _gn_bwd_sums[grid], _gn_bwd_dx[grid]
+        # dweight/dbias: a tile of BLOCK_R rows × BLOCK channels a step (4096 elements on a GPU; the interpreter
+        # pays per step, not per element).
+        cap = 65536 if _INTERP else 4096
+        self.block = min(next_power_of_2(self.ch), 4096 if _INTERP else 256)
+        self.block_r = max(1, min(next_power_of_2(self.rows), cap // self.block))
+        self._reduce = _gn_param_grads[(cdiv(self.ch, self.block),)]
+
+    def forward(self, x, sn: int, sc: int, ss: int, weight, bias, eps: float, silu: bool):
+        """``(y, mean, rstd)``: y in x's layout, the statistics ``N·G`` fp32 values."""
+        ng = self.ng
+        y = torch.empty_like(x)  # in x's layout
+        # new_empty with integer sizes: ~1 µs less than torch.empty(..., device=..., dtype=...); without its dtype
+        # keyword (~2,000 instructions to parse) from an fp32 tensor: x when it is one, then mean.
+        mean = x.new_empty(ng) if x.dtype is _F32 else x.new_empty(ng, dtype=_F32)
+        rstd = mean.new_empty(ng)
+        has_w = weight is not None
+        w = weight if has_w else mean
+        b = bias if has_w else mean
+        if self.fused:  # constexprs: HAS_W, ACT, BLOCK_S, BLOCK_C
+            self._fwd(x, y, w, b, mean, rstd, self.groups, self.s, self.cg, sn, sc, ss, eps, has_w, silu, self.bs,
+                      self.bc)
+            return y, mean, rstd
+        split = self.split
+        part = mean.new_empty(ng * split * 3)
+        self._stats(x, part, self.groups, self.s, self.cg, self.s_per, split, sn, sc, ss, self.bs, self.bc)
+        self._apply(x, y, w, b, part, mean, rstd, self.groups, self.s, self.cg, self.s_per, split, sn, sc, ss, eps,
+                    has_w, silu, self.bs, self.bc, self.bp)
+        return y, mean, rstd
+
+    def backward(self, dy, x, sn: int, sc: int, ss: int, weight, bias, mean, rstd, silu: bool):
+        """``(dx, dweight, dbias)``, the parameter gradients in the parameters' dtype (None without affine)."""
+        ch, rows = self.ch, self.rows
+        dx = torch.empty_like(x)
+        has_w = weight is not None
+        # Every (n, group, slice) program writes its channels' row of partial sums (no zero fill) into two
+        # buffers; _gn_param_grads sums their columns into the gradients, in the parameters' dtype. One row (one
+        # sample, one slice) is the gradient itself: written in that dtype, nothing to sum.
+        if not has_w:
+            wpart = bpart = mean  # (not written)
+        elif rows == 1:
+            wpart, bpart = weight.new_empty(ch), bias.new_empty(ch)
+        elif mean.dtype is _F32:  # (the forward's statistics are) no dtype keyword: see forward
+            wpart, bpart = mean.new_empty(rows, ch), mean.new_empty(rows, ch)
+        else:
+            wpart, bpart = x.new_empty(rows, ch, dtype=_F32), x.new_empty(rows, ch, dtype=_F32)
+        w = weight if has_w else mean
+        b = bias if has_w else mean
+        fused, split = self.fused, self.split
+        gpart = mean if fused else x.new_empty(self.ng * split * 2, dtype=_F32)
+        # Constexprs by position: HAS_W, ACT, FUSED, BLOCK_S, BLOCK_C (BLOCK_P).
+        self._sums(dy, x, w, b, mean, rstd, dx, gpart, wpart, bpart, self.groups, ch, self.s, self.cg, self.s_per,
+                   split, sn, sc, ss, has_w, silu, fused, self.bs, self.bc)
+        if not fused:
+            self._dx(dy, x, w, b, mean, rstd, dx, gpart, self.groups, self.s, self.cg, self.s_per, split, sn, sc, ss,
+                     has_w, silu, self.bs, self.bc, self.bp)
+        if not has_w:
+            return dx, None, None
+        if rows == 1:
+            return dx, wpart, bpart
+        dw, db = weight.new_empty(ch), bias.new_empty(ch)
+        self._reduce(wpart, bpart, dw, db, rows, ch, self.block_r, self.block)  # BLOCK_R, BLOCK by position
+        return dx, dw, db
+
+
+def plan(n: int, groups: int, cg: int, s: int) -> Plan:
+    """The :class:`Plan` of an (N, G, C/G, S) problem with ``N·C·S > 0`` (kept per size and :data:`LIMITS`)."""
+    tile, fuse_max = LIMITS["tile"], LIMITS["fuse_max"]
+    key = (n, groups, cg, s, tile, fuse_max)
+    p = _PLANS.get(key)
+    if p is None:
+        if len(_PLANS) >= 256:  # sizes that keep changing (variable batch or resolution): stay bounded
+            _PLANS.clear()
+        p = _PLANS[key] = Plan(n, groups, cg, s, tile, fuse_max)
+    return p
+
+
+def view_strides(x: torch.Tensor, ch: int, s: int) -> tuple[int, int, int]:
+    """``(sn, sc, ss)``: the strides of the ``[N, C, S]`` view of ``x``, whose spatial dims flatten with one stride.
+    A contiguous tensor's follow from its sizes: a dim of size 1 may hold any stride even there (a transpose of
+    one, ``as_strided``), which addresses nothing but would otherwise be read as S's stride."""
+    if x.is_contiguous():
+        return ch * s, s, 1
+    st, shape = x.stride(), x.shape
+    for d in range(len(st) - 1, 1, -1):  # S's stride: the innermost spatial dim that is no size-1 dim
+        if shape[d] != 1:
+            return st[0], st[1], st[d]
+    return st[0], st[1], 1
+
+
 def forward(x: torch.Tensor, groups: int, weight, bias, eps: float, silu: bool):
     """``(y, mean, rstd)``; ``x`` is ``[N, C, *spatial]`` whose spatial dims flatten with one stride."""
     n, ch = x.shape[:2]
     numel = x.numel()
-    s = numel // (n * ch) if n and ch else 0  # (x[0, 0].numel() would build a view)
-    cg = ch // groups
-    y = torch.empty_like(x)  # in x's layout
-    # new_empty with integer sizes: ~1 µs less than torch.empty(..., device=..., dtype=...); without its dtype
-    # keyword (~2,000 instructions to parse) from an fp32 tensor: x when it is one, then mean.
-    mean = x.new_empty(n * groups) if x.dtype is _F32 else x.new_empty(n * groups, dtype=_F32)
-    rstd = mean.new_empty(n * groups)
     if numel == 0:
-        return y, mean, rstd
-    sn, sc, *rest = x.stride()
-    ss = rest[-1] if rest else 1
-    has_w = weight is not None
-    w = weight if has_w else mean
-    b = bias if has_w else mean
-    fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
-    if fused:
-        # Constexprs by position in every launch here (HAS_W, ACT, BLOCK_S, BLOCK_C, ...): a keyword costs a
-        # launch ~2,000 instructions of dictionary building and binding.
-        _gn_fwd_fused[(n * groups,)](x, y, w, b, mean, rstd, groups, s, cg, sn, sc, ss, float(eps),
-                                     has_w, silu, bs, bc)
-        return y, mean, rstd
-    part = mean.new_empty(n * groups * split * 3)
-    _gn_stats[(n * groups, split)](x, part, groups, s, cg, s_per, split, sn, sc, ss, bs, bc)
-    _gn_apply[(n * groups, split)](x, y, w, b, part, mean, rstd, groups, s, cg, s_per, split, sn, sc, ss,
-                                   float(eps), has_w, silu, bs, bc, next_power_of_2(split))
-    return y, mean, rstd
+        mean = x.new_empty(n * groups, dtype=_F32)
+        return torch.empty_like(x), mean, mean.new_empty(n * groups)
+    s = numel // (n * ch)  # (x[0, 0].numel() would build a view)
+    sn, sc, ss = view_strides(x, ch, s)
+    return plan(n, groups, ch // groups, s).forward(x, sn, sc, ss, weight, bias, float(eps), silu)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean, rstd, silu: bool):
@@ -320,56 +414,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, groups: int, weight, bias, mean,
     ``dy`` has x's strides."""
     n, ch = x.shape[:2]
     numel = x.numel()
-    s = numel // (n * ch) if n and ch else 0
-    cg = ch // groups
-    dx = torch.empty_like(x)
-    has_w = weight is not None
-    fused, bs, bc, s_per, split = _plan(n, groups, cg, s)
     if numel == 0:
-        if not has_w:
-            return dx, None, None
-        return dx, weight.new_zeros(ch), bias.new_zeros(ch)
-    # Every (n, group, slice) program writes its channels' row of partial sums (no zero fill) into two
-    # buffers; _gn_param_grads sums their columns into the gradients, in the parameters' dtype. One row (one
-    # sample, one slice) is the gradient itself: written in that dtype, nothing to sum.
-    rows = n * split
-    if not has_w:
-        wpart = bpart = mean  # (not written)
-    elif rows == 1:
-        wpart, bpart = weight.new_empty(ch), bias.new_empty(ch)
-    elif mean.dtype is _F32:  # (the forward's statistics are) no dtype keyword: see forward
-        wpart, bpart = mean.new_empty(rows, ch), mean.new_empty(rows, ch)
-    else:
-        wpart, bpart = x.new_empty(rows, ch, dtype=_F32), x.new_empty(rows, ch, dtype=_F32)
-    sn, sc, *rest = x.stride()
-    ss = rest[-1] if rest else 1
-    w = weight if has_w else mean
-    b = bias if has_w else mean
-    gpart = x.new_empty(n * groups * split * 2, dtype=torch.float32) if not fused else mean
-    # Constexprs by position, as in forward: HAS_W, ACT, FUSED, BLOCK_S, BLOCK_C (BLOCK_P).
-    _gn_bwd_sums[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, wpart, bpart, groups, ch, s, cg, s_per,
-                                      split, sn, sc, ss, has_w, silu, fused, bs, bc)
-    if not fused:
-        _gn_bwd_dx[(n * groups, split)](dy, x, w, b, mean, rstd, dx, gpart, groups, s, cg, s_per, split,
-                                        sn, sc, ss, has_w, silu, bs, bc, next_power_of_2(split))
-    if not has_w:
-        return dx, None, None
-    if rows == 1:
-        return dx, wpart, bpart
-    dw, db = weight.new_empty(ch), bias.new_empty(ch)
-    grid, block_r, block = _reduce_plan(rows, ch)
-    _gn_param_grads[grid](wpart, bpart, dw, db, rows, ch, block_r, block)  # BLOCK_R, BLOCK by position
-    return dx, dw, db
-
-
-def _reduce_plan(rows: int, ch: int):
-    key = ("reduce", rows, ch)
-    p = _PLANS.get(key)
-    if p is None:
-        # A tile of BLOCK_R rows × BLOCK channels a step (4096 elements on a GPU; the interpreter pays per
-        # step, not per element).
-        cap = 65536 if _INTERP else 4096
-        block = min(next_power_of_2(ch), 4096 if _INTERP else 256)
-        block_r = max(1, min(next_power_of_2(rows), cap // block))
-        p = _PLANS[key] = ((cdiv(ch, block),), block_r, block)
-    return p
+        dx = torch.empty_like(x)
+        return (dx, None, None) if weight is None else (dx, weight.new_zeros(ch), bias.new_zeros(ch))
+    s = numel // (n * ch)
+    sn, sc, ss = view_strides(x, ch, s)
+    return plan(n, groups, ch // groups, s).backward(dy, x, sn, sc, ss, weight, bias, mean, rstd, silu)

@@ -13,6 +13,8 @@ Paths: CUDA/ROCm tensors run ``apex._kernels.group_norm`` behind the ``apex::gro
 when a group fits one tile; two launches each otherwise); CPU tensors run ``F.group_norm`` (PyTorch's
 fused kernel, which handles channels_last) and ``F.silu``, in fp32 for fp16/bf16 inputs; groups of 2^16
 elements or more take ``var_mean`` statistics and a centred backward instead (see ``ACCURATE_MIN_GROUP``).
+Eager Triton calls on plain tensors launch those kernels from a plan per argument layout, past the checks and
+the custom ops (``apex.ops._group_norm_direct``; the same launches and bits).
 """
 
 from __future__ import annotations
@@ -21,28 +23,14 @@ import numbers
 
 import torch
 import torch.nn.functional as F
-from torch._C import _any_requires_grad, _are_functorch_transforms_active, _get_tracing_state
-from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
-from apex import _backend
 from apex._errors import AssertValueError, RuntimeValueError
-from apex.ops._checks import member_set
 from apex.ops._dispatch import custom_op, lazy_module
+from apex.ops._group_norm_direct import Lean
 from apex.ops._norm import _same_device, select
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.group_norm")
-# The same module once imported, for the eager paths, which read it as ``(_KEPT or _keep())[0]``: lazy_module's
-# getter asks is_compiling() (two frames a call) for traced code, which never runs these paths.
-_KEPT: list = []
-_PLAIN = member_set(torch.Tensor, torch.nn.Parameter)
-_PLAIN_OR_NONE = member_set(torch.Tensor, torch.nn.Parameter, type(None))
-
-
-def _keep() -> list:
-    if not _KEPT:
-        _KEPT.append(_kernels())
-    return _KEPT
 ACTIVATIONS = (None, "", "silu", "swish")
 
 
@@ -225,13 +213,10 @@ def _backward_checked(grad_output, input, mean, rstd, num_groups, weight, bias, 
 
 
 def _backward_kernels(grad_output, x, mean, rstd, num_groups, weight, bias, silu):
-    """The Triton backward on a laid-out ``x`` and the forward's fp32 statistics."""
+    """The Triton backward on a laid-out ``x`` and the forward's fp32 statistics (the parameter gradients come
+    in the parameters' dtype)."""
     dy = grad_output if grad_output.stride() == x.stride() else torch.empty_like(x).copy_(grad_output)
-    dx, dw, db = (_KEPT or _keep())[0].backward(dy, x, num_groups, weight, bias, mean, rstd, silu)
-    if dw is not None:  # fp32 sums: cast where the parameter is not (a same-dtype .to is still a call)
-        dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
-        db = db if db.dtype == bias.dtype else db.to(bias.dtype)
-    return dx, dw, db
+    return _kernels().backward(dy, x, num_groups, weight, bias, mean, rstd, silu)
 
 
 def _backward_torch(dy, x, mean, rstd, num_groups, weight, bias, silu):
@@ -308,61 +293,23 @@ _fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 # ------------------------------------------------------------------------------------- autograd entry
-class _Direct(torch.autograd.Function):
-    """The eager Triton path with a gradient, launching the kernels itself (what ``_fwd_op``'s eager call does
-    through its function, setup and backward op: the same launches, several µs of Python fewer each way).
-    The backward takes ``_bwd_op`` wherever the registered op is needed: a graph for a second derivative (its
-    error), a dispatch mode or tensor subclass."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, num_groups, eps, silu):
-        x = _layout(input)
-        y, mean, rstd = (_KEPT or _keep())[0].forward(x, num_groups, weight, bias, eps, silu)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.args = (num_groups, silu)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        num_groups, silu = ctx.args
-        # eager((dy,))'s tests inline (a frame and its tuple fewer; exporting is compiling, see apex.ops._norm).
-        if (torch.is_grad_enabled() or type(dy) not in _PLAIN or torch.compiler.is_compiling() or _dispatch_modes()
-                or _are_functorch_transforms_active() or _get_tracing_state() is not None):
-            dx, dw, db = _bwd_op(dy, x, mean, rstd, num_groups, weight, bias, "silu" if silu else "")
-        else:
-            dx, dw, db = _backward_kernels(dy, x, mean, rstd, num_groups, weight, bias, silu)
-        return dx, dw if weight is not None else None, db if bias is not None else None, None, None, None
-
-
-_direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
+# A planned eager Triton call (apex.ops._group_norm_direct): its checks passed for the same facts.
+_lean = Lean(_kernels, check_args, _layout, (_bwd_op, _backward_checked)).run
 
 
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, act: str | None = "") -> Tensor:
     """Differentiable GroupNorm (+ SiLU with ``act="silu"``); see the module docstring."""
+    out = _lean(input, num_groups, weight, bias, eps, act)
+    if out is not None:
+        return out
     silu = check_args(input, num_groups, weight, bias, act)
     num_groups = int(num_groups)
-    if torch.compiler.is_compiling():  # (torch.compile cannot trace _any_requires_grad: the registered op)
-        use, direct = _use_kernel(input, num_groups), False
-    else:
-        # _use_kernel and eager((input, weight, bias)) in one pass, is_compiling() asked once: the backend for
-        # the input alone (select's eager answer), the kept kernels module, eager()'s tests inline (False under
-        # dispatch modes, torch.func transforms, jit tracing and for tensor subclasses: the registered op).
-        use = (input.dtype is not torch.float64 and _backend.select_tensor(input) == "triton"
-               and (_KEPT or _keep())[0].supported(input.shape[1] // num_groups))
-        direct = use and type(input) in _PLAIN and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE \
-            and not (_dispatch_modes() or _are_functorch_transforms_active() or _get_tracing_state() is not None)
-    if not use:
-        if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
-            return _AccurateGroupNorm.apply(input, num_groups, weight, bias, float(eps), silu)
-        return _group_norm_torch(input, num_groups, weight, bias, float(eps), silu)
-    if direct:
-        if torch.is_grad_enabled() and _any_requires_grad(input, weight, bias):
-            return _direct(input, weight, bias, num_groups, float(eps), silu)
-        # Nothing to record: the kernels alone (the registered op's eager call without its dispatch).
-        return _KEPT[0].forward(_layout(input), num_groups, weight, bias, float(eps), silu)[0]
-    return _fwd_op(input, num_groups, weight, bias, float(eps), "silu" if silu else "")[0]
+    if _use_kernel(input, num_groups):  # (compiling, a dispatch mode, a subclass, a call not planned)
+        return _fwd_op(input, num_groups, weight, bias, float(eps), "silu" if silu else "")[0]
+    if input.numel() // max(input.shape[0] * num_groups, 1) >= ACCURATE_MIN_GROUP:
+        return _AccurateGroupNorm.apply(input, num_groups, weight, bias, float(eps), silu)
+    return _group_norm_torch(input, num_groups, weight, bias, float(eps), silu)
 
 
 # ---------------------------------------------------------------------- Apex's ``group_norm_cuda`` entry points
