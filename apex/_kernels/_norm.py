@@ -263,9 +263,10 @@ class _Plan:
     """One shape's launch: configuration, grid, block sizes and, for the backward, its reduction's."""
 
     __slots__ = ("op", "cfg", "progs", "per", "block_n", "rows", "warps", "red_grid", "red_p", "red_n",
-                 "w_per_tile", "split", "chunks", "stats_rows")
+                 "w_per_tile", "split", "chunks", "stats_rows", "m", "n", "is_rms", "_launch", "_reduce")
 
     def __init__(self, m: int, n: int, dev: torch.device, itemsize: int, is_rms: bool, backward: bool):
+        self.m, self.n, self.is_rms = m, n, is_rms
         self.op = _op_name(is_rms, backward)
         self.cfg = cfg = _config(m, n, dev, itemsize, is_rms, backward)
         # The column-chunked backward (_norm_wide) where the configuration asks for it; never for rows of
@@ -282,14 +283,62 @@ class _Plan:
         else:
             self.red_n, self.red_p, self.stats_rows = 128, 32, self.rows
         self.red_grid = cdiv(n, self.red_n)
+        # Each kernel bound to its grid once (``kernel[grid]`` builds that closure at every launch otherwise).
         if not backward:
             self.w_per_tile = bool(cfg.get("wtile", 0))
+            self._launch, self._reduce = _fwd_kernel[(self.progs,)], None
             return
+        self._launch, self._reduce = _bwd_kernel[(self.progs,)], _reduce_kernel[(self.red_grid,)]
         # RMSNorm's backward at 32 elements a thread and more (16384 columns on 16 warps) keeps the weight out
         # of registers between passes: held, it spills 50 registers a pass on sm_90; reloaded, none. (The
         # LayerNorm backward's dw and db sums alone fill half the registers there: it spills either way. The
         # formula leaves the rows where either spills to _norm_wide: see _norm_wide.formula.)
         self.w_per_tile = is_rms and backward and self.rows * self.block_n >= 32 * 32 * self.warps
+
+    # The launches of a plan, written once: this module's launchers and apex.ops._norm_direct (which keeps the
+    # plans of an argument layout) both launch through these (the same arguments: the same bits). The outputs are
+    # the caller's; the constexprs go positionally (a keyword costs a launch ~2,000 instructions to bind).
+    def forward(self, x: torch.Tensor, stride_x: int, weight, bias, eps: float, residual, stride_r: int, h, y,
+                mean, rstd) -> None:
+        """The forward launch on ``x``'s ``m`` rows (``mean``: ``rstd`` for RMSNorm; ``h``: None without a
+        residual). Constexprs: IS_RMS, HAS_W, HAS_B, HAS_RES, BLOCK_M, BLOCK_N, W_PER_TILE."""
+        self._launch(x, residual if residual is not None else x, h if h is not None else y, y,
+                     weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+                     self.m, self.n, stride_x, stride_r, eps, self.per,
+                     self.is_rms, weight is not None, bias is not None, residual is not None, self.rows,
+                     self.block_n, self.w_per_tile, num_warps=self.warps)
+
+    def backward(self, dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: int, weight, bias, mean, rstd,
+                 memory_efficient: bool, dresidual, stride_dr: int, eps: float | None, dx: torch.Tensor) -> tuple:
+        """The backward launches (the rows', then the partial sums' reduction) writing ``dx``: ``(dw, db)``, None
+        for an absent parameter."""
+        m, n, progs = self.m, self.n, self.progs
+        has_w, has_b = weight is not None, bias is not None
+        dw = torch.empty_like(weight) if has_w else None
+        db = torch.empty_like(bias) if has_b else None
+        if rstd.dtype is _F32:  # (the forward's statistics are): new_empty of an fp32 tensor, no keywords to parse
+            dwp = rstd.new_empty(progs, n) if has_w else dx
+            dbp = rstd.new_empty(progs, n) if has_b else dx
+        else:
+            dwp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_w else dx
+            dbp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_b else dx
+        if self.split:
+            _norm_wide.backward(self, dy, stride_dy, v, stride_v, m, n, weight, bias, mean, rstd, memory_efficient,
+                                self.is_rms, dresidual, stride_dr, dx, dwp, dbp)
+        else:
+            # IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M, BLOCK_N, W_PER_TILE
+            self._launch(
+                dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
+                dresidual if dresidual is not None else dy, dx, dwp, dbp,
+                m, n, stride_dy, stride_v, stride_dr, self.per, float(eps) if eps is not None else 0.0,
+                self.is_rms, has_w, has_b, memory_efficient, dresidual is not None,
+                eps is not None and n <= (1 if self.is_rms else 2), self.rows, self.block_n, self.w_per_tile,
+                num_warps=self.warps)
+        if has_w:  # the reduction's HAS_B, BLOCK_P, BLOCK_N
+            self._reduce(dwp, dbp, dw, db if has_b else dw, progs, n, has_b, self.red_p, self.red_n)
+        elif has_b:  # bias without weight: reduce the bias partials alone
+            _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, False, 32, 128)
+        return dw, db
 
 
 def _plan(x: torch.Tensor, m: int, n: int, is_rms: bool, backward: bool) -> _Plan:
@@ -367,14 +416,7 @@ def forward_rows(x: torch.Tensor, stride_x: int, m: int, n: int, weight, bias, e
         p = _new_plan(key, x.device)
     else:
         _tuning.last[p.op] = p.cfg
-    # The constexprs positionally, in the kernel's order (IS_RMS, HAS_W, HAS_B, HAS_RES, BLOCK_M, BLOCK_N): each
-    # keyword costs the launch a dictionary entry to build and bind (~2,000 instructions a keyword).
-    _fwd_kernel[(p.progs,)](
-        x, residual if residual is not None else x, h if h is not None else y, y,
-        weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        m, n, stride_x, stride_r, float(eps), p.per,
-        is_rms, weight is not None, bias is not None, residual is not None, p.rows, p.block_n, p.w_per_tile,
-        num_warps=p.warps)
+    p.forward(x, stride_x, weight, bias, float(eps), residual, stride_r, h, y, mean, rstd)
     return y, (None if is_rms else mean), rstd, h
 
 
@@ -403,12 +445,9 @@ def backward_rows(dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: i
         dx = torch.empty_like(out_like)
     else:
         dx = _alloc(out_like, m, n, dx_dtype, v.device)
-    dw = torch.empty_like(weight) if weight is not None else None
-    db = torch.empty_like(bias) if bias is not None else None
     if m == 0 or n == 0:
-        for g in (dw, db):
-            if g is not None:
-                g.zero_()
+        dw = torch.zeros_like(weight) if weight is not None else None
+        db = torch.zeros_like(bias) if bias is not None else None
         if dresidual is not None:
             dx.view(m, n).copy_(dresidual.reshape(m, n))  # the caller's shape, maybe not 2-D
         return dx, dw, db
@@ -418,29 +457,6 @@ def backward_rows(dy: torch.Tensor, stride_dy: int, v: torch.Tensor, stride_v: i
         p = _new_plan(key, v.device)
     else:
         _tuning.last[p.op] = p.cfg
-    progs = p.progs
-    has_w, has_b = weight is not None, bias is not None
-    if rstd.dtype is _F32:  # (the forward's statistics are)
-        dwp = rstd.new_empty(progs, n) if has_w else dx
-        dbp = rstd.new_empty(progs, n) if has_b else dx
-    else:
-        dwp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_w else dx
-        dbp = torch.empty(progs, n, dtype=_F32, device=v.device) if has_b else dx
-    if p.split:
-        _norm_wide.backward(p, dy, stride_dy, v, stride_v, m, n, weight, bias, mean, rstd, memory_efficient, is_rms,
-                            dresidual, stride_dr, dx, dwp, dbp)
-    else:
-        # Constexprs positionally, as in forward: IS_RMS, HAS_W, HAS_B, MEM_EFF, HAS_DR, ONE_DIRECTION, BLOCK_M,
-        # BLOCK_N, W_PER_TILE; then the reduction's HAS_B, BLOCK_P, BLOCK_N.
-        _bwd_kernel[(progs,)](
-            dy, v, weight if has_w else v, bias if has_b else v, mean if mean is not None else rstd, rstd,
-            dresidual if dresidual is not None else dy, dx, dwp, dbp,
-            m, n, stride_dy, stride_v, stride_dr, p.per,
-            float(eps) if eps is not None else 0.0,
-            is_rms, has_w, has_b, memory_efficient, dresidual is not None,
-            eps is not None and n <= (1 if is_rms else 2), p.rows, p.block_n, p.w_per_tile, num_warps=p.warps)
-    if has_w:
-        _reduce_kernel[(p.red_grid,)](dwp, dbp, dw, db if has_b else dw, progs, n, has_b, p.red_p, p.red_n)
-    elif has_b:  # bias without weight: reduce the bias partials alone
-        _reduce_kernel[(cdiv(n, 128),)](dbp, dbp, db, db, progs, n, False, 32, 128)
+    dw, db = p.backward(dy, stride_dy, v, stride_v, weight, bias, mean, rstd, memory_efficient, dresidual, stride_dr,
+                        eps, dx)
     return dx, dw, db

@@ -22,8 +22,10 @@ from torch.nn.parameter import Parameter
 
 import apex.normalization._registered_ops as _registered
 from apex.ops._norm import as_shape, autocast_args
-from apex.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
-from apex.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
+from apex.ops.layer_norm import _lean as _ln_lean
+from apex.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward, layer_norm_general
+from apex.ops.rms_norm import _lean as _rms_lean
+from apex.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_forward, rms_norm_general
 
 Tensor = torch.Tensor
 
@@ -308,8 +310,11 @@ class FusedLayerNorm(_FusedNorm):
         if torch._C._is_any_autocast_enabled():
             return _autocast_call(_layer_norm_affine, input, weight, bias, self.normalized_shape, self.eps,
                                   self.memory_efficient)
-        # Autocast off (one query): the functional form's call without its two frames.
-        return layer_norm(input, self.normalized_shape, weight, bias, self.eps, self.memory_efficient)
+        # Autocast off (one query): layer_norm's call without its frame, its lean path first.
+        out = _ln_lean(input, self.normalized_shape, weight, bias, self.eps, self.memory_efficient, None)
+        if out is not None:
+            return out
+        return layer_norm_general(input, self.normalized_shape, weight, bias, self.eps, self.memory_efficient, None)
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -334,7 +339,10 @@ class FusedRMSNorm(_FusedNorm):
         if torch._C._is_any_autocast_enabled():
             return _autocast_call(_rms_norm_affine, input, weight, self.normalized_shape, self.eps,
                                   self.memory_efficient)
-        return rms_norm(input, self.normalized_shape, weight, self.eps, self.memory_efficient)
+        out = _rms_lean(input, self.normalized_shape, weight, None, self.eps, self.memory_efficient, None)
+        if out is not None:  # (as FusedLayerNorm.forward)
+            return out
+        return rms_norm_general(input, self.normalized_shape, weight, self.eps, self.memory_efficient, None)
 
 
 def _mixed_affine_kwargs(cls_name: str, kwargs: dict) -> None:

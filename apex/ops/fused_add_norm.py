@@ -34,6 +34,7 @@ from apex.ops._norm import (
     stats_dtype,
     use_kernel,
 )
+from apex.ops._norm_add_direct import AddNormLean
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels._norm")
@@ -218,9 +219,25 @@ def _fused_add(input, residual, weight, bias, normalized_shape, eps, is_rms, mem
     return y, h
 
 
+def _general_backward(grad_y, grad_h, v, weight, bias, mean, rstd, shape, is_rms, memory_efficient, h_dtype):
+    """The registered backward op, for the lean path's backward where it is needed (``_norm_add_direct``), as
+    ``_Direct.backward`` calls it."""
+    if grad_h is None:
+        grad_h = torch.zeros_like(v, dtype=h_dtype)
+    return _bwd_op(grad_y, grad_h, mean, rstd, v, weight, bias, list(shape), is_rms, memory_efficient, h_dtype)
+
+
+# The planned eager Triton calls (apex.ops._norm_add_direct): ``(y, h)``, or None for the general path.
+_lean_rms = AddNormLean(True, _check_residual, _general_backward).run
+_lean_ln = AddNormLean(False, _check_residual, _general_backward).run
+
+
 def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, normalized_shape,
                        eps: float = 1e-6, memory_efficient: bool = False) -> tuple[Tensor, Tensor]:
     """``h = input + residual``; returns ``(rms_norm(h) · weight, h)``."""
+    out = _lean_rms(input, residual, weight, None, normalized_shape, eps, memory_efficient)
+    if out is not None:  # a planned eager Triton call: its checks passed for the same facts
+        return out
     return _fused_add(input, residual, weight, None, normalized_shape, eps, True, memory_efficient)
 
 
@@ -228,6 +245,9 @@ def fused_add_layer_norm(input: Tensor, residual: Tensor, weight: Tensor | None,
                          normalized_shape, eps: float = 1e-6, memory_efficient: bool = False
                          ) -> tuple[Tensor, Tensor]:
     """``h = input + residual``; returns ``(layer_norm(h) · weight + bias, h)``."""
+    out = _lean_ln(input, residual, weight, bias, normalized_shape, eps, memory_efficient)
+    if out is not None:  # (as fused_add_rms_norm)
+        return out
     return _fused_add(input, residual, weight, bias, normalized_shape, eps, False, memory_efficient)
 
 

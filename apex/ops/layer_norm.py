@@ -39,6 +39,7 @@ from apex.ops._norm import (
     stats_dtype,
     use_kernel,
 )
+from apex.ops._norm_direct import NormLean
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.layer_norm")
@@ -272,11 +273,29 @@ class _Direct(torch.autograd.Function):
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
 
 
+def _general_backward(dy, v, weight, bias, mean, rstd, shape, memory_efficient, dx_dtype, eps):
+    """The registered backward op, for the lean path's backward where it is needed (see _norm_direct)."""
+    return _bwd_op(dy, mean, rstd, v, weight, bias, list(shape), memory_efficient, dx_dtype, eps)
+
+
+# The planned eager Triton call (apex.ops._norm_direct): the output, or None for the general path below.
+_lean = NormLean(False, _general_backward).run
+
+
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, memory_efficient: bool = False, out_dtype: torch.dtype | None = None
                ) -> Tensor:
     """Differentiable LayerNorm; ``out_dtype`` defaults to the input dtype (Apex's mixed variant passes
     the weight dtype)."""
+    out = _lean(input, normalized_shape, weight, bias, eps, memory_efficient, out_dtype)
+    if out is not None:  # a planned eager Triton call: its checks passed for the same facts
+        return out
+    return layer_norm_general(input, normalized_shape, weight, bias, eps, memory_efficient, out_dtype)
+
+
+def layer_norm_general(input: Tensor, normalized_shape, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       memory_efficient: bool, out_dtype: torch.dtype | None) -> Tensor:
+    """:func:`layer_norm` where its lean path (``_lean``) answered None: checked and routed."""
     shape, n, out_dtype, how = prepare(input, normalized_shape, weight, bias, out_dtype)
     if how == DIRECT:
         return _direct(input, weight, bias, shape, n, float(eps), bool(memory_efficient), out_dtype)

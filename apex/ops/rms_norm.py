@@ -40,6 +40,7 @@ from apex.ops._norm import (
     stats_dtype,
     use_kernel,
 )
+from apex.ops._norm_direct import NormLean
 
 Tensor = torch.Tensor
 _kernels = lazy_module("apex._kernels.rms_norm")
@@ -245,9 +246,28 @@ class _Direct(torch.autograd.Function):
 _direct = super(torch.autograd.Function, _Direct).apply  # the C++ apply, as apex.ops._dispatch's
 
 
+def _general_backward(dy, v, weight, bias, mean, rstd, shape, memory_efficient, dx_dtype, eps):
+    """The registered backward op, for the lean path's backward where it is needed (see _norm_direct)."""
+    dx, dw = _bwd_op(dy, rstd, v, weight, list(shape), memory_efficient, dx_dtype, eps)
+    return dx, dw, None
+
+
+# The planned eager Triton call (apex.ops._norm_direct): the output, or None for the general path below.
+_lean = NormLean(True, _general_backward).run
+
+
 def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float = 1e-5,
              memory_efficient: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
     """Differentiable RMSNorm; ``out_dtype`` defaults to the input dtype."""
+    out = _lean(input, normalized_shape, weight, None, eps, memory_efficient, out_dtype)
+    if out is not None:  # a planned eager Triton call: its checks passed for the same facts
+        return out
+    return rms_norm_general(input, normalized_shape, weight, eps, memory_efficient, out_dtype)
+
+
+def rms_norm_general(input: Tensor, normalized_shape, weight: Tensor | None, eps: float, memory_efficient: bool,
+                     out_dtype: torch.dtype | None) -> Tensor:
+    """:func:`rms_norm` where its lean path (``_lean``) answered None: checked and routed."""
     shape, n, out_dtype, how = prepare(input, normalized_shape, weight, None, out_dtype)
     if how == DIRECT:
         return _direct(input, weight, shape, n, float(eps), bool(memory_efficient), out_dtype)
