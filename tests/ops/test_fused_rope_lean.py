@@ -10,6 +10,7 @@ import torch
 import apex
 from apex.ops import fused_rope as R
 from tests import _device
+from tests.ops._lean import record_launches, same_tensors
 
 pytestmark = pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops "
                                 "under a dispatch mode, which takes the registered op by design")
@@ -38,13 +39,9 @@ def _both(monkeypatch, t, freqs, tr, dy):
 
 
 def _same(a, b):
-    for p, q in zip(a, b):
-        if p is None:
-            assert q is None
-            continue
-        assert p.shape == q.shape and p.dtype == q.dtype and p.stride() == q.stride()
-        assert p._is_view() == q._is_view()
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    a, b = list(a), list(b)
+    same_tensors(a, b)
+    assert [p._is_view() for p in a if p is not None] == [q._is_view() for q in b if q is not None]
 
 
 def _layout(kind, shape, dtype, dev):
@@ -263,20 +260,6 @@ def test_the_lean_path_is_taken(triton_device, monkeypatch):
     assert type(y.grad_fn).__name__ == LEAN
 
 
-def _record(monkeypatch, kernels):
-    """Records every launch of ``kernels`` (grid, arguments with tensors as their layout, keywords) and runs
-    nothing: what the lean and the general paths launch, compared as launches."""
-    seen = []
-
-    def run(*args, grid=None, warmup=False, **kwargs):
-        seen.append((grid, tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                                 for a in args), kwargs))
-
-    for k in kernels:
-        monkeypatch.setattr(k, "run", run)
-    return seen
-
-
 @pytest.mark.parametrize("tr", [False, True])
 @pytest.mark.parametrize("override", [False, True])
 def test_the_launches_are_the_general_paths(triton_device, monkeypatch, tr, override):
@@ -294,12 +277,12 @@ def test_the_launches_are_the_general_paths(triton_device, monkeypatch, tr, over
     bwd = _tuning.override("fused_rope.bwd", heads=1, warps=2, halves=0) if override else contextlib.nullcontext()
     with apex.backend("triton"), bwd:
         R.fused_rope(t, f, tr)  # planned
-        got = _record(monkeypatch, [K._rope_freqs_kernel, K._rope_kernel])
+        got = record_launches(monkeypatch, [K._rope_freqs_kernel, K._rope_kernel])
         for g in (dy, dy.contiguous()):
             torch.autograd.grad(R.fused_rope(t, f, tr), t, g)
         with monkeypatch.context() as m:
             m.setattr(R, "_lean", lambda *a: None)
-            want = _record(m, [K._rope_freqs_kernel, K._rope_kernel])
+            want = record_launches(m, [K._rope_freqs_kernel, K._rope_kernel])
             for g in (dy, dy.contiguous()):
                 torch.autograd.grad(R.fused_rope(t, f, tr), t, g)
     assert len(got) == 4 and got == want

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import apex
 from apex.ops import group_norm as GN
 from tests import _device
+from tests.ops._lean import same_run
 
 pytestmark = pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops "
                                 "under a dispatch mode, which takes the registered op by design")
@@ -45,13 +46,7 @@ def _both(monkeypatch, x, groups, w, b, act, dy):
 
 
 def _same(a, b):
-    (ya, ga), (yb, gb) = a, b
-    assert ya.shape == yb.shape and ya.dtype == yb.dtype and ya.stride() == yb.stride()
-    torch.testing.assert_close(ya, yb, rtol=0, atol=0)
-    assert len(ga) == len(gb)
-    for p, q in zip(ga, gb):
-        assert p.shape == q.shape and p.dtype == q.dtype and p.stride() == q.stride()
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    same_run(a, b)
 
 
 def _input(kind, dtype, dev):

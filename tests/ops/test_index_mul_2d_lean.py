@@ -11,6 +11,7 @@ import apex
 from apex._errors import AssertValueError
 from apex.ops import index_mul_2d as IM
 from tests import _device
+from tests.ops._lean import same_run
 
 pytestmark = pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops "
                                 "under a dispatch mode, which takes the general path by design")
@@ -35,13 +36,7 @@ def _both(monkeypatch, in1, in2, idx, gy):
 
 
 def _same(a, b):
-    (ya, ga), (yb, gb) = a, b
-    assert ya.shape == yb.shape and ya.dtype == yb.dtype
-    torch.testing.assert_close(ya, yb, rtol=0, atol=0, equal_nan=True)
-    assert len(ga) == len(gb)
-    for p, q in zip(ga, gb):
-        assert p.shape == q.shape and p.dtype == q.dtype
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    same_run(a, b, strides=False)
 
 
 def _t(kind, rows, f, dtype, dev):

@@ -13,6 +13,7 @@ from apex.normalization import fused_layer_norm as FLN
 from apex.ops import layer_norm as L
 from apex.ops import rms_norm as R
 from tests import _device
+from tests.ops._lean import same_run
 
 pytestmark = pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops "
                                 "under a dispatch mode, which takes the registered op by design")
@@ -53,13 +54,7 @@ def _both(monkeypatch, mod, fn, x, shape, w, b, dy, **kw):
 
 
 def _same(a, b):
-    (ya, ga), (yb, gb) = a, b
-    assert ya.shape == yb.shape and ya.dtype == yb.dtype and ya.stride() == yb.stride()
-    torch.testing.assert_close(ya, yb, rtol=0, atol=0)
-    assert len(ga) == len(gb)
-    for p, q in zip(ga, gb):
-        assert p.shape == q.shape and p.dtype == q.dtype and p.stride() == q.stride()
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    same_run(a, b)
 
 
 def _layout(kind, shape, dtype, dev):

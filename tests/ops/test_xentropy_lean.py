@@ -11,6 +11,7 @@ import apex
 from apex.ops import _xentropy_direct as D
 from apex.ops import xentropy as X
 from tests import _device
+from tests.ops._lean import record_launches, same_tensors
 
 pytestmark = pytest.mark.skipif(_device.requested() == "meta", reason="APEX_TEST_DEVICE=meta runs the apex ops "
                                 "under a dispatch mode, which takes the registered op by design")
@@ -43,12 +44,7 @@ def _both(monkeypatch, x, lab, args, dy):
 
 
 def _same(a, b):
-    for p, q in zip(a, b):
-        if p is None:
-            assert q is None
-            continue
-        assert p.shape == q.shape and p.dtype == q.dtype and p.stride() == q.stride()
-        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+    same_tensors(a, b)
 
 
 def _logits(kind, m, v, dtype, dev):
@@ -280,20 +276,6 @@ def test_the_lean_path_is_taken(triton_device, monkeypatch):
     assert _is_lean(y) and type(y.grad_fn).__name__ == "SoftmaxCrossEntropyLossBackward"
 
 
-def _record(monkeypatch, kernels):
-    """Records every launch of ``kernels`` (grid, arguments with tensors as their layout, keywords) and runs
-    nothing: what the lean and the general paths launch, compared as launches."""
-    seen = []
-
-    def run(*args, grid=None, warmup=False, **kwargs):
-        seen.append((grid, tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                                 for a in args), kwargs))
-
-    for k in kernels:
-        monkeypatch.setattr(k, "run", run)
-    return seen
-
-
 @pytest.mark.parametrize("args", [(0.1, 0), (0.0, None), (0.3, 7)], ids=str)
 def test_the_launches_are_the_general_paths(triton_device, monkeypatch, args):
     """The same launches (grid, arguments, warps) as the general launchers, forward and backward, with
@@ -307,12 +289,12 @@ def test_the_launches_are_the_general_paths(triton_device, monkeypatch, args):
     grads = (torch.rand(9, device=dev), torch.ones(1, device=dev).expand(9), torch.rand(18, device=dev)[::2])
     with apex.backend("triton"), _tuning.override("xentropy.bwd", rows=2, block=16, warps=2):
         Loss.apply(x, lab, *args)  # planned
-        got = _record(monkeypatch, [K._xent_fwd, K._xent_bwd])
+        got = record_launches(monkeypatch, [K._xent_fwd, K._xent_bwd])
         for g in grads:
             torch.autograd.grad(Loss.apply(x, lab, *args), x, g)
         with monkeypatch.context() as m:
             m.setattr(X, "_lean", lambda *a: None)
-            want = _record(m, [K._xent_fwd, K._xent_bwd])
+            want = record_launches(m, [K._xent_fwd, K._xent_bwd])
             for g in grads:
                 torch.autograd.grad(Loss.apply(x, lab, *args), x, g)
     assert len(got) == 6 and got == want
