@@ -3,6 +3,7 @@
 import ast
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,21 @@ def test_ops_keep_no_set_constants():
                                                               and v.func.id in ("frozenset", "set") and v.args):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"module-level sets in apex/ops (use member_set): {found}"
+
+
+# Modules of apex._kernels without a kernel (nor Triton) that the CPU path may use: launch configurations and the
+# plan caches (_tuning), the multi-tensor ops' lists of tensors (_lists).
+_KERNELS_WITHOUT_TRITON = {"apex._kernels._tuning", "apex._kernels._lists"}
+
+
+def test_cpu_calls_of_every_fused_op_need_no_triton():
+    """Triton is an optional extra: every fused op, optimizer and multi-tensor op works on CPU tensors with the
+    default backend where it cannot be imported, and such calls load no kernel module (a planned eager path
+    asks the backend before it plans: a plan may load its kernels)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("APEX_BACKEND", "TRITON_INTERPRET")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_cpu_without_triton.py")], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["failed"] == {}, info["failed"]
+    assert set(info["loaded"]) <= _KERNELS_WITHOUT_TRITON, info["loaded"]

@@ -33,6 +33,7 @@ from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -182,15 +183,17 @@ class Lean:
         if (_is_compiling() or _dispatch_modes() or _are_functorch_transforms_active() or _is_tracing()
                 or type(input) not in _PLAIN or type(bias) not in _PLAIN_OR_NONE):
             return None  # (a subclass, or not a tensor: the general path, its checks and errors)
+        if not _triton_takes(input.is_cuda, input):
+            return None
         # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
         if bias is None:
             key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device)
         else:
             key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, bias.shape,
                    bias.dtype, bias.device)
-        plan = self.table.get(key, input)
+        plan = self.table.get(key)
         if plan is None:
-            plan = self.table.add(key, self._plan(key, input, bias), input)
+            plan = self.table.keep(key, self._plan(key, input, bias))
         if not plan:
             return None
         if _grad_enabled() and _any_requires_grad(input, bias):

@@ -33,11 +33,11 @@ import torch
 from torch._C import _any_requires_grad, _are_functorch_transforms_active, _is_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
-from apex._backend import _resolve
 from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -131,6 +131,8 @@ class Lean:
                 or type(input) not in _PLAIN or type(num_groups) is not int
                 or act is not None and type(act) is not str):
             return None
+        if not _triton_takes(input.is_cuda, input):
+            return None
         # Every fact the checks read; a contiguous input's strides are implied by its shape (is_contiguous() costs
         # less than stride()). A parameter's facts are read each call (``param.data = ...``).
         if weight is None or bias is None:
@@ -143,28 +145,14 @@ class Lean:
             key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, num_groups, act,
                    weight.shape, weight.dtype, weight.device, bias.shape, bias.dtype, bias.device)
         table = self.table
-        plan = table.last.get(0)  # PlanTable.get's fast path inline (a frame fewer): the last call's plan
+        plan = table.last.get(0)  # PlanTable.get inline (a frame fewer): the last call's plan first
         if plan is None or plan.key != key:
             plan = table.plans.get(key)
             if plan is None:
-                # Planned only where the Triton path takes the call now: another backend's miss keeps nothing (the
-                # backend may change), and needs no kernel module (nor Triton).
-                try:
-                    if _resolve(input.is_cuda, input) != "triton":
-                        return None
-                except RuntimeError:  # (the general path raises it, after its checks)
-                    return None
-                plan = table.add(key, self._plan(key, input, num_groups, weight, bias, act), input)
-            elif plan:
-                plan = table.get(key, input)  # (it keeps the plan as the last one, and resolves the backend)
+                plan = table.keep(key, self._plan(key, input, num_groups, weight, bias, act))
             if not plan:
                 return None
-        else:
-            try:  # the backend, asked at every call (an apex.backend block, APEX_BACKEND)
-                if _resolve(plan.on_gpu, input) != "triton":
-                    return None
-            except RuntimeError:
-                return None
+            table.last[0] = plan
         if _grad_enabled() and _any_requires_grad(input, weight, bias):
             return _direct(input, weight, bias, plan, float(eps))
         return plan.forward(input, weight, bias, float(eps))[0]

@@ -28,6 +28,7 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import PlanTable
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -126,13 +127,15 @@ class Lean:
         if (_is_compiling() or _dispatch_modes() or _are_functorch_transforms_active() or _is_tracing()
                 or type(in1) not in _PLAIN or type(in2) not in _PLAIN or type(idx1) not in _PLAIN):
             return None  # (a subclass, or not a tensor: the general path, its checks and errors)
+        if not _triton_takes(in2.is_cuda, in2):
+            return None
         # A contiguous input's strides are implied by its shape (see MulPlan): is_contiguous() costs less than
         # stride().
         key = (in1.shape, in1.is_contiguous() or in1.stride(), in1.dtype, in1.device, in2.shape,
                in2.is_contiguous() or in2.stride(), in2.dtype, in2.device, idx1.shape, idx1.dtype, idx1.device)
-        plan = self.table.get(key, in2)
+        plan = self.table.get(key)
         if plan is None:
-            plan = self.table.add(key, self._plan(key, in1, in2, idx1), in2)
+            plan = self.table.keep(key, self._plan(key, in1, in2, idx1))
         if not plan:
             return None
         if _grad_enabled() and _any_requires_grad(in1, in2):

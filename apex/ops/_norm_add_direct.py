@@ -11,18 +11,18 @@ import torch
 from torch._C import _are_functorch_transforms_active, _is_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
-from apex._backend import _resolve
 from apex._kernels import _tuning
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import exact_shape as _exact_shape
+from apex.ops._lean import triton_takes as _triton_takes
 from apex.ops._norm import _KERNEL_DTYPE_SET, _PLAIN, _PLAIN_OR_NONE, MAX_FUSED_N, check_args, grad_rows, rows_view
 from apex.ops._norm_direct import _kernels
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_SIZE = torch.Size
 _F32 = torch.float32
 _CONTIG = torch.contiguous_format
 _LAST = _tuning.last
@@ -141,20 +141,11 @@ class AddNormLean:
                 or type(bias) not in _PLAIN_OR_NONE):
             return None
         on_gpu = input.is_cuda
-        try:  # (see NormLean.run)
-            if _resolve(on_gpu, input) != "triton":
-                return None
-        except RuntimeError:
+        if not _triton_takes(on_gpu, input):
             return None
-        kind = type(normalized_shape)
-        if kind is not int and kind is not _SIZE:  # (a Size holds ints; a tuple or list may hold 4.0 == 4)
-            if kind is not tuple and kind is not list:
-                return None
-            for s in normalized_shape:
-                if type(s) is not int:
-                    return None
-            if kind is list:
-                normalized_shape = tuple(normalized_shape)
+        normalized_shape = _exact_shape(normalized_shape)
+        if normalized_shape is None:
+            return None
         # (devices as NormLean.run reads them: an index for CUDA and CPU tensors, else the device)
         key = (input.shape, input.is_contiguous() or input.stride(), input.dtype,
                input.get_device() if on_gpu or input.is_cpu else input.device, normalized_shape,
@@ -169,10 +160,7 @@ class AddNormLean:
         if plan is None or plan.key != key:
             plan = table.plans.get(key)
             if plan is None:
-                plan = self._plan(key, input, residual, normalized_shape, weight, bias)
-                if len(table.plans) >= 256:  # layouts that keep changing (variable batch or length)
-                    table.plans.clear()
-                table.plans[key] = plan
+                plan = table.keep(key, self._plan(key, input, residual, normalized_shape, weight, bias))
             if not plan:
                 return None
             table.last[0] = plan

@@ -29,17 +29,17 @@ import torch
 from torch._C import _are_functorch_transforms_active, _is_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
-from apex._backend import _resolve
 from apex._kernels import _tuning
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import exact_shape as _exact_shape
+from apex.ops._lean import triton_takes as _triton_takes
 from apex.ops._norm import _KERNEL_DTYPE_SET, _PLAIN, _PLAIN_OR_NONE, MAX_FUSED_N, check_args, grad_rows, rows_view
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_SIZE = torch.Size
 _DTYPE = torch.dtype
 _F32 = torch.float32
 _CONTIG = torch.contiguous_format
@@ -166,20 +166,11 @@ class NormLean:
         # The backend before the key: another backend's call (the CPU's default) pays for no key, and plans are
         # only made where the Triton kernels run (the general path raises a backend's error, in its order).
         on_gpu = input.is_cuda
-        try:
-            if _resolve(on_gpu, input) != "triton":
-                return None
-        except RuntimeError:
+        if not _triton_takes(on_gpu, input):
             return None
-        kind = type(normalized_shape)
-        if kind is not int and kind is not _SIZE:  # (a Size holds ints; a tuple or list may hold 4.0 == 4)
-            if kind is not tuple and kind is not list:
-                return None
-            for s in normalized_shape:
-                if type(s) is not int:
-                    return None
-            if kind is list:
-                normalized_shape = tuple(normalized_shape)
+        normalized_shape = _exact_shape(normalized_shape)
+        if normalized_shape is None:
+            return None
         if out_dtype is not None and type(out_dtype) is not _DTYPE:
             return None
         # Every fact the checks read; a contiguous input's strides are implied by its shape (is_contiguous()
@@ -210,10 +201,7 @@ class NormLean:
         if plan is None or plan.key != key:
             plan = table.plans.get(key)
             if plan is None:
-                plan = self._plan(key, input, normalized_shape, weight, bias, out_dtype)
-                if len(table.plans) >= 256:  # layouts that keep changing (variable batch or length)
-                    table.plans.clear()
-                table.plans[key] = plan
+                plan = table.keep(key, self._plan(key, input, normalized_shape, weight, bias, out_dtype))
             if not plan:
                 return None
             table.last[0] = plan

@@ -34,6 +34,7 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -164,12 +165,14 @@ class Lean:
         if (_is_compiling() or _dispatch_modes() or _are_functorch_transforms_active() or _is_tracing()
                 or type(t) not in _PLAIN or type(freqs) not in _PLAIN or type(tr) is not bool):
             return None  # (a subclass, not a tensor, a flag the general path converts: its checks and errors)
+        if not _triton_takes(t.is_cuda, t):
+            return None
         # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
         key = (t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device, freqs.shape, freqs.stride(),
                freqs.dtype, freqs.device, tr)
-        plan = self.table.get(key, t)
+        plan = self.table.get(key)
         if plan is None:
-            plan = self.table.add(key, self._plan(key, t, freqs, tr), t)
+            plan = self.table.keep(key, self._plan(key, t, freqs, tr))
         if not plan:
             return None
         if plan.fwd is None:

@@ -31,6 +31,7 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -154,6 +155,8 @@ class Lean:
         if (_is_compiling() or _dispatch_modes() or _are_functorch_transforms_active() or _is_tracing()
                 or type(input) not in _PLAIN):
             return None  # (torch.export compiles; a subclass, or not a tensor: the general path and its errors)
+        if not _triton_takes(input.is_cuda, input):
+            return None
         causal = True if causal else False
         # A contiguous tensor's strides are implied by its shape (see SoftmaxPlan): is_contiguous() costs less
         # than stride().
@@ -164,9 +167,9 @@ class Lean:
                    mask.shape, mask.is_contiguous() or mask.stride(), mask.dtype, mask.device)
         else:
             return None
-        plan = self.table.get(key, input)
+        plan = self.table.get(key)
         if plan is None:
-            plan = self.table.add(key, self._plan(key, input, mask, causal, checked), input)
+            plan = self.table.keep(key, self._plan(key, input, mask, causal, checked))
         if not plan:
             return None
         scale = scale if type(scale) is float else self.check_scale(scale)

@@ -37,6 +37,7 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -163,12 +164,14 @@ class Lean:
                 or type(logits) not in _PLAIN or type(labels) not in _PLAIN or type(smoothing) is not float
                 or inplace_backward is not False or (padding_idx is not None and type(padding_idx) is not int)):
             return None  # (the general path: its checks, errors and registered ops)
+        if not _triton_takes(logits.is_cuda, logits):
+            return None
         # A contiguous tensor's strides are implied by its shape: is_contiguous() costs less than stride().
         key = (logits.shape, logits.is_contiguous() or logits.stride(), logits.dtype, logits.device,
                labels.shape, labels.is_contiguous(), labels.dtype, labels.device, smoothing, padding_idx)
-        plan = self.table.get(key, logits)
+        plan = self.table.get(key)
         if plan is None:
-            plan = self.table.add(key, self._plan(key, logits, labels, smoothing, padding_idx), logits)
+            plan = self.table.keep(key, self._plan(key, logits, labels, smoothing, padding_idx))
         if not plan:
             return None
         if plan.fwd is None:
