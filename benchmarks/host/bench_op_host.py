@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The ops timed (OPS, MODULE_ENTRIES: importable from here too).
-from benchmarks.host._op_cases import MODULE_ENTRIES, OPS, M, N, _liger, _randn  # noqa: E402
+# The ops timed (OPS, MODULE_ENTRIES, OUTPUTS: importable from here too).
+from benchmarks.host._op_cases import MODULE_ENTRIES, OPS, OUTPUTS, M, N, _liger, _randn  # noqa: E402
 
 
 def cases() -> list:
@@ -127,12 +127,14 @@ def _counting_allocations() -> Iterator[list]:
             setattr(owner, name, fn)
 
 
-def _same_job(inputs: tuple, out, fwd: tuple[int, int], bwd: tuple[int, int]):
+def _same_job(inputs: tuple, out, fwd: tuple[int, int], bwd: tuple[int, int], n_out: int = 1):
     """The floor of one op's job written the plain way: an ``autograd.Function`` taking the op's
     differentiable ``inputs`` and returning a tensor like ``out``, making the op's ``(allocations,
     launches)`` in its forward (``fwd``, the output among the allocations) and in its backward (``bwd``, one
     gradient per input among them), and nothing else: no checks, no backend choice, no dispatch. What a call
-    of ours costs beyond this is overhead of ours; the rest is the job's (inputs, outputs, buffers, launches)."""
+    of ours costs beyond this is overhead of ours; the rest is the job's (inputs, outputs, buffers, launches).
+    ``n_out``: the op's outputs (:data:`OUTPUTS`; the timed call differentiates the first): the others are
+    returned too, each one of the forward's allocations, with no gradient materialised for them, as ours."""
     import torch
 
     kernel = _plain_kernel()
@@ -144,14 +146,18 @@ def _same_job(inputs: tuple, out, fwd: tuple[int, int], bwd: tuple[int, int]):
         def forward(ctx, *xs):
             x = xs[0]
             y = torch.empty(shape, dtype=dtype)
-            scratch = [torch.empty(16) for _ in range(fwd_allocs - 1)]
+            extra = [torch.empty(shape, dtype=dtype) for _ in range(n_out - 1)]
+            scratch = [torch.empty(16) for _ in range(fwd_allocs - n_out)]
             for _ in range(fwd_launches):
                 kernel[(16,)](x, y, x, 16, 16, BLOCK=16)
             ctx.save_for_backward(*xs, *scratch)
+            if extra:
+                ctx.set_materialize_grads(False)
+                return (y, *extra)
             return y
 
         @staticmethod
-        def backward(ctx, dy):
+        def backward(ctx, dy, *_):
             saved = ctx.saved_tensors
             grads = tuple(torch.empty_like(t) for t in saved[:n_in])
             scratch = [torch.empty(16) for _ in range(bwd_allocs - n_in)]
@@ -220,7 +226,7 @@ def _job(call: Callable, inputs: tuple | None, stub) -> dict:
     return job
 
 
-def _reference_workloads(inputs: tuple | None, job: dict, module: bool = False):
+def _reference_workloads(inputs: tuple | None, job: dict, module: bool = False, n_out: int = 1):
     """(forward, forward + backward) of the op's same-job reference (:func:`_same_job`); ``module``: called
     through an ``nn.Module`` whose ``forward`` applies it, as an op whose public entry is a module is (and as
     Liger-Kernel's modules call their Functions)."""
@@ -230,8 +236,10 @@ def _reference_workloads(inputs: tuple | None, job: dict, module: bool = False):
 
     xs = tuple(t.detach().requires_grad_() for t in inputs)
     # The no_grad forward mirrors the op's no_grad forward (which may skip saving statistics).
-    fwd_fn = _same_job(xs, job["out"], job["fwd"], (0, 0)).apply
-    fb_fn = _same_job(xs, job["out"], job["fwd_grad"], job["bwd"]).apply
+    fwd_fn = _same_job(xs, job["out"], job["fwd"], (0, 0), n_out).apply
+    fb_fn = _same_job(xs, job["out"], job["fwd_grad"], job["bwd"], n_out).apply
+    if n_out > 1:  # the first output, as the op's timed call takes it
+        fwd_fn, fb_fn = (lambda *a, f=fwd_fn: f(*a)[0]), (lambda *a, f=fb_fn: f(*a)[0])
     if module:
         fwd_fn, fb_fn = _module_calling(fwd_fn), _module_calling(fb_fn)
     dy = torch.ones_like(job["out"])
@@ -279,8 +287,10 @@ def measure(names: list[str], calls: int, repeats: int) -> list[dict]:
             except Exception as exc:  # an op whose entry fails here is reported, not fatal
                 rows.append({"op": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
                 continue
-            same = _reference_workloads(inputs, job)
-            in_module = _reference_workloads(inputs, job, module=True) if name in MODULE_ENTRIES else (None, None)
+            n_out = OUTPUTS.get(name, 1)
+            same = _reference_workloads(inputs, job, n_out=n_out)
+            in_module = (_reference_workloads(inputs, job, module=True, n_out=n_out) if name in MODULE_ENTRIES
+                         else (None, None))
             row = {"op": name, "fwd_launches": job["fwd"][1], "fwd_allocs": job["fwd"][0]}
             if "bwd" in job:
                 row["fwd_bwd_launches"] = job["fwd_grad"][1] + job["bwd"][1]
