@@ -33,6 +33,8 @@ from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -54,11 +56,12 @@ class ActPlan:
     in)."""
 
     __slots__ = ("glu", "on_gpu", "dims", "in_dims", "sx", "sx0", "sx1", "nout", "two_d", "M", "N", "nb", "kp",
-                 "fwd_op", "bwd_key", "db_key", "planned", "bwd", "db", "general", "key")
+                 "fwd_op", "bwd_key", "db_key", "planned", "bwd", "db", "general", "key", "guards", "guard_builds")
 
     def __init__(self, key: tuple, glu: bool, input: Tensor, rows: Tensor, general: tuple):
         kernels = general[0]()
         self.key = key
+        self.guards, self.guard_builds = [], 0
         shape = input.shape
         n = shape[-1]
         self.glu, self.on_gpu, self.general = glu, input.is_cuda, general
@@ -185,17 +188,24 @@ class Lean:
             return None  # (a subclass, or not a tensor: the general path, its checks and errors)
         if not _triton_takes(input.is_cuda, input):
             return None
-        # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
-        if bias is None:
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device)
-        else:
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, bias.shape,
-                   bias.dtype, bias.device)
-        plan = self.table.get(key)
-        if plan is None:
-            plan = self.table.keep(key, self._plan(key, input, bias))
-        if not plan:
-            return None
+        ts = (input,) if bias is None else (input, bias)
+        plan = self.table.last.get(0)
+        # The last call's plan where this call has its options and its tensors pass the plan's guard (see
+        # apex.ops._lean.refresh_guard), else the plan of the call's key.
+        if plan is None or not ((bias is None) is (len(plan.key) == 4)
+                                and _guarded(plan, ts)):
+            # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
+            if bias is None:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device)
+            else:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, bias.shape,
+                       bias.dtype, bias.device)
+            plan = self.table.get(key)
+            if plan is None:
+                plan = self.table.keep(key, self._plan(key, input, bias))
+            if not plan:
+                return None
+            _refresh_guard(plan, ts)
         if _grad_enabled() and _any_requires_grad(input, bias):
             return _direct(input, bias, plan)
         return plan.forward(input, bias)

@@ -37,6 +37,8 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -54,12 +56,13 @@ class GroupNormPlan:
     ``general``: ``(registered backward op, backward dispatch on checked arguments)``."""
 
     __slots__ = ("key", "on_gpu", "num_groups", "silu", "act", "copy", "sx", "sn", "sc", "ss", "size", "kp", "bwd",
-                 "kernels", "general")
+                 "kernels", "general", "guards", "guard_builds", "n_tensors")
 
     def __init__(self, key: tuple, input: Tensor, x: Tensor, num_groups: int, silu: bool, kernels, general: tuple):
         n, ch = input.shape[:2]
         s = input.numel() // (n * ch)
         self.key, self.on_gpu, self.kernels, self.general = key, input.is_cuda, kernels, general
+        self.guards, self.guard_builds, self.n_tensors = [], 0, 1 if len(key) == 6 else 3
         self.num_groups, self.silu, self.act = num_groups, silu, "silu" if silu else ""
         self.copy = x is not input
         self.sx = True if self.copy or key[1] is True else key[1]
@@ -133,26 +136,36 @@ class Lean:
             return None
         if not _triton_takes(input.is_cuda, input):
             return None
-        # Every fact the checks read; a contiguous input's strides are implied by its shape (is_contiguous() costs
-        # less than stride()). A parameter's facts are read each call (``param.data = ...``).
         if weight is None or bias is None:
             if weight is not bias:  # (one of them: the checks' error)
                 return None
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, num_groups, act)
+            ts = (input,)
         elif type(weight) not in _PLAIN or type(bias) not in _PLAIN:
             return None
         else:
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, num_groups, act,
-                   weight.shape, weight.dtype, weight.device, bias.shape, bias.dtype, bias.device)
+            ts = (input, weight, bias)
         table = self.table
-        plan = table.last.get(0)  # PlanTable.get inline (a frame fewer): the last call's plan first
-        if plan is None or plan.key != key:
-            plan = table.plans.get(key)
-            if plan is None:
-                plan = table.keep(key, self._plan(key, input, num_groups, weight, bias, act))
-            if not plan:
-                return None
-            table.last[0] = plan
+        plan = table.last.get(0)
+        # The last call's plan where this call has its options and its tensors pass the plan's guard (see
+        # apex.ops._lean.refresh_guard), else the plan of the call's key.
+        if plan is None or not (num_groups == plan.key[4] and act == plan.key[5] and len(ts) == plan.n_tensors
+                                and _guarded(plan, ts)):
+            # Every fact the checks read; a contiguous input's strides are implied by its shape (is_contiguous()
+            # costs less than stride()). A parameter's facts are read each call (``param.data = ...``).
+            if weight is None:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, num_groups,
+                       act)
+            else:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, num_groups,
+                       act, weight.shape, weight.dtype, weight.device, bias.shape, bias.dtype, bias.device)
+            if plan is None or plan.key != key:  # (PlanTable.get inline: a frame fewer)
+                plan = table.plans.get(key)
+                if plan is None:
+                    plan = table.keep(key, self._plan(key, input, num_groups, weight, bias, act))
+                if not plan:
+                    return None
+                table.last[0] = plan
+            _refresh_guard(plan, ts)
         if _grad_enabled() and _any_requires_grad(input, weight, bias):
             return _direct(input, weight, bias, plan, float(eps))
         return plan.forward(input, weight, bias, float(eps))[0]

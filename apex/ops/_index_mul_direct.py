@@ -28,6 +28,8 @@ from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
 from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import PlanTable
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -43,10 +45,11 @@ class MulPlan:
     strides read; ``gp``, ``sp``: the kernels' gather and segment-sum plans."""
 
     __slots__ = ("key", "on_gpu", "R", "M", "F", "s1", "s2", "copy1", "copy2", "sa", "sb", "gp", "sp", "k",
-                 "general")
+                 "general", "guards", "guard_builds")
 
     def __init__(self, key: tuple, in1: Tensor, in2: Tensor, kernels, general: Callable):
         self.key = key
+        self.guards, self.guard_builds = [], 0
         (R, F), M = in1.shape, in2.shape[0]
         self.on_gpu, self.R, self.M, self.F = in1.is_cuda, R, M, F
         # True (the key's) for a contiguous input, read at the strides its shape implies: (F, 1), which may differ
@@ -129,15 +132,21 @@ class Lean:
             return None  # (a subclass, or not a tensor: the general path, its checks and errors)
         if not _triton_takes(in2.is_cuda, in2):
             return None
-        # A contiguous input's strides are implied by its shape (see MulPlan): is_contiguous() costs less than
-        # stride().
-        key = (in1.shape, in1.is_contiguous() or in1.stride(), in1.dtype, in1.device, in2.shape,
-               in2.is_contiguous() or in2.stride(), in2.dtype, in2.device, idx1.shape, idx1.dtype, idx1.device)
-        plan = self.table.get(key)
-        if plan is None:
-            plan = self.table.keep(key, self._plan(key, in1, in2, idx1))
-        if not plan:
-            return None
+        ts = (in1, in2, idx1)
+        plan = self.table.last.get(0)
+        # The last call's plan where this call's tensors pass the plan's guard (see apex.ops._lean.refresh_guard),
+        # else the plan of the call's key.
+        if plan is None or not _guarded(plan, ts):
+            # A contiguous input's strides are implied by its shape (see MulPlan): is_contiguous() costs less than
+            # stride().
+            key = (in1.shape, in1.is_contiguous() or in1.stride(), in1.dtype, in1.device, in2.shape,
+                   in2.is_contiguous() or in2.stride(), in2.dtype, in2.device, idx1.shape, idx1.dtype, idx1.device)
+            plan = self.table.get(key)
+            if plan is None:
+                plan = self.table.keep(key, self._plan(key, in1, in2, idx1))
+            if not plan:
+                return None
+            _refresh_guard(plan, ts)
         if _grad_enabled() and _any_requires_grad(in1, in2):
             idx, ordered, perm = orders.get(idx1)  # (the backward's order, kept while idx1 is unchanged)
             return _direct(in1, in2, (idx, plan, ordered, perm))

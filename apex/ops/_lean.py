@@ -54,11 +54,13 @@ class PlanTable:
         return plan
 
     def keep(self, key: tuple, plan: object) -> object:
-        """Keeps ``plan`` (or False) for ``key`` and answers it."""
+        """Keeps ``plan`` (or False) for ``key`` and answers it; a plan is the last one from then on."""
         plans = self.plans
         if len(plans) >= 256:  # layouts that keep changing (variable batch or length): stay bounded
             plans.clear()
         plans[key] = plan
+        if plan:
+            self.last[0] = plan
         return plan
 
 
@@ -78,6 +80,49 @@ def exact_shape(shape: object) -> object:
         if type(s) is not int:
             return None
     return shape if kind is tuple else tuple(shape)
+
+
+def _tensor_guard(tensors: tuple):
+    """A C-level check that tensors have exactly the metadata of ``tensors`` (Python type, dispatch keys, dtype,
+    device, sizes, strides, requires_grad): TorchDynamo's own guard of a compiled graph's tensors. None where this
+    PyTorch has none."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception:  # an older or a stripped build: keys do the work
+        return None
+
+
+def guarded(plan, tensors: tuple) -> bool:
+    """Whether ``tensors`` (a call's, in the plan's order and number) pass one of ``plan.guards``."""
+    guards = plan.guards
+    return bool(guards) and (guards[0].check(*tensors) or len(guards) > 1 and guards[1].check(*tensors))
+
+
+_GUARD_BUILDS = 16  # guards built for one plan before it keeps the ones it has
+
+
+def refresh_guard(plan, tensors: tuple) -> None:
+    """After a key lookup found ``plan`` for a call on ``tensors`` (the call's tensors, in a fixed order per
+    plan): make one of ``plan.guards`` a guard they pass (first), so that the next such call can take the plan on
+    one C call instead of building its key. A guard checks every fact of the tensors that a key holds and more
+    (exact strides, requires_grad, dispatch keys: stricter, so that a call it refuses takes the key, as before).
+    A plan keeps two (a layout called with and without gradients alternately, as in training and evaluation,
+    or by layers whose inputs differ so) and builds at most :data:`_GUARD_BUILDS`."""
+    guards = plan.guards
+    if guards:
+        if guards[0].check(*tensors):
+            return
+        if len(guards) > 1 and guards[1].check(*tensors):
+            guards.reverse()
+            return
+    if plan.guard_builds >= _GUARD_BUILDS:
+        return
+    plan.guard_builds += 1
+    guard = _tensor_guard(tensors)
+    if guard is not None:
+        plan.guards = [guard, *guards[:1]]
 
 
 # One token while the kernels' launch plans stand: _tuning.invalidate (an override, an assumed device) empties

@@ -16,6 +16,7 @@ from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
 from apex.ops._lean import exact_shape as _exact_shape
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 from apex.ops._norm import _KERNEL_DTYPE_SET, _PLAIN, _PLAIN_OR_NONE, MAX_FUSED_N, check_args, grad_rows, rows_view
 from apex.ops._norm_direct import _kernels
@@ -41,7 +42,7 @@ class AddNormPlan:
     residual's row strides; ``h_dtype``: the sum's; ``same_out``: the output is ``empty_like`` of the input."""
 
     __slots__ = ("key", "on_gpu", "is_rms", "m", "n", "sx0", "sr0", "fwd", "bwd", "in_dtype", "res_dtype",
-                 "h_dtype", "same_out", "f32", "shape", "general")
+                 "h_dtype", "same_out", "f32", "shape", "general", "guards", "guard_builds")
 
     def __init__(self, key: tuple, is_rms: bool, input: Tensor, residual: Tensor, shape: tuple, m: int, n: int,
                  sx0: int, sr0: int, general):
@@ -54,6 +55,7 @@ class AddNormPlan:
         self.f32 = input.dtype is _F32
         self.fwd = _kernels()._plan(input, m, n, is_rms, False)
         self.bwd = [(None, None), (None, None)]
+        self.guards, self.guard_builds = [], 0
 
     def forward(self, input: Tensor, residual: Tensor, weight, bias, eps: float, ctx=None, me: bool = False):
         """``(y, h)``: ``forward_rows``' allocations and launch; with ``ctx``, what the general ``_Direct``
@@ -143,6 +145,21 @@ class AddNormLean:
         on_gpu = input.is_cuda
         if not _triton_takes(on_gpu, input):
             return None
+        # The tensors in one order per plan (which parameters are None is in the key).
+        if weight is None:
+            ts = (input, residual) if bias is None else (input, residual, bias)
+        else:
+            ts = (input, residual, weight) if bias is None else (input, residual, weight, bias)
+        table = self.table
+        plan = table.last.get(0)
+        # The last call's plan where this call has its key's facts (see NormLean.run): one C call for the tensors'.
+        if (plan is not None and plan.guards and (weight is None) is (plan.key[9] is None)
+                and (bias is None) is (plan.key[10] is None)
+                and (normalized_shape is plan.key[4] or _exact_shape(normalized_shape) == plan.key[4])
+                and (plan.guards[0].check(*ts) or len(plan.guards) > 1 and plan.guards[1].check(*ts))):
+            if _grad_enabled():
+                return _direct(input, residual, weight, bias, plan, float(eps), bool(memory_efficient))
+            return plan.forward(input, residual, weight, bias, float(eps))
         normalized_shape = _exact_shape(normalized_shape)
         if normalized_shape is None:
             return None
@@ -155,15 +172,14 @@ class AddNormLean:
                                             if weight.is_cuda or weight.is_cpu else weight.device),
                None if bias is None else (bias.shape, bias.dtype,
                                           bias.get_device() if bias.is_cuda or bias.is_cpu else bias.device))
-        table = self.table
-        plan = table.last.get(0)  # the last call's plan first: one comparison of the key
-        if plan is None or plan.key != key:
+        if plan is None or plan.key != key:  # (the last call's plan first: one comparison of the key)
             plan = table.plans.get(key)
             if plan is None:
                 plan = table.keep(key, self._plan(key, input, residual, normalized_shape, weight, bias))
             if not plan:
                 return None
             table.last[0] = plan
+        _refresh_guard(plan, ts)
         if _grad_enabled():  # (see NormLean.run)
             return _direct(input, residual, weight, bias, plan, float(eps), bool(memory_efficient))
         return plan.forward(input, residual, weight, bias, float(eps))

@@ -34,6 +34,7 @@ from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
 from apex.ops._lean import exact_shape as _exact_shape
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 from apex.ops._norm import _KERNEL_DTYPE_SET, _PLAIN, _PLAIN_OR_NONE, MAX_FUSED_N, check_args, grad_rows, rows_view
 
@@ -62,7 +63,7 @@ class NormPlan:
     ``shape``, ``in_dtype``: the checked ``normalized_shape`` and the input dtype (the registered backward's)."""
 
     __slots__ = ("key", "on_gpu", "is_rms", "m", "n", "sx", "sx0", "fwd", "bwd", "out_dtype", "in_dtype",
-                 "same_out", "f32", "shape", "general")
+                 "same_out", "f32", "shape", "general", "guards", "guard_builds", "no_w", "no_b")
 
     def __init__(self, key: tuple, is_rms: bool, input: Tensor, shape: tuple, m: int, n: int, sx0: int,
                  out_dtype: _DTYPE, general):
@@ -74,6 +75,8 @@ class NormPlan:
         self.f32 = input.dtype is _F32
         self.fwd = _kernels()._plan(input, m, n, is_rms, False)
         self.bwd = [(None, None), (None, None)]
+        self.guards, self.guard_builds = [], 0
+        self.no_w, self.no_b = len(key) < 9 or key[6] is None, len(key) in (6, 9)  # (the key's forms: see run)
 
     def forward(self, input: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, ctx=None,
                 me: bool = False) -> Tensor:
@@ -168,6 +171,22 @@ class NormLean:
         on_gpu = input.is_cuda
         if not _triton_takes(on_gpu, input):
             return None
+        # The tensors in one order per plan (which of the parameters are None is in the key).
+        if weight is None:
+            ts = (input,) if bias is None else (input, bias)
+        else:
+            ts = (input, weight) if bias is None else (input, weight, bias)
+        table = self.table
+        plan = table.last.get(0)
+        # The last call's plan where this call has its key's facts: the options compared (``normalized_shape`` by
+        # identity, else as the key compares it), the tensors' in one C call (one of plan.guards: see refresh_guard).
+        if (plan is not None and plan.guards and out_dtype is plan.key[5]
+                and (weight is None) is plan.no_w and (bias is None) is plan.no_b
+                and (normalized_shape is plan.key[4] or _exact_shape(normalized_shape) == plan.key[4])
+                and (plan.guards[0].check(*ts) or len(plan.guards) > 1 and plan.guards[1].check(*ts))):
+            if _grad_enabled():
+                return _direct(input, weight, bias, plan, float(eps), bool(memory_efficient))
+            return plan.forward(input, weight, bias, float(eps))
         normalized_shape = _exact_shape(normalized_shape)
         if normalized_shape is None:
             return None
@@ -196,15 +215,14 @@ class NormLean:
                    out_dtype, weight.shape, weight.dtype,
                    weight.get_device() if weight.is_cuda or weight.is_cpu else weight.device, bias.shape,
                    bias.dtype, bias.get_device() if bias.is_cuda or bias.is_cpu else bias.device)
-        table = self.table
-        plan = table.last.get(0)  # the last call's plan first: one comparison of the key
-        if plan is None or plan.key != key:
+        if plan is None or plan.key != key:  # (the last call's plan first: one comparison of the key)
             plan = table.plans.get(key)
             if plan is None:
                 plan = table.keep(key, self._plan(key, input, normalized_shape, weight, bias, out_dtype))
             if not plan:
                 return None
             table.last[0] = plan
+        _refresh_guard(plan, ts)
         # Grad mode alone decides (no _any_requires_grad call): the Function's output needs no gradient where
         # none of its inputs does, as the plain forward's (only the Function's ctx, dropped, is the difference).
         if _grad_enabled():

@@ -34,6 +34,8 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -53,10 +55,12 @@ class RopePlan:
     :data:`_EPOCH` it was looked up in (an override or an assumed device between a forward and its backward
     counts, as in the general launcher, which looks its plan up at each launch)."""
 
-    __slots__ = ("key", "on_gpu", "dims", "tr", "r", "sf", "sy", "fwd", "bwd", "kernels", "general")
+    __slots__ = ("key", "on_gpu", "dims", "tr", "r", "sf", "sy", "fwd", "bwd", "kernels", "general", "guards",
+                 "guard_builds")
 
     def __init__(self, key: tuple, t: Tensor, r: int, tr: bool, kernels: Callable, general: Callable):
         self.key, self.on_gpu, self.tr, self.r, self.sf = key, t.is_cuda, tr, r, key[5]
+        self.guards, self.guard_builds = [], 0
         s, b, h, d = t.shape
         self.dims = (b, s, h, d) if tr else (s, b, h, d)
         self.kernels, self.general = kernels, general
@@ -167,14 +171,21 @@ class Lean:
             return None  # (a subclass, not a tensor, a flag the general path converts: its checks and errors)
         if not _triton_takes(t.is_cuda, t):
             return None
-        # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
-        key = (t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device, freqs.shape, freqs.stride(),
-               freqs.dtype, freqs.device, tr)
-        plan = self.table.get(key)
-        if plan is None:
-            plan = self.table.keep(key, self._plan(key, t, freqs, tr))
-        if not plan:
-            return None
+        ts = (t, freqs)
+        plan = self.table.last.get(0)
+        # The last call's plan where this call has its options and its tensors pass the plan's guard (see
+        # apex.ops._lean.refresh_guard), else the plan of the call's key.
+        if plan is None or not (tr is plan.key[8]
+                                and _guarded(plan, ts)):
+            # A contiguous input's strides are implied by its shape: is_contiguous() costs less than stride().
+            key = (t.shape, t.is_contiguous() or t.stride(), t.dtype, t.device, freqs.shape, freqs.stride(),
+                   freqs.dtype, freqs.device, tr)
+            plan = self.table.get(key)
+            if plan is None:
+                plan = self.table.keep(key, self._plan(key, t, freqs, tr))
+            if not plan:
+                return None
+            _refresh_guard(plan, ts)
         if plan.fwd is None:
             plan.build(t)
         if _grad_enabled():

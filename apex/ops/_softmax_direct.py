@@ -31,6 +31,8 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -49,7 +51,7 @@ class SoftmaxPlan:
     tail for a contiguous gradient)`` of the last backward."""
 
     __slots__ = ("key", "on_gpu", "dims", "four_d", "dtype", "launch", "tail", "warps", "causal", "bwd_key",
-                 "bplans", "sizes", "sy", "bwd", "kernels", "general")
+                 "bplans", "sizes", "sy", "bwd", "kernels", "general", "guards", "guard_builds")
 
     def __init__(self, key: tuple, input: Tensor, mask: Tensor | None, causal: bool, kernels, general: Callable):
         four_d = input.dim() == 4
@@ -62,6 +64,7 @@ class SoftmaxPlan:
         x = input if four_d else input.unsqueeze(1)
         self.launch, self.tail, self.warps = kernels.forward_launch(x, mask, causal, None)
         self.key, self.on_gpu, self.dims, self.four_d = key, input.is_cuda, tuple(input.shape), four_d
+        self.guards, self.guard_builds = [], 0
         self.causal, self.dtype = causal, input.dtype
         b, h, sq, sk = x.shape
         self.sizes = (b * h * sq, h, sq, sk)
@@ -158,20 +161,30 @@ class Lean:
         if not _triton_takes(input.is_cuda, input):
             return None
         causal = True if causal else False
-        # A contiguous tensor's strides are implied by its shape (see SoftmaxPlan): is_contiguous() costs less
-        # than stride().
         if mask is None:
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, causal)
+            ts = (input,)
         elif type(mask) in _PLAIN:
-            key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, causal,
-                   mask.shape, mask.is_contiguous() or mask.stride(), mask.dtype, mask.device)
+            ts = (input, mask)
         else:
             return None
-        plan = self.table.get(key)
-        if plan is None:
-            plan = self.table.keep(key, self._plan(key, input, mask, causal, checked))
-        if not plan:
-            return None
+        plan = self.table.last.get(0)
+        # The last call's plan where this call has its options and its tensors pass the plan's guard (see
+        # apex.ops._lean.refresh_guard), else the plan of the call's key.
+        if plan is None or not (causal is plan.key[4] and (mask is None) is (len(plan.key) == 5)
+                                and _guarded(plan, ts)):
+            # A contiguous tensor's strides are implied by its shape (see SoftmaxPlan): is_contiguous() costs less
+            # than stride().
+            if mask is None:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, causal)
+            else:
+                key = (input.shape, input.is_contiguous() or input.stride(), input.dtype, input.device, causal,
+                       mask.shape, mask.is_contiguous() or mask.stride(), mask.dtype, mask.device)
+            plan = self.table.get(key)
+            if plan is None:
+                plan = self.table.keep(key, self._plan(key, input, mask, causal, checked))
+            if not plan:
+                return None
+            _refresh_guard(plan, ts)
         scale = scale if type(scale) is float else self.check_scale(scale)
         if _grad_enabled() and input.requires_grad:
             return _direct(input, (plan, mask, scale))

@@ -37,6 +37,8 @@ from apex.ops._dispatch import _PLAIN
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import PlanTable
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import guarded as _guarded
+from apex.ops._lean import refresh_guard as _refresh_guard
 from apex.ops._lean import triton_takes as _triton_takes
 
 Tensor = torch.Tensor
@@ -58,11 +60,12 @@ class XentPlan:
     ``args`` the ``ctx.args`` it reads."""
 
     __slots__ = ("key", "on_gpu", "m", "v", "sx", "sx0", "lab_contig", "f32", "scalars", "fwd", "bwd", "kernels",
-                 "general", "args")
+                 "general", "args", "guards", "guard_builds")
 
     def __init__(self, key: tuple, logits: Tensor, labels_contiguous: bool, smoothing: float,
                  padding_idx: int | None, pad: int, kernels: Callable, general: Callable):
         self.key, self.on_gpu, self.sx, self.lab_contig = key, logits.is_cuda, key[1], labels_contiguous
+        self.guards, self.guard_builds = [], 0
         self.m, self.v = logits.shape
         # A contiguous logits' row stride is V (a contiguous tensor differs only along a size-1 dim, which
         # addresses row 0 alone there: the same values).
@@ -166,14 +169,21 @@ class Lean:
             return None  # (the general path: its checks, errors and registered ops)
         if not _triton_takes(logits.is_cuda, logits):
             return None
-        # A contiguous tensor's strides are implied by its shape: is_contiguous() costs less than stride().
-        key = (logits.shape, logits.is_contiguous() or logits.stride(), logits.dtype, logits.device,
-               labels.shape, labels.is_contiguous(), labels.dtype, labels.device, smoothing, padding_idx)
-        plan = self.table.get(key)
-        if plan is None:
-            plan = self.table.keep(key, self._plan(key, logits, labels, smoothing, padding_idx))
-        if not plan:
-            return None
+        ts = (logits, labels)
+        plan = self.table.last.get(0)
+        # The last call's plan where this call has its options and its tensors pass the plan's guard (see
+        # apex.ops._lean.refresh_guard), else the plan of the call's key.
+        if plan is None or not (smoothing == plan.key[8] and padding_idx == plan.key[9]
+                                and _guarded(plan, ts)):
+            # A contiguous tensor's strides are implied by its shape: is_contiguous() costs less than stride().
+            key = (logits.shape, logits.is_contiguous() or logits.stride(), logits.dtype, logits.device,
+                   labels.shape, labels.is_contiguous(), labels.dtype, labels.device, smoothing, padding_idx)
+            plan = self.table.get(key)
+            if plan is None:
+                plan = self.table.keep(key, self._plan(key, logits, labels, smoothing, padding_idx))
+            if not plan:
+                return None
+            _refresh_guard(plan, ts)
         if plan.fwd is None:
             plan.build(logits)
         if _grad_enabled() and logits.requires_grad:

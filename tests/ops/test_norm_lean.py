@@ -234,6 +234,46 @@ def test_a_bad_call_after_a_warm_one_still_raises(triton_device, op):
 
 
 @pytest.mark.parametrize("op", OPS)
+def test_a_call_with_the_last_calls_facts_takes_its_plan_on_the_guard(triton_device, monkeypatch, op):
+    """A call whose tensors have the last call's metadata (the plan's guard) and the same options takes the plan
+    without its key; any other takes the key (and is right): other strides, requires_grad, a parameter's
+    ``.data`` swapped, a parameter dropped, ``normalized_shape`` as an equal list or an unequal one."""
+    from apex.ops import _norm_direct as D
+
+    mod, fn = OPS[op]
+    dev = triton_device
+    keyed = []
+    exact = D._exact_shape
+    monkeypatch.setattr(D, "_exact_shape", lambda s: keyed.append(s) or exact(s))
+    ns = (8,)
+    x = torch.randn(4, 8, device=dev, requires_grad=True)
+    w, b = torch.randn(8, device=dev, requires_grad=True), torch.randn(8, device=dev, requires_grad=True)
+    dy = torch.randn(4, 8, device=dev)
+
+    def check(x, ns, w, b, guarded):
+        del keyed[:]
+        lean, general = _both(monkeypatch, mod, fn, x, ns, w, b, dy)
+        _same(lean, general)
+        assert (not keyed) == guarded, (keyed, guarded)
+
+    with apex.backend("triton"):
+        fn(x, ns, w, b)
+        check(x, ns, w, b, True)
+        check(torch.randn(4, 8, device=dev, requires_grad=True), ns, w, b, True)  # new tensors, same facts
+        check(torch.randn(8, 4, device=dev).t().requires_grad_(), ns, w, b, False)  # other strides
+        check(x.detach(), ns, w, b, False)  # no gradient: a second guard of the plan
+        check(x, ns, w, b, True)  # ...and both kept: training and evaluation alternately take the plan
+        check(x.detach(), ns, w, b, True)
+        w2 = w.detach().clone().requires_grad_()
+        w2.data = w2.data.half()
+        check(x, ns, w2, b, False)
+        check(x, ns, None, b, False)
+        check(x, [8], w, b, False)
+        with pytest.raises(ValueError, match="expects an input of shape"):
+            fn(x, (6,), w, b)
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_backward_of_a_saved_input_with_other_strides(triton_device, op):
     """A saved-tensor hook that gives the input back in another layout: the general backward reads it."""
     mod, fn = OPS[op]
@@ -413,3 +453,43 @@ def test_fused_add_errors_after_a_warm_call(triton_device, op):
         r.data = r.data.half()  # another residual dtype: another plan, h in the promoted dtype
         y, h = fn(x, r, w, None, (8,), False)
         assert h.dtype == torch.float32 and type(y.grad_fn).__name__ == "_DirectAddNormBackward"
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_fused_add_takes_the_last_plan_on_its_guard(triton_device, monkeypatch, op):
+    """As test_a_call_with_the_last_calls_facts_takes_its_plan_on_the_guard, for fused add + norm."""
+    from apex.ops import _norm_add_direct as D
+
+    name, fn = ADD_OPS[op]
+    dev = triton_device
+    keyed = []
+    exact = D._exact_shape
+    monkeypatch.setattr(D, "_exact_shape", lambda s: keyed.append(s) or exact(s))
+    ns = (8,)
+    w = torch.randn(8, device=dev, requires_grad=True)
+    b = torch.randn(8, device=dev, requires_grad=True) if op == "fused_add_layer_norm" else None
+    dy = torch.randn(4, 8, device=dev)
+
+    def check(x, r, w, b, guarded):
+        del keyed[:]
+        lean = _add_run(fn, _leaf(x), _leaf(r), _leaf(w), _leaf(b), ns, False, dy, None)
+        with monkeypatch.context() as m:
+            m.setattr(FA, name, lambda *a: None)
+            general = _add_run(fn, _leaf(x), _leaf(r), _leaf(w), _leaf(b), ns, False, dy, None)
+        for p, q in zip([*lean[0], *lean[1]], [*general[0], *general[1]]):
+            assert p.dtype == q.dtype and p.stride() == q.stride()
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert (not keyed) == guarded, (keyed, guarded)
+
+    def xr(rg=True):
+        return (torch.randn(4, 8, device=dev, requires_grad=rg), torch.randn(4, 8, device=dev, requires_grad=rg))
+
+    with apex.backend("triton"):
+        fn(*xr(), w, b, ns, False)
+        check(*xr(), w, b, True)
+        check(xr()[0], torch.randn(8, 4, device=dev).t().requires_grad_(), w, b, False)  # the residual's strides
+        check(xr()[0], xr()[1].half(), w, b, False)  # its dtype
+        check(*xr(), None, b, False)
+        check(*xr(False), w, b, False)
+        check(*xr(), w, b, True)  # both guards kept
+        check(*xr(False), w, b, True)
