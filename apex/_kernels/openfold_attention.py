@@ -218,17 +218,27 @@ def forward(q, k, v, mask, bias, scale: float, inf: float, dims: tuple, strides:
     ``(Z, H, NQ, NK, D)``. ``o`` contiguous in ``q``'s shape and dtype, ``lse`` fp32 ``[Z, H, NQ]``."""
     z, h, nq, nk, d = dims
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    # (new_empty with integer sizes: no device object, ~1.5k instructions less than torch.empty(..., device=))
-    lse = q.new_empty(z, h, nq, dtype=_F32)
+    # (new_empty with integer sizes: no device object, ~1.5k instructions less than torch.empty(..., device=); no
+    # dtype keyword where q's is the answer: each keyword costs an allocation ~2,000 instructions to parse)
+    lse = q.new_empty(z, h, nq) if q.dtype is _F32 else q.new_empty(z, h, nq, dtype=_F32)
     if z == 0 or h == 0 or nq == 0 or d == 0:
         return o, lse
-    bm, bn, bd, low, launch, _, _ = _plan(dims, q)
+    launch_forward(_plan(dims, q), q, k, v, mask, bias, o, lse, float(scale), float(inf), dims, strides)
+    return o, lse
+
+
+# The launches, written once: this module's launchers and apex.ops._openfold_attention_direct (which keeps an
+# argument layout's dims, strides and plan) both launch through these, with the same arguments (the same bits).
+def launch_forward(plan: tuple, q, k, v, mask, bias, o, lse, scale: float, inf: float, dims: tuple,
+                   strides: tuple) -> None:
+    """The forward launch of :func:`_plan`'s ``plan`` into the caller's ``o`` and ``lse`` (see :func:`forward`;
+    ``scale`` and ``inf`` Python floats)."""
+    bm, bn, bd, low, launch, _, _ = plan
     # The constexprs positionally (HAS_MASK, HAS_BIAS, LOW, BLOCK_M, BLOCK_N, BLOCK_D) and no launch options
     # (see _blocks): each keyword costs a launch ~2,000 instructions of dictionary building and binding.
     launch(
-        q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, h, nq, nk, d,
-        float(scale), float(inf), mask is not None, bias is not None, low, bm, bn, bd)
-    return o, lse
+        q, k, v, mask if mask is not None else q, bias if bias is not None else q, o, lse, *strides, dims[1], dims[2],
+        dims[3], dims[4], scale, inf, mask is not None, bias is not None, low, bm, bn, bd)
 
 
 def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds: bool, dims: tuple,
@@ -240,19 +250,29 @@ def backward(do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds:
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    ds = q.new_empty(z, h, nq, nk, dtype=_F32) if need_ds else None
-    delta = q.new_empty(z, h, nq, dtype=_F32)
+    f32 = q.dtype is _F32
+    ds = (q.new_empty(z, h, nq, nk) if f32 else q.new_empty(z, h, nq, nk, dtype=_F32)) if need_ds else None
+    delta = q.new_empty(z, h, nq) if f32 else q.new_empty(z, h, nq, dtype=_F32)
     if z == 0 or h == 0 or nq == 0 or nk == 0 or d == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ds.zero_() if ds is not None else None
-    bm, bn, bd, low, _, launch_dq, launch_dkdv = _plan(dims, q)
+    launch_backward(_plan(dims, q), do, q, k, v, mask, bias, o, lse, float(scale), float(inf), need_ds, dims, strides,
+                    dq, dk, dv, ds, delta)
+    return dq, dk, dv, ds
+
+
+def launch_backward(plan: tuple, do, q, k, v, mask, bias, o, lse, scale: float, inf: float, need_ds: bool,
+                    dims: tuple, strides: tuple, dq, dk, dv, ds, delta) -> None:
+    """The backward's two launches of :func:`_plan`'s ``plan`` into the caller's ``dq``, ``dk``, ``dv``, ``ds``
+    (None unless ``need_ds``) and ``delta`` (see :func:`backward`; ``scale`` and ``inf`` Python floats)."""
+    bm, bn, bd, low, _, launch_dq, launch_dkdv = plan
+    h, nq, nk, d = dims[1], dims[2], dims[3], dims[4]
     m_arg = mask if mask is not None else q
     b_arg = bias if bias is not None else q
     has_mask, has_bias = mask is not None, bias is not None
     # Constexprs positionally, as in forward: HAS_MASK, HAS_BIAS, NEED_DS (dq only), LOW, BLOCK_M/N/D.
     launch_dq(
         q, k, v, m_arg, b_arg, o, do, lse, delta, dq, ds if ds is not None else delta, *strides, h, nq, nk, d,
-        float(scale), float(inf), has_mask, has_bias, need_ds, low, bm, bn, bd)
+        scale, inf, has_mask, has_bias, need_ds, low, bm, bn, bd)
     launch_dkdv(
-        q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, float(scale), float(inf),
-        has_mask, has_bias, low, bm, bn, bd)
-    return dq, dk, dv, ds
+        q, k, v, m_arg, b_arg, do, lse, delta, dk, dv, *strides, h, nq, nk, d, scale, inf, has_mask, has_bias, low,
+        bm, bn, bd)

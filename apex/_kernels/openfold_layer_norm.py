@@ -169,7 +169,6 @@ def _programs(m: int, device: torch.device) -> int:
 # autotuner's key and the config it chose for it, the grid's launcher, the constexprs and the launch options.
 # Emptied with the other launchers' plans (apex._kernels._tuning.invalidate).
 _PLANS = _tuning.plan_cache()
-_BWD_SHAPES = _tuning.plan_cache()  # the backward's programs and column-sum launch, by the same keys
 
 
 def _autotuner_key(kernel, args: tuple) -> tuple | None:
@@ -246,7 +245,8 @@ def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
 
 def forward(x: torch.Tensor, weight, bias, eps: float):
     """``(y, mean, rstd)`` for ``x`` of at most 4 dims normalised over its last dim; ``y`` contiguous."""
-    m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
+    geo = _geometry(x)
+    m = geo[0]
     # (empty_like takes ~2 µs less than a torch.Size argument; contiguous: the kernels write rows in order.
     # Without keywords where the default is the answer: each costs an allocation ~2,000 instructions to parse.)
     y = _contiguous_like(x)
@@ -255,56 +255,129 @@ def forward(x: torch.Tensor, weight, bias, eps: float):
     if m == 0:
         return y, mean, rstd
     w, b = weight if weight is not None else x, bias if bias is not None else x
-    key = (False, m, n, weight is not None, bias is not None, x.dtype, w.dtype, b.dtype)
-    args = (x, w, b, y, mean, rstd, m, n, d1, d2, s0, s1, s2, sn, float(eps))
-    plan = _PLANS.get(key)  # a warm shape: no grid function or constexpr dict built
-    if plan is None or not _launch_kept(_ln_fwd, plan, args):
-        _launch(_ln_fwd, key, lambda meta: (cdiv(m, meta["ROWS"]),), args,
-                {"HAS_W": weight is not None, "HAS_B": bias is not None, "BLOCK_N": next_power_of_2(n)})
+    key = (False, m, geo[1], weight is not None, bias is not None, x.dtype, w.dtype, b.dtype)
+    (_FWD.get(key) or fwd_plan(key)).launch((x, w, b, y, mean, rstd, *geo, float(eps)))
     return y, mean, rstd
+
+
+# The launches, written once as plan methods: this module's launchers and apex.ops._openfold_ln_direct (which keeps
+# an argument layout's geometry and these plans) both launch through them, with the same arguments: the same bits
+# and the same configuration (the kept launch while the autotuner's cache holds its config, else the autotuner).
+# Plans live in _tuning's plan caches (emptied with the other launchers' plans by _tuning.invalidate).
+_FWD = _tuning.plan_cache()
+_BWD = _tuning.plan_cache()
+
+
+class _FwdPlan:
+    """The forward launch of one key ``(False, M, N, has weight, has bias, x, weight, bias dtypes)`` (an absent
+    parameter's dtype is x's): its constexprs and the launch kept after the autotuner's (``_launch``)."""
+
+    __slots__ = ("key", "m", "constexprs", "kept")
+
+    def __init__(self, key: tuple):
+        self.key, self.m, self.kept = key, key[1], None
+        self.constexprs = {"HAS_W": key[3], "HAS_B": key[4], "BLOCK_N": next_power_of_2(key[2])}
+
+    def launch(self, args: tuple) -> None:
+        """``args``: ``(x, weight or x, bias or x, y, mean, rstd, *geometry, eps)``."""
+        kept = self.kept
+        if kept is not None:  # (_launch_kept, inline: a frame less)
+            tkey, config, launcher, tail, options = kept
+            if (_ln_fwd.configs[0] if tkey is None else _ln_fwd.cache.get(tkey)) is config:
+                if options:
+                    launcher(*args, *tail, **options)
+                else:
+                    launcher(*args, *tail)
+                return
+        m = self.m
+        _launch(_ln_fwd, self.key, lambda meta: (cdiv(m, meta["ROWS"]),), args, self.constexprs)
+        self.kept = _PLANS.get(self.key)
+
+
+def fwd_plan(key: tuple) -> _FwdPlan:
+    """The forward plan of ``key`` (made and kept where new)."""
+    p = _FWD.get(key)
+    if p is None:
+        p = _FWD[key] = _FwdPlan(key)
+    return p
+
+
+class _BwdPlan:
+    """The backward launches of one key ``(True, M, N, has weight, need dw, need db, dy, x, weight (or x), mean,
+    rstd dtypes, device type, device index)``: programs, rows each, the column sums' launcher, the constexprs and
+    the rows' launch kept after the autotuner's."""
+
+    __slots__ = ("key", "m", "n", "need_dw", "need_db", "progs", "per_prog", "column_sum", "k", "block_c",
+                 "constexprs", "kept")
+
+    def __init__(self, key: tuple, dev: torch.device):
+        _, m, n, has_w, need_dw, need_db = key[:6]
+        self.key, self.m, self.n, self.need_dw, self.need_db, self.kept = key, m, n, need_dw, need_db, None
+        self.progs = progs = _programs(m, dev)
+        self.per_prog = cdiv(m, progs)
+        self.block_c = min(next_power_of_2(n), 256)
+        self.k = need_dw + need_db
+        # (the column sums' launcher kept: kernel[grid] builds one at every call)
+        self.column_sum = _column_sum[(cdiv(n, self.block_c), self.k)]
+        self.constexprs = {"HAS_W": has_w, "NEED_DW": need_dw, "NEED_DB": need_db, "BLOCK_N": next_power_of_2(n)}
+
+    def launch(self, geo: tuple, dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, w_dtype: torch.dtype,
+               b_dtype: torch.dtype, dx: torch.Tensor) -> tuple:
+        """The launches into the caller's ``dx`` (contiguous, ``x``'s shape; ``geo``: ``x``'s
+        :func:`_geometry`): ``(dx, dweight, dbias)``."""
+        m, n, k, progs = self.m, self.n, self.k, self.progs
+        need_dw, need_db = self.need_dw, self.need_db
+        # One buffer of partial sums and one column-sum launch for both parameter gradients.
+        if not k:
+            part = dx
+        elif rstd.dtype is _F32:  # (the forward's statistics are) an fp32 buffer without keywords
+            part = rstd.new_empty(progs, k * n)
+        else:
+            part = torch.empty(progs, k * n, dtype=_F32, device=x.device)
+        if m > 0:
+            args = (dy, x, weight if weight is not None else x, mean, rstd, dx, part, m, n, self.per_prog, *geo[2:])
+            kept = self.kept
+            if kept is not None and (_ln_bwd.configs[0] if kept[0] is None else _ln_bwd.cache.get(kept[0])) is kept[1]:
+                # (_launch_kept, inline: a frame less)
+                if kept[4]:
+                    kept[2](*args, *kept[3], **kept[4])
+                else:
+                    kept[2](*args, *kept[3])
+            else:
+                _launch(_ln_bwd, self.key, (progs,), args, self.constexprs)
+                self.kept = _PLANS.get(self.key)
+        # (new_empty without keywords where the weight's dtype is the answer: each keyword costs ~2,000
+        # instructions)
+        dw = (weight.new_empty(n) if weight.dtype is w_dtype else torch.empty(n, dtype=w_dtype, device=x.device)) \
+            if need_dw else None
+        db = (weight.new_empty(n) if weight is not None and weight.dtype is b_dtype else
+              torch.empty(n, dtype=b_dtype, device=x.device)) if need_db else None
+        if k:
+            if m == 0:
+                for t in (dw, db):
+                    if t is not None:
+                        t.zero_()
+            else:
+                # BLOCK_P, BLOCK_C by position (see _launch_kept)
+                self.column_sum(part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, 16, self.block_c)
+        return dx, dw, db
+
+
+def bwd_plan(key: tuple, dev: torch.device) -> _BwdPlan:
+    """The backward plan of ``key`` on ``dev`` (made and kept where new)."""
+    p = _BWD.get(key)
+    if p is None:
+        p = _BWD[key] = _BwdPlan(key, dev)
+    return p
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, weight, mean, rstd, need_dw: bool, need_db: bool,
              w_dtype: torch.dtype, b_dtype: torch.dtype):
     """``(dx, dweight, dbias)``; ``dy`` contiguous with ``x``'s shape, ``dx`` contiguous."""
-    m, n, d1, d2, s0, s1, s2, sn = _geometry(x)
+    geo = _geometry(x)
     dx = _contiguous_like(x)
     w = weight if weight is not None else x
     dev = x.device
-    key = (True, m, n, weight is not None, need_dw, need_db, dy.dtype, x.dtype, w.dtype, mean.dtype, rstd.dtype,
-           dev.type, dev.index)
-    shape = _BWD_SHAPES.get(key)
-    if shape is None:  # programs, rows each, the column sums' grid and block
-        progs = _programs(m, dev)
-        block_c = min(next_power_of_2(n), 256)
-        sum_grid = (cdiv(n, block_c), need_dw + need_db)
-        # (the column sums' launcher kept: kernel[grid] builds one at every call)
-        shape = _BWD_SHAPES[key] = (progs, cdiv(m, progs), _column_sum[sum_grid], need_dw + need_db, block_c)
-    progs, per_prog, column_sum, k, block_c = shape
-    # One buffer of partial sums and one column-sum launch for both parameter gradients.
-    if not k:
-        part = dx
-    elif rstd.dtype is _F32:  # (the forward's statistics are) an fp32 buffer without keywords
-        part = rstd.new_empty(progs, k * n)
-    else:
-        part = torch.empty(progs, k * n, dtype=_F32, device=dev)
-    if m > 0:
-        args = (dy, x, w, mean, rstd, dx, part, m, n, per_prog, d1, d2, s0, s1, s2, sn)
-        plan = _PLANS.get(key)
-        if plan is None or not _launch_kept(_ln_bwd, plan, args):
-            _launch(_ln_bwd, key, (progs,), args, {"HAS_W": weight is not None, "NEED_DW": need_dw, "NEED_DB": need_db,
-                                                   "BLOCK_N": next_power_of_2(n)})
-    # (new_empty without keywords where the weight's dtype is the answer: each keyword costs ~2,000 instructions)
-    dw = (weight.new_empty(n) if weight.dtype is w_dtype else torch.empty(n, dtype=w_dtype, device=dev)) \
-        if need_dw else None
-    db = (weight.new_empty(n) if weight is not None and weight.dtype is b_dtype else
-          torch.empty(n, dtype=b_dtype, device=dev)) if need_db else None
-    if k:
-        if m == 0:
-            for t in (dw, db):
-                if t is not None:
-                    t.zero_()
-        else:
-            # BLOCK_P, BLOCK_C by position (see _launch_kept)
-            column_sum(part, dw if need_dw else db, db if need_db else dw, progs, n, k * n, 16, block_c)
-    return dx, dw, db
+    key = (True, geo[0], geo[1], weight is not None, need_dw, need_db, dy.dtype, x.dtype, w.dtype, mean.dtype,
+           rstd.dtype, dev.type, dev.index)
+    return (_BWD.get(key) or bwd_plan(key, dev)).launch(geo, dy, x, weight, mean, rstd, w_dtype, b_dtype, dx)

@@ -21,6 +21,7 @@ import torch
 
 from apex import _backend
 from apex.ops._checks import member_set
+from apex.ops._openfold_attention_direct import Lean
 
 Tensor = torch.Tensor
 
@@ -216,23 +217,35 @@ class _AttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q_, k_, v_, o, lse, m_, b_ = ctx.saved_tensors
-        q_shape, k_shape, full, bias_shape, dims, strides, scale, inf = ctx.meta
-        need_ds = b_ is not None and ctx.needs_input_grad[4]
-        # The kernels read do as contiguous rows of D, as they wrote o.
-        dq, dk, dv, ds = _kernels().backward(do.contiguous(), q_, k_, v_, m_, b_, o, lse, scale, inf, need_ds, dims,
-                                          strides)
-        dbias = None
-        if need_ds:
-            dbias = ds.view(full).sum_to_size(bias_shape).to(b_.dtype)
-        if q_.dim() == len(q_shape) and k_.dim() == len(k_shape):  # gradients already in the inputs' shapes
-            return dq, dk, dv, None, dbias, None, None
-        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, dbias, None, None
+        return _triton_backward(do, q_, k_, v_, o, lse, m_, b_, b_ is not None and ctx.needs_input_grad[4],
+                                *ctx.meta)
+
+
+def _triton_backward(do, q_, k_, v_, o, lse, m_, b_, need_ds, q_shape, k_shape, full, bias_shape, dims, strides,
+                     scale, inf) -> tuple:
+    """:class:`_AttentionTriton`'s gradients (also the planned path's where it needs the general backward)."""
+    # The kernels read do as contiguous rows of D, as they wrote o.
+    dq, dk, dv, ds = _kernels().backward(do.contiguous(), q_, k_, v_, m_, b_, o, lse, scale, inf, need_ds, dims,
+                                      strides)
+    dbias = None
+    if need_ds:
+        dbias = ds.view(full).sum_to_size(bias_shape).to(b_.dtype)
+    if q_.dim() == len(q_shape) and k_.dim() == len(k_shape):  # gradients already in the inputs' shapes
+        return dq, dk, dv, None, dbias, None, None
+    return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, dbias, None, None
 
 
 # ------------------------------------------------------------------------------------------- entry
 def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
               inf: float = 1e9) -> Tensor:
     """Differentiable masked, biased attention (see the module docstring); returns ``[..., H, NQ, D]``."""
+    out = _lean(query, key, value, mask, bias, inf)  # the planned eager Triton path (None: the general one)
+    return out if out is not None else general(query, key, value, mask, bias, inf)
+
+
+def general(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, bias: Tensor | None,
+            inf: float) -> Tensor:
+    """:func:`attention`'s general path (checked and routed), where its planned path (``_lean``) answered None."""
     full = check_args(query, key, value, mask, bias)
     if not isinstance(inf, (int, float)) or not inf > 0:
         raise ValueError(f"inf must be a positive number, got {inf!r}")
@@ -253,3 +266,8 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
 
 
 _triton_apply = super(torch.autograd.Function, _AttentionTriton).apply
+
+
+# The planned eager path of the Triton kernels (apex.ops._openfold_attention_direct): the output, or None where
+# attention's general path takes the call.
+_lean = Lean(check_args, _operands, _triton_backward, _kernels).run

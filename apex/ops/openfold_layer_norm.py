@@ -21,6 +21,7 @@ import torch
 
 from apex import _backend
 from apex.ops._norm import _same_device
+from apex.ops._openfold_ln_direct import Lean
 
 Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -203,3 +204,12 @@ def backward_checked(grad_output: Tensor, input: Tensor, shape: tuple[int, ...],
         mask)
     return (_as(dx, input.dtype), _as(dw, weight.dtype) if weight is not None else None,
             _as(db, bias.dtype) if bias is not None else None)
+
+
+def _kernel_module():
+    return (_KERNELS or _kernels())[0]
+
+
+# The planned eager path of the Triton kernels (apex.ops._openfold_ln_direct): the output, or None where the
+# general path (LayerNormSmallShapeOptImpl's) takes the call. Called by LayerNormSmallShapeOptImpl.apply.
+_lean = Lean(check_args, backward_checked, _KERNEL_DTYPES, _MAX_N, _kernel_module).run

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from apex.ops import openfold_attention as _ops
 from apex.ops.openfold_attention import attention
 
 
@@ -74,7 +75,9 @@ def AttnTri(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if not is_training:
         with torch.no_grad():
             return attention(q, k, v, mask, bias, inf)
-    return attention(q, k, v, mask, bias, inf)
+    # attention's planned eager path first, then its general path (a frame less than attention() itself)
+    out = _ops._lean(q, k, v, mask, bias, inf)
+    return out if out is not None else _ops.general(q, k, v, mask, bias, inf)
 
 
 def AttnBiasJIT(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,  # noqa: N802
