@@ -212,13 +212,27 @@ class _AttentionTriton(torch.autograd.Function):
         out, saved, geometry = _triton_forward(q, k, v, mask, bias, inf, full)
         ctx.save_for_backward(*saved)
         ctx.meta = (q.shape, k.shape, full, bias.shape if bias is not None else None, *geometry, float(inf))
+        ctx.layouts = _layouts(saved)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q_, k_, v_, o, lse, m_, b_ = ctx.saved_tensors
-        return _triton_backward(do, q_, k_, v_, o, lse, m_, b_, b_ is not None and ctx.needs_input_grad[4],
-                                *ctx.meta)
+        saved = ctx.saved_tensors
+        q_, k_, v_, o, lse, m_, b_ = saved
+        meta = ctx.meta
+        if _layouts(saved) != ctx.layouts:
+            # A saved-tensor hook gave an operand back in another layout (save_on_cpu does, for an expanded mask):
+            # the kernels must read the tensors they get with their own strides, not the forward's.
+            q_shape, k_shape, full = meta[0], meta[1], meta[2]
+            m_, b_ = (t if t is None or _broadcast_strides(t, full) is not None else t.reshape(full) for t in (m_, b_))
+            q_, k_, v_, m_, b_, dims, strides = _operands(q_.reshape(q_shape), k_.reshape(k_shape),
+                                                          v_.reshape(k_shape), m_, b_, full)
+            o, lse, meta = o.contiguous(), lse.contiguous(), (*meta[:4], dims, strides, *meta[6:])
+        return _triton_backward(do, q_, k_, v_, o, lse, m_, b_, b_ is not None and ctx.needs_input_grad[4], *meta)
+
+
+def _layouts(tensors) -> tuple:
+    return tuple(None if t is None else t.stride() for t in tensors)
 
 
 def _triton_backward(do, q_, k_, v_, o, lse, m_, b_, need_ds, q_shape, k_shape, full, bias_shape, dims, strides,

@@ -254,3 +254,26 @@ def test_an_invalidation_between_forward_and_backward(triton_device, monkeypatch
         _tuning.invalidate()
         got = torch.autograd.grad(o, (q, k, v, bias), do)
     same_run((o, list(got)), ref)
+
+
+@pytest.mark.parametrize("case", ["mask-bias", "4d"])
+def test_general_backward_of_saved_tensors_with_other_layouts(triton_device, monkeypatch, case):
+    """The general path's backward under a saved-tensor hook that gives its operands back in another layout (an
+    expanded mask made dense, as save_on_cpu does; q, k, v in another memory order): the same gradients."""
+    q, k, v, mask, bias = _inputs(case, torch.float32, triton_device)
+    do = torch.randn(q.shape, device=triton_device)
+    monkeypatch.setattr(OA, "_lean", lambda *args: None)
+    with apex.backend("triton"):
+        ref = _run(q, k, v, mask, bias, do)
+
+    def unpack(t):
+        if t.dim() >= 4 and t.shape[-1] > 1:
+            return t.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values in another memory order
+        return t.contiguous()
+
+    with apex.backend("triton"), torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), unpack):
+        o = AttnTri(q, k, v, mask if mask is None else mask.expand(q.shape[:-1] + (k.shape[-2],)), bias, 1e9)
+        assert type(o.grad_fn).__name__ == GENERAL
+        got = (o, list(torch.autograd.grad(o, [t for t in (q, k, v, bias) if t is not None and t.requires_grad],
+                                           do)))
+    same_run(got, ref)
