@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from apex._errors import AssertValueError
-from apex.ops.fused_dense import GELU, NONE, apply_chain, chain_grads, save_chain
+from apex.ops._dense_direct import chain as _lean_chain
+from apex.ops._dense_direct import dense as _lean_dense
+from apex.ops.fused_dense import GELU, NONE, apply_chain, apply_general, chain_grads, save_chain
 
 
 class FusedDenseFunc(torch.autograd.Function):
@@ -142,9 +144,13 @@ class FusedDense(nn.Module):
             weight, bias = params["weight"], params["bias"]
         except KeyError:
             weight, bias = self.weight, self.bias
+        # The plan of the call's layout first (apex.ops._dense_direct), else the general path.
+        out = _lean_dense(input, weight, bias)
+        if out is not None:
+            return out
         if bias is not None:
-            return apply_chain(FusedDenseFunc, (), (input, weight, bias), *_ONE, _ACT_NONE)
-        return apply_chain(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)
+            return apply_general(FusedDenseFunc, (), (input, weight, bias), *_ONE, _ACT_NONE)
+        return apply_general(DenseNoBiasFunc, (), (input, weight), *_NO_BIAS, _ACT_NONE)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -175,7 +181,12 @@ class FusedDenseGeluDense(nn.Module):
         _init_linear(self.weight2, self.bias2)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return fused_dense_gelu_dense_function(input, *_registered(self, _GELU_DENSE_NAMES))
+        w1, b1, w2, b2 = _registered(self, _GELU_DENSE_NAMES)
+        if not torch.compiler.is_compiling():  # (as FusedDense.forward)
+            out = _lean_chain(_ACTS_GELU_DENSE, (input, w1, w2, b1, b2), 2)
+            if out is not None:
+                return out
+        return fused_dense_gelu_dense_function(input, w1, b1, w2, b2)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, intermediate_features={self.intermediate_features}, "

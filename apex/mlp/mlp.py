@@ -15,8 +15,11 @@ from operator import itemgetter
 import torch
 from torch import nn
 
+from apex.ops._dense_direct import chain as _lean_chain
 from apex.ops._dispatch import kept_per_key
-from apex.ops.fused_dense import apply_chain, chain_grads, save_chain
+from apex.ops.fused_dense import apply_chain, apply_general, chain_grads, save_chain
+
+_is_compiling = torch.compiler.is_compiling
 
 _CODES = {"none": 0, "relu": 1, "sigmoid": 2}
 
@@ -127,23 +130,28 @@ class MLP(nn.Module):
         # anything else (a parametrization's property, say) by the ordinary lookup.
         # mlp_function's work for the module's own arguments: its layout and names in one lookup, the
         # activation checked (an attribute a caller may have changed), no re-count of the tensors.
-        bias, activation = self.bias, self.activation
+        bias, activation, n = self.bias, self.activation, self.num_layers
         if activation not in (0, 1, 2):
             raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
-        # The tracing query once a call (kept_per_key and apply_chain would each ask it).
-        compiling = torch.compiler.is_compiling()
-        key = (self.num_layers, bool(bias), int(activation))
-        plan = None if compiling else _MODULE_PLANS.get(key)
+        # The tracing query once a call (kept_per_key would ask it again).
+        compiling = _is_compiling()
+        # (kept by the attributes as they are: equal values, bool(bias) and int(activation) equal, hash alike)
+        plan = None if compiling else _MODULE_PLANS.get((n, bias, activation))
         if plan is None:
-            plan = _module_plan(*key)
+            plan = _module_plan(n, bool(bias), int(activation))
             if not compiling:
-                _MODULE_PLANS[key] = plan
+                _MODULE_PLANS[(n, bias, activation)] = plan
         get, layout = plan
         try:
             args = (input, *get(self._parameters))
         except KeyError:
             args = (input, *self.weights, *self.biases)
-        return apply_chain(MlpFunction, (bias, activation), args, *layout, compiling)
+        # The plan of the call's layout first (apex.ops._dense_direct), else the general path.
+        if not compiling:
+            out = _lean_chain(layout[2], args, n)
+            if out is not None:
+                return out
+        return apply_general(MlpFunction, (bias, activation), args, *layout, compiling)
 
     def extra_repr(self) -> str:
         return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

@@ -20,11 +20,11 @@ Checks: :mod:`apex.ops._fused_dense_checks`. Paths:
   two launches per layer: the weight gradient, whose launch also reduces the bias gradient, and the input
   gradient, whose epilogue multiplies by the previous layer's activation derivative.
 
-Host cost: in plain eager mode the public entries (:func:`apply_chain`) launch a chain from its cached
-``ChainPlan`` (:func:`_lean`, :class:`_DirectChain`): one dict lookup on the facts the checks read stands for
-the checks, and every size, stride, grid and constexpr of the forward's and backward's launches is derived
+Host cost: in plain eager mode the public entries (the modules, :func:`apply_chain`) launch a chain on the
+Triton path from its plan (:mod:`apex.ops._dense_direct`): one dict lookup on the facts the checks read stands
+for the checks, and every size, stride, grid and constexpr of the forward's and backward's launches is derived
 once per key. torch.compile, ``torch.func``, dispatch modes, tracers and tensor subclasses take the general
-code (``save_chain`` / ``chain_grads`` inside the chain's own ``autograd.Function``).
+code (``save_chain`` / ``chain_grads`` inside the chain's own ``autograd.Function``, :func:`apply_general`).
 """
 
 from __future__ import annotations
@@ -35,22 +35,19 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from apex._backend import _resolve, select_tensor
+from apex._backend import select_tensor
+from apex.ops._dense_direct import chain as _lean_chain
 from apex.ops._dispatch import lazy_module
-from apex.ops._fused_dense_checks import _PLAIN_TYPES as _PLAIN
 
 # (apex.ops.mlp and apex.fused_dense import these from here.)
-from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain, plan_key
+from apex.ops._fused_dense_checks import ACTIVATIONS, GELU, NONE, RELU, SIGMOID, check_chain
 from apex.ops._norm import check_devices
 
 Tensor = torch.Tensor
 _K = lazy_module("apex._kernels.fused_dense")
-_KC = lazy_module("apex._kernels._fused_dense_chain")
 _any_autocast = torch._C._is_any_autocast_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _any_requires_grad = torch._C._any_requires_grad
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_tracing_state = torch._C._get_tracing_state
 
 _F64 = torch.float64
 
@@ -139,7 +136,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 # What torch.backends.cuda.matmul.allow_tf32 returns, without its module __getattr__ (~1.3 µs a call).
 _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
-_LOADED: list = []  # the kernels' module and its chain plans' module, once an eager call has loaded them
+_LOADED: list = []  # the kernels' module, once an eager call has loaded it
 
 
 def _kernels(compiling: bool):
@@ -150,7 +147,7 @@ def _kernels(compiling: bool):
     if compiling and torch.compiler.is_compiling():
         return _K().traced
     if not _LOADED:
-        _LOADED.extend((_K(), _KC()))
+        _LOADED.append(_K())
     return _LOADED[0]
 
 
@@ -291,11 +288,24 @@ def autocast_args(*args):
 def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, weights: slice, biases: slice,
                 acts: tuple, compiling: bool | None = None) -> Tensor:
     """``fn.apply(*lead, *args)`` for a chain's public entry: ``args`` (the input first) cast under
-    ``torch.autocast``, then checked (``weights``/``biases``: slices of ``args``). Autocast is read once, and
-    entered (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++
-    ``Function.apply`` is called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers).
-    In plain eager mode a call on the Triton path takes the chain's cached plan instead (:func:`_lean`).
+    ``torch.autocast``, then checked (``weights``/``biases``: slices of ``args``). In plain eager mode a call on
+    the Triton path takes its plan instead (:func:`apex.ops._dense_direct.chain`); else :func:`apply_general`.
     ``compiling``: ``torch.compiler.is_compiling()`` where the caller has asked it (None: asked here)."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if not compiling:
+        ws = args[weights]
+        out = _lean_chain(acts, (args[0], *ws, *args[biases]), len(ws))
+        if out is not None:
+            return out
+    return apply_general(fn, lead, args, weights, biases, acts, compiling)
+
+
+def apply_general(fn: type[torch.autograd.Function], lead: tuple, args: tuple, weights: slice, biases: slice,
+                  acts: tuple, compiling: bool | None = None) -> Tensor:
+    """:func:`apply_chain` without the plans (where they answered None). Autocast is read once, and entered
+    (~6 µs) only where it is on; outside ``torch.func`` transforms and tracing the C++ ``Function.apply`` is
+    called without its Python wrapper (which unwraps ``torch.func``'s dead wrappers)."""
     x = args[0]
     if compiling is None:
         compiling = torch.compiler.is_compiling()
@@ -312,14 +322,7 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
     if compiling or _functorch_active():
         check_chain(x, ws, bs, acts, compiling)
         return fn.apply(*lead, *args)
-    # The cached plans once an eager Triton call has loaded the kernels; a dispatch mode or tracer sees the
-    # general path (the chain's own Function), as it did before the plans.
-    if _LOADED and not (_dispatch_modes() or _tracing_state() is not None):
-        out = _lean(x, ws, bs, acts, args)
-        if out is not None:
-            return out
-    else:
-        check_chain(x, ws, bs, acts, False)
+    check_chain(x, ws, bs, acts, False)
     if not (torch.is_grad_enabled() and _any_requires_grad(*args)):
         # Nothing to record: the chain itself, without the Function's context and saved tensors
         # (chain_forward's choice, eager: no tracing queries).
@@ -334,82 +337,6 @@ def apply_chain(fn: type[torch.autograd.Function], lead: tuple, args: tuple, wei
     if apply is None:
         apply = _CPP_APPLY[fn] = super(torch.autograd.Function, fn).apply
     return apply(*lead, *args)
-
-
-def _lean(x: Tensor, ws: tuple, bs: tuple, acts: tuple, args: tuple) -> Tensor | None:
-    """The eager Triton path of a chain of plain tensors (no dispatch mode, tracer or ``torch.func``
-    transform): its cached :class:`~apex._kernels._fused_dense_chain.ChainPlan` launched directly, inside
-    :class:`_DirectChain` when a gradient is needed. None: the caller takes the general path (checked here
-    already), for tensor subclasses, the PyTorch path, or a chain the kernels do not run alone.
-
-    The plan's key holds every fact it derives from or the checks read: the codes, and for the input, each
-    weight and bias its shape, dtype and device, and the input's and weights' strides. An equal key means
-    the checks passed for the same facts: a hit is not checked again. A miss is checked (its errors) and
-    planned only on the Triton path (a plan asks the GPU driver for its launch configurations); a key that
-    took the PyTorch path is kept as False (checked)."""
-    key = plan_key(x, ws, bs, acts)
-    if key is None:  # a tensor subclass: the general path
-        check_chain(x, ws, bs, acts, False)
-        return None
-    k = _LOADED[1]
-    plan = k.CHAINS.get(key)
-    if not plan:  # None: never seen; False: checked, not planned (it took the PyTorch path)
-        if plan is None:
-            check_chain(x, ws, bs, acts, False)
-        # (chain_forward's choice; a GELU on the last layer, or fp64, is the PyTorch path: never planned)
-        if acts[-1] == GELU or not _use_triton(x, compiling=False):
-            if plan is None:
-                k.keep_chain(key, False)
-            return None
-        plan = k.keep_chain(key, k.ChainPlan(acts, bool(bs), x, ws))
-    elif _resolve(plan.on_gpu, x) != "triton":  # select_tensor(x), the device's answer kept in the plan
-        return None
-    if torch.is_grad_enabled() and _any_requires_grad(*args):
-        return _direct(plan, x, *ws, *bs)
-    out = plan.forward(x if plan.in_shape is None else x.reshape(-1, x.shape[-1]), (*ws, *bs),
-                       _allow_tf32())[-1]
-    return out if plan.out_shape is None else out.view(plan.out_shape)
-
-
-class _DirectChain(torch.autograd.Function):
-    """The eager Triton chain with a gradient: ``apply(plan, input, *weights, *biases)`` launches the plan's
-    GEMMs (what ``save_chain`` and ``chain_grads`` do through their general code, with the same launches and
-    saved tensors). The backward takes that general code for a tensor subclass, under a dispatch mode, or for
-    saved outputs a saved-tensor hook gave back in another layout."""
-
-    @staticmethod
-    def forward(ctx, plan, x, *params):
-        x2 = x if plan.in_shape is None else x.reshape(-1, x.shape[-1])
-        saved = plan.forward(x2, params, _allow_tf32())
-        out = saved[-1]
-        # As save_chain: the top layer's output only where its activation's derivative needs it.
-        if plan.acts[-1] == NONE:
-            saved[-1] = None
-        ctx.save_for_backward(*saved)
-        ctx.plan = plan
-        return out if plan.out_shape is None else out.view(plan.out_shape)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        plan = ctx.plan
-        # (autograd hands a gradient of the output's shape: 2-D exactly when the input was)
-        g = grad_out if plan.in_shape is None else grad_out.reshape(-1, grad_out.shape[-1])
-        if g.dtype is not plan.dt:
-            g = g.to(plan.dt)
-        saved = ctx.saved_tensors
-        if type(g) in _PLAIN and not _dispatch_modes():
-            grads = plan.backward(g, saved, ctx.needs_input_grad, _allow_tf32())
-            if grads is not None:
-                return grads
-        needs, n = ctx.needs_input_grad, plan.n
-        dx, dws, dbs = _backward_triton(g, saved[0], saved[1:1 + n], plan.has_bias, saved[1 + n:], plan.acts,
-                                        needs[1], True in needs[2:], False)
-        if dx is not None and plan.in_shape is not None:
-            dx = dx.view(plan.in_shape)
-        return None, dx, *dws, *(dbs if plan.has_bias else ())
-
-
-_direct = super(torch.autograd.Function, _DirectChain).apply  # the C++ apply (as _CPP_APPLY's)
 
 
 _CPP_APPLY: dict = {}  # Function class -> its C++ apply (super(...).apply builds a proxy each call)
