@@ -50,11 +50,11 @@ import torch
 from torch._C import _are_functorch_transforms_active, _is_tracing
 from torch._C import _len_torch_dispatch_stack as _dispatch_modes
 
-from apex._backend import _resolve
 from apex.ops._dispatch import _PLAIN, _PLAIN_OR_NONE
 from apex.ops._fused_dense_checks import GELU, NONE, check_chain
 from apex.ops._lean import EPOCH as _EPOCH
 from apex.ops._lean import epoch as _epoch
+from apex.ops._lean import triton_takes as _triton_takes
 
 try:  # (torch's C guard of a tensor's facts; absent, every call builds its key)
     from torch._C._dynamo.guards import TensorGuards as _Guards
@@ -92,10 +92,7 @@ def dense(input: object, weight: object, bias: object) -> Tensor | None:
     hit = _LOADED[0].CHAINS.get(id(weight)) if _LOADED else None
     if hit is not None and hit[2] == _ONE and hit[3] == len(args) and hit[0].check(*args):
         plan = hit[1]
-        try:
-            if _resolve(plan.on_gpu, input) != "triton":
-                return None
-        except RuntimeError:
+        if not _triton_takes(plan.on_gpu, input):
             return None
     else:
         plan = _dense_plan(args)
@@ -113,10 +110,7 @@ def chain(acts: tuple, args: tuple, n: int) -> Tensor | None:
     hit = _LOADED[0].CHAINS.get(id(args[1])) if _LOADED and n else None
     if hit is not None and hit[2] == acts and hit[3] == len(args) and hit[0].check(*args):  # (as dense's)
         plan = hit[1]
-        try:
-            if _resolve(plan.on_gpu, args[0]) != "triton":
-                return None
-        except RuntimeError:
+        if not _triton_takes(plan.on_gpu, args[0]):
             return None
     else:
         plan = _chain_plan(acts, args, n)
@@ -135,10 +129,7 @@ def _on_gpu(x: object) -> bool | None:
             or type(x) not in _PLAIN):
         return None
     on_gpu = x.is_cuda
-    try:
-        return on_gpu if _resolve(on_gpu, x) == "triton" else None
-    except RuntimeError:
-        return None
+    return on_gpu if _triton_takes(on_gpu, x) else None
 
 
 def _dense_plan(args: tuple) -> object:
