@@ -333,6 +333,7 @@ def test_alternating_gradient_sets_make_no_new_tables(triton_device, stubbed_lau
     """Gradients at the addresses of the last step or of the step before (two sets given in turn) launch with
     tables the optimizer holds: no table is made or uploaded, not even found by hashing every address in the
     engine's cache; gradients at new addresses cost one upload, without a new table's making."""
+    from apex._kernels import _mt_tables as mt_tables
     from apex._kernels import multi_tensor as mt
 
     dtype = torch.bfloat16 if name == "FusedMixedPrecisionLamb" else torch.float32
@@ -340,9 +341,10 @@ def test_alternating_gradient_sets_make_no_new_tables(triton_device, stubbed_lau
     opt = OPTIMIZERS[name](params)
     sets = [[torch.zeros_like(p) for p in params] for _ in range(2)]
     made: list = []
-    real_table, real_upload = mt.table, mt._upload
+    real_table, real_upload = mt.table, mt_tables._upload
     monkeypatch.setattr(mt, "table", lambda lists: (made.append("table"), real_table(lists))[1])
-    monkeypatch.setattr(mt, "_upload", lambda *a: (made.append("upload"), real_upload(*a))[1])
+    for owner in (mt, mt_tables):  # (the engine uploads from both: the tables, and group indices)
+        monkeypatch.setattr(owner, "_upload", lambda *a: (made.append("upload"), real_upload(*a))[1])
     with apex.backend("triton"):
         for step in range(6):
             for p, g in zip(params, sets[step % 2]):
