@@ -106,17 +106,17 @@ def counting_tables() -> Iterator[list]:
     """Within the block, each device table the multi-tensor engine builds (``TensorTable``) appends to the
     yielded list: a step given new gradient tensors should upload one table per launch group, not one per
     launch."""
-    from apex._kernels import multi_tensor as mt
+    from apex._kernels import _mt_tables as tables  # (where tables are made: table, with_first_list)
 
     built: list = []
-    real = mt.TensorTable
+    real = tables.TensorTable
 
     def counting(*args, **kwargs):
         built.append(1)
         return real(*args, **kwargs)
 
-    mt.TensorTable = counting
+    tables.TensorTable = counting
     try:
         yield built
     finally:
-        mt.TensorTable = real
+        tables.TensorTable = real
