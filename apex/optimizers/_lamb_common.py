@@ -48,7 +48,7 @@ def check_group_hyperparameters(optimizer: torch.optim.Optimizer, param_group: d
 
 
 class GroupGrads(NamedTuple):
-    """A param group's parameters that have a gradient, their gradients (contiguous), the set of their
+    """A param group's parameters that have a gradient, their gradients (laid out as the parameters), the set of their
     dtypes and their shapes."""
 
     params: list
@@ -60,7 +60,7 @@ class GroupGrads(NamedTuple):
 def params_with_grads(optimizer: torch.optim.Optimizer, name: str,
                       dtypes=SUPPORTED_DTYPES) -> list[GroupGrads]:
     """For each param group, its parameters that have a gradient and their gradients (a contiguous copy
-    of a strided one), after checking every one of them."""
+    of one laid out otherwise), after checking every one of them."""
     return [group_grads(name, gi, group, dtypes) for gi, group in enumerate(optimizer.param_groups)]
 
 
@@ -82,8 +82,11 @@ def group_grads(name: str, gi: int, group: dict, dtypes=SUPPORTED_DTYPES) -> Gro
     shapes = [p.shape for p in ps]
     if params and not _fit(params, ps, gs, p_dtypes, seen, allowed, shapes):
         _diagnose_group(name, gi, params, allowed)
-    if not all([g.is_contiguous() for g in gs]):
-        gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+    # Each gradient laid out as its parameter (the kernels walk both, and the state, in memory order): a copy of
+    # a gradient of other strides (channels_last parameters are not contiguous).
+    if not (all([g.is_contiguous() for g in gs]) and all([p.is_contiguous() for p in ps])):
+        gs = [g if g.stride() == p.stride() or g.numel() <= 1 else torch.empty_like(p).copy_(g)
+              for p, g in zip(ps, gs)]
     return GroupGrads(ps, gs, seen, shapes)
 
 
@@ -126,13 +129,27 @@ def _diagnose(name: str, gi: int, pi: int, p: torch.Tensor, device, dtypes) -> N
         f"{p.dtype} {tuple(p.shape)} on {p.device}")
 
 
-def pack_state(workspace, states: list, key: str, tensors: list) -> list:
+def pack_state(workspace, states: list, key: str, tensors: list, params: list) -> list:
     """The state ``key`` of the small fp32 parameters kept as views of the workspace's packed buffer
     (``_cpu_packed.Packed``), which the CPU update then moves in one op: ``tensors`` (that state, in
     the parameters' order) with those replaced by the views, ``states`` (the parameters' state dicts)
-    updated. Values are copied in on the first step and after a checkpoint is loaded."""
+    updated. Values are copied in on the first step and after a checkpoint is loaded.
+
+    Only while every one of those ``params`` is contiguous, as the views are: a kernel that walks a parameter
+    and its state in memory order (the Triton path, on CPU tensors too) needs them laid out alike, so a state
+    whose parameter is not (channels_last) is its own tensor in the parameter's layout, taken out of the buffer
+    if it was in it."""
     pk = workspace.packed()
-    if not pk.index or pk.holds(key, [tensors[i] for i in pk.index]):
+    if not pk.index:
+        return tensors
+    if not all([params[i].is_contiguous() for i in pk.index]):
+        tensors = list(tensors)
+        for i in pk.index:
+            t = tensors[i]
+            if t._base is not None or t.stride() != params[i].stride():
+                tensors[i] = states[i][key] = torch.empty_like(params[i], dtype=t.dtype).copy_(t)
+        return tensors
+    if pk.holds(key, [tensors[i] for i in pk.index]):
         return tensors
     tensors = pk.adopt(key, tensors)
     for i in pk.index:

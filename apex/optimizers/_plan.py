@@ -16,18 +16,22 @@ holds, with one C-level pass per fact over the group (``map`` over the tensors, 
 
 Gradients are not kept between steps (``zero_grad(set_to_none=True)`` must free them), so a new gradient
 tensor, the usual case, costs these reads and nothing else; its address goes into the launch's table, which
-the engine reuses while the addresses repeat. When a fact differs, the optimizer checks the group as on the
-first step (with its error messages) and builds a new plan. After the first step, a gradient given its
-parameter's number of elements in another shape behind the setter's back (``grad.set_``, ``grad.data =``)
-is updated in flat order, as Apex's multi-tensor engine does (it checks sizes). What the plan does not see: a tensor of
-``optimizer.state[p]`` *replaced* by assignment between steps (writing into it is seen by the kernels as
-usual); reload such a state with ``load_state_dict``.
+the engine reuses while the addresses repeat. The gradients a step checked are held by weak references, not
+by their ids: a gradient that dies frees its id for the next tensor made, which may be a view of the same
+memory in another layout (the gradient setter does not read strides).
+
+When a fact differs, the optimizer checks the group as on the first step (with its error messages) and builds
+a new plan. After the first step, a gradient given its parameter's number of elements in another shape behind
+the setter's back (``grad.set_``, ``grad.data =``) is updated in flat order, as Apex's multi-tensor engine does
+(it checks sizes). What the plan does not see: a tensor of ``optimizer.state[p]`` *replaced* by assignment
+between steps (writing into it is seen by the kernels as usual); reload such a state with ``load_state_dict``.
 """
 
 from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import attrgetter, is_, is_not
+from weakref import ref as _ref
 
 import torch
 
@@ -40,6 +44,7 @@ _ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _contiguous = torch.Tensor.is_contiguous
 _device_index = torch.Tensor.get_device
+_deref = _ref.__call__
 
 
 _GUARD_BUILDS = 3  # rebuilds of a plan's guard (gradients that fit in another layout) before it is given up
@@ -85,7 +90,8 @@ class Plan:
         self.strides = tuple(self.with_grad[i].stride() for i in self.strided)
         self.buckets: list = []
         self.watched: list = []
-        self.gids: tuple = ()  # the ids and addresses of the gradients last checked
+        self.grefs: tuple | None = None  # weak references to the gradients last checked at these addresses
+        self.gref_builds = 0
         self.gptrs: tuple = ()
         self.guard = None  # guard() of gradients that fit: a new set with their metadata fits too
         self.guard_builds = 0
@@ -152,17 +158,24 @@ class Plan:
                 return None
             if gptrs == self.gptrs:
                 gptrs = self.gptrs  # (the engine's caches compare an address tuple they hold by identity first)
-                # The same gradient tensors at the same addresses as at the last step: checked then. (The ids
-                # cannot name other tensors: a tensor made since at a freed one's place has a new address, or
-                # is one the gradient setter or autograd made with the parameter's dtype, shape and layout.)
-                gids = tuple(map(id, gs))
-                if gids != self.gids and not self.fits(gs):
-                    return None
+                # The very gradient tensors checked at the last step, alive (a weak reference answers its own
+                # object or None: never another one, as an id may), at the same addresses: checked then.
+                grefs = self.grefs
+                if grefs is None or not all(map(is_, map(_deref, grefs), gs)):
+                    if not self.fits(gs):
+                        return None
+                    # Weak references to gradients that stay (accumulated into, not set to None): made twice at
+                    # most, so that new tensors every step (which they never name again) cost only the guard.
+                    if self.gref_builds < 2:
+                        self.gref_builds += 1
+                        self.grefs = tuple(map(_ref, gs))
+                    else:
+                        self.grefs = None
             elif self.fits(gs):
-                gids = None  # (new addresses are new tensors: their ids are read when the addresses repeat)
+                self.grefs = None  # (new addresses are new tensors: referenced once the addresses repeat)
             else:
                 return None
-            self.gids, self.gptrs = gids, gptrs
+            self.gptrs = gptrs
         except (TypeError, RuntimeError, NotImplementedError):  # None, or sparse: the full checks say which
             return None
         return gs, gptrs
@@ -193,6 +206,7 @@ def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[
         if after_checks is not None:
             after_checks()
         for gi, checked in stale.items():
+            relayout_state(state, checked.params)
             group = optimizer.param_groups[gi]
             plan = build(group, checked)
             plans[id(group)] = (group, plan)
@@ -200,6 +214,25 @@ def step_plans(optimizer, mode: tuple, check, build, after_checks=None) -> list[
             plan.checked(found[gi][1], found[gi][2])
         plans["mode"] = (optimizer.state, len(optimizer.state), mode)
     return found
+
+
+def relayout_state(state, params) -> None:
+    """Lays each state tensor of ``params`` (``state``: ``optimizer.state``) that has its parameter's shape but
+    not its strides out as the parameter is, in place (``.data``: the tensor stays the one the state, the
+    masters' lists and the caller hold). The kernels walk a parameter, its gradient and its state in memory
+    order, so they must agree; they part where ``model.to(memory_format=...)`` re-lays the parameters after
+    the state was made, or where a checkpoint's state is loaded into a model of another memory format.
+    Views are left alone: the CPU path keeps small tensors' state as views of one packed buffer (element-wise,
+    in the parameters' logical order)."""
+    for p in params:
+        st = state.get(p)
+        if not st or p.is_contiguous() and all(v.is_contiguous() for v in st.values() if type(v) is torch.Tensor):
+            continue
+        shape, stride = p.shape, p.stride()
+        for v in st.values():
+            if (type(v) is torch.Tensor and v.shape == shape and v.numel() > 1 and v.stride() != stride
+                    and v._base is None):
+                v.data = torch.empty_like(p, dtype=v.dtype, device=v.device).copy_(v)
 
 
 def take(xs, idx: list | None) -> list:

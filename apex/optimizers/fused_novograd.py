@@ -166,7 +166,7 @@ class FusedNovoGrad(CopyableOptimizer):
             if self.multi_tensor_novograd is multi_tensor_novograd and device.type == "cpu":
                 b.workspace = self._workspace_for((gi, slot), list(take(plan.shapes, sel)))
                 if dt is torch.float32:
-                    m = pack_state(b.workspace, states, "exp_avg", m)
+                    m = pack_state(b.workspace, states, "exp_avg", m, ps)
             b.lists = [b.column(ps, take(plan.ptrs, sel), dtype=dt), b.column(m)]
             plan.buckets.append(b)
         return plan
