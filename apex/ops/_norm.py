@@ -315,10 +315,13 @@ def forward_saving_rows(input: torch.Tensor, n: int, w: torch.Tensor | None, b: 
 def saved_rows(v: torch.Tensor, n: int, memory_efficient: bool, stride: int) -> tuple[torch.Tensor, int]:
     """The tensor a ``_Direct`` forward saved for its backward as the kernel reads it, ``(rows, row stride)``:
     the output (``memory_efficient``), contiguous from the forward, its own rows; else the input, its own rows
-    of row stride ``stride`` when the forward found it so (``stride`` > 0), else :func:`rows_view`'s."""
-    if memory_efficient:
-        return v, n
-    if stride:
+    of row stride ``stride`` when the forward found it so (``stride`` > 0), else :func:`rows_view`'s. Each only
+    where ``v`` still has that layout: a saved-tensor hook may give it back in another (``save_on_cpu`` makes a
+    strided tensor dense), and then its rows are :func:`rows_view`'s of what it is now."""
+    if memory_efficient or stride == n:  # (the output, or an input that was contiguous)
+        if v.is_contiguous():
+            return v, n
+    elif stride and v.dim() == 2 and v.stride() == (stride, 1):
         return v, stride
     v = rows_view(v, n)
     return v, v.stride(0)

@@ -168,7 +168,10 @@ class _Direct(torch.autograd.Function):
         else:
             # No gradient for h (the usual call: only y reaches the loss): the kernel adds none, instead of a
             # zero-filled tensor made and read for it.
-            # v (h, or y when memory-efficient) was made contiguous by the forward: its own rows.
+            # v (h, or y when memory-efficient) was made contiguous by the forward: its own rows (made so again
+            # where a saved-tensor hook gave it back in another layout).
+            if not v.is_contiguous():
+                v = v.contiguous()
             g, sg = (grad_y, n) if grad_y.is_contiguous() else grad_rows(grad_y, n)  # (grad_rows' usual answer)
             dr, sdr = grad_rows(grad_h, n) if grad_h is not None else (None, 0)
             kernels = (LAUNCHERS or launchers())[0]

@@ -231,9 +231,10 @@ class _Direct(torch.autograd.Function):
             dx, dw = _bwd_op(dy, rstd, v, weight, list(shape), memory_efficient, dx_dtype, eps)
         else:
             # grad_rows and saved_rows, the usual answers inline (two frames fewer): a contiguous gradient is its
-            # own rows; the saved output (memory_efficient) is contiguous, the saved input's stride sv is known.
+            # own rows; a saved input that was contiguous (sv == n) and still is: its own rows (a saved-tensor hook
+            # may give it back in another layout: saved_rows reads what it is then).
             g, sg = (dy, n) if dy.is_contiguous() else grad_rows(dy, n)
-            if memory_efficient or not sv:
+            if memory_efficient or sv != n or not v.is_contiguous():
                 v, sv = saved_rows(v, n, memory_efficient, sv)
             # dx is shaped as dy (the output's shape, the input's).
             kernels = (LAUNCHERS or launchers())[0]
