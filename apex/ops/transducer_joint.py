@@ -11,6 +11,8 @@ outside the lengths are zero.
 
 Paths: CUDA/ROCm tensors run the Triton kernels of ``apex._kernels.transducer_joint``; CPU tensors run a
 broadcast add and boolean-mask packing in PyTorch. Dropout draws different random numbers on the two paths.
+On the Triton path a dense output's eager calls take a plan per argument layout (:mod:`apex.ops._transducer_direct`:
+the same launches, less host time per call).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._checks import member_set
 from apex.ops._dispatch import kept_per_key, lazy_module
 from apex.ops._norm import _same_device, check_devices
+from apex.ops._transducer_direct import JointLean
 
 # The Triton path's kernels read the lengths and mask next to f (the PyTorch path compares lengths on their own
 # device): one of another device is refused naming it.
@@ -171,6 +174,11 @@ def _kernels():
     return _KERNELS[0]
 
 
+# The planned eager Triton path of a dense output (apex.ops._transducer_direct): a call whose layout and options
+# were checked before takes its plan; None where this module's general path takes the call.
+_lean = JointLean(_kernels).run
+
+
 def _int32(t: Tensor) -> Tensor:
     # The kernels read contiguous int32 lengths; the usual ones are already (a no-op .to is still a call).
     return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
@@ -280,7 +288,10 @@ class TransducerJointFunc(torch.autograd.Function):
     def backward(ctx, dh):
         mask, f_len, g_len, batch_offset = ctx.saved_tensors
         sizes, pack_output, scale = ctx.args
-        # The mask as the forward's kernel wrote it (contiguous): only dh may need a copy.
+        # The mask as the forward's kernel wrote it (contiguous), unless a saved-tensor hook gave it back in
+        # another layout: the kernels read it contiguous.
+        if sizes[0] is not False and mask is not None and not mask.is_contiguous():
+            mask = mask.contiguous()
         if len(sizes) == 4:
             df, dg = _kernels().backward_dense(dh.contiguous(), mask, f_len, g_len, *sizes, scale)
         elif sizes[0]:
@@ -295,6 +306,10 @@ def transducer_joint(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor, batch_o
                      packed_batch: int = 0, pack_output: bool = False, relu: bool = False, dropout: bool = False,
                      dropout_prob: float = 0.0, tile_size: int = 4, mask_probe: list | None = None) -> Tensor:
     """The joint with autograd; see the module docstring."""
+    if not pack_output:
+        h = _lean(f, g, f_len, g_len, relu, dropout, dropout_prob, tile_size, mask_probe)
+        if h is not None:
+            return h
     return traced_apply(f, g, f_len, g_len, pack_output, relu, dropout, batch_offset, packed_batch, tile_size,
                         dropout_prob, mask_probe)
 

@@ -17,7 +17,8 @@ backward: less memory, and fp16 logits lose no accuracy to a rounded log-softmax
 Paths: CUDA/ROCm tensors run the wavefront kernels of ``apex._kernels.transducer_loss`` (one program per
 batch element walks the anti-diagonals); CPU tensors run the same anti-diagonal recursion in PyTorch,
 vectorised over the batch and over each diagonal (strided views of a padded lattice, one update per
-diagonal), and a vectorised gradient.
+diagonal), and a vectorised gradient. On the Triton path dense logits' eager calls take a plan per argument layout
+(:mod:`apex.ops._transducer_direct`: the same launches, less host time per call).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from apex._errors import RuntimeTypeError, RuntimeValueError
 from apex.ops._checks import member_set
 from apex.ops._dispatch import lazy_module
 from apex.ops._norm import _same_device
+from apex.ops._transducer_direct import LossLean
 from apex.ops._transducer_lattice import (
     _NEG,
     _alpha_beta_torch,
@@ -311,8 +313,12 @@ class TransducerLossFunc(torch.autograd.Function):
         sizes, blank_idx, fused, packed_input = ctx.args
         if sizes is not None and fused:
             # alpha, beta and lse as the forward's kernels wrote them (contiguous), the labels and lengths as
-            # they read them: only x and the incoming gradient may need a copy.
+            # they read them: only x and the incoming gradient may need a copy, unless a saved-tensor hook gave
+            # the others back in another layout (the kernels read them contiguous).
             x, lse, alpha, beta, f_len, y_len, label = ctx.saved_tensors
+            if not (lse.is_contiguous() and alpha.is_contiguous() and beta.is_contiguous()
+                    and label.is_contiguous()):
+                lse, alpha, beta, label = lse.contiguous(), alpha.contiguous(), beta.contiguous(), label.contiguous()
             return (_kernels().grad_dense(x.contiguous(), lse, loss_grad.contiguous(), alpha, beta, label, f_len,
                                           y_len, *sizes, blank_idx), *_NO_GRADS)
         x, lse, alpha, beta, f_len, y_len, label, batch_offset = ctx.saved_tensors
@@ -335,6 +341,10 @@ def gradient(x, loss_grad, lse, alpha, beta, label, f_len, y_len, batch_offset, 
     return dlp.sub_(prob.mul_(dlp.sum(-1, keepdim=True))).to(x.dtype)
 
 
+# The planned eager Triton path of dense logits (apex.ops._transducer_direct): a call whose layout was checked
+# before takes its plan; None where this module's general path takes the call.
+_lean = LossLean(_kernels, gradient).run
+
 _traced = lazy_module("apex.ops._transducer_traced")
 
 
@@ -351,6 +361,9 @@ def transducer_loss(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, blan
                     fuse_softmax_backward: bool = True, debug_list: list | None = None) -> Tensor:
     """Per-sequence RNN-T loss (B,) of logits ``x`` with autograd; see the module docstring."""
     if not packed_input:
+        loss = _lean(x, label, f_len, y_len, blank_idx, fuse_softmax_backward, debug_list, 1)
+        if loss is not None:
+            return loss
         max_f_len = x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
     return traced_apply(x, label, f_len, y_len, batch_offset, max_f_len, blank_idx, fuse_softmax_backward,
                         debug_list, 1, packed_input)

@@ -8,7 +8,9 @@ from apex._errors import RuntimeValueError
 from apex.ops import transducer_joint as _joint
 from apex.ops import transducer_loss as _loss
 from apex.ops.transducer_joint import TransducerJointFunc, joint_forward_saved
+from apex.ops.transducer_joint import _lean as _joint_lean
 from apex.ops.transducer_loss import TransducerLossFunc, loss_and_saved
+from apex.ops.transducer_loss import _lean as _loss_lean
 
 # autograd.Function.apply's Python wrapper unwraps torch.func's dead wrappers (~4 µs a call): outside
 # torch.func transforms and tracing (tested inline in the forwards: a function call costs ~0.5 µs) the modules
@@ -47,8 +49,16 @@ class TransducerJoint(torch.nn.Module):
 
     def forward(self, f, g, f_len, g_len, batch_offset=None, packed_batch=0):
         """``f`` (B, T, H), ``g`` (B, U, H), ``f_len``/``g_len`` (B,): the (B, T, U, H) or packed (rows, H) sum."""
-        if self.pack_output and (batch_offset is None or int(packed_batch) == 0):
-            raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
+        if self.pack_output:
+            if batch_offset is None or int(packed_batch) == 0:
+                raise ValueError("Please specify batch_offset and packed_batch when packing is enabled")
+        else:
+            # The planned eager Triton path of a dense output first (apex.ops._transducer_direct): None where
+            # the general path below takes the call.
+            h = _joint_lean(f, g, f_len, g_len, self.relu, self.dropout and self.training, self.dropout_prob,
+                            self.fwd_tile_size if self.opt == 1 else 1, self.mask_probe)
+            if h is not None:
+                return h
         dropout = self.dropout and self.training
         tile = self.fwd_tile_size if self.opt == 1 else 1
         plain = not (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
@@ -86,6 +96,11 @@ class TransducerLoss(torch.nn.Module):
                 raise ValueError("Please specify batch_offset and max_f_len when packing is enabled")
             offset, t_max = batch_offset, int(max_f_len)
         else:  # (a dense input's lattice size is x's: max_f_len is not read)
+            # The planned eager Triton path first (apex.ops._transducer_direct): None where the general path
+            # below takes the call.
+            loss = _loss_lean(x, label, f_len, y_len, blank_idx, self.fuse_softmax_backward, debug_list, self.opt)
+            if loss is not None:
+                return loss
             offset = t_max = None
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return _loss.traced_apply(x, label, f_len, y_len, offset, t_max, blank_idx,
