@@ -24,6 +24,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from apex import _backend
 from apex.ops import sync_batch_norm as ops
 from apex.parallel._comm import require_process_group
+from apex.parallel._syncbn_direct import check_count as _check_count
+from apex.parallel._syncbn_direct import gather_rows as _gather_rows
 from apex.parallel._syncbn_direct import module_forward as _direct_forward
 
 
@@ -46,24 +48,6 @@ def _merge_stats(count: int, mean: torch.Tensor, var: torch.Tensor, group):
     gmean = (n_i * mean_i).sum(0) / n
     gvar = (n_i * (var_i + (mean_i - gmean) ** 2)).sum(0) / n
     return int(n.item()), gmean.to(acc), gvar.to(acc)
-
-
-def _check_count(count: int, shape) -> None:
-    if count <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(shape)}")
-
-
-def _gather_rows(row: torch.Tensor, group, shape) -> tuple[torch.Tensor, int]:
-    """All-gather each rank's fp64 row ``[count, mean (C), var (C)]`` into one ``[world, 1 + 2C]`` tensor (the
-    collective writes each rank's row into its view) and return it with the group's count."""
-    world = dist.get_world_size(group)
-    rows = torch.empty((world, row.numel()), dtype=row.dtype, device=row.device)
-    dist.all_gather(list(rows.unbind(0)), row, group=group)
-    count = int(sum(rows[:, 0].tolist()))
-    if count == 0:
-        raise ValueError("SyncBatchNorm got an empty batch on every rank")
-    _check_count(count, shape)
-    return rows, count
 
 
 def _fused_forward(ctx, input, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum,
@@ -104,6 +88,11 @@ def _fused_backward(ctx, grad_output, need_x, need_z, need_w, need_b):
     """The Triton path: both sums, grad_weight and grad_bias from one reduction and one finishing kernel; the
     group's means of the sums are taken inside the elementwise kernel."""
     x, zz, weight, bias, st = ctx.saved_tensors
+    if not (x.is_contiguous() and st.is_contiguous() and (zz is None or zz.is_contiguous())):
+        # The kernels read these as the forward made them, contiguous; a saved-tensor hook may give them back in
+        # another layout.
+        x, st = x.contiguous(), st.contiguous()
+        zz = None if zz is None else zz.contiguous()
     count, use_batch_stats, group, distributed, fuse_relu, ncl, _ = ctx.meta
     dy = grad_output.contiguous()
     grad_weight = torch.empty_like(weight) if weight is not None and need_w else None
@@ -267,9 +256,10 @@ class SyncBatchNorm(_BatchNorm):
         return (super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}")
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        # The usual eager call first: the Triton path's facts from a plan cached per input shape (or PyTorch's
-        # eval-mode batch norm), None where it does not apply. Compiling traces the general path below.
-        if not torch.compiler.is_compiling() and input.__class__ is torch.Tensor:
+        # The usual eager call first: the Triton path's facts from the plan of the call's layout (the module's last
+        # one, where its guard passes), or PyTorch's eval-mode batch norm; None where it does not apply.
+        # Compiling traces the general path below.
+        if not torch.compiler.is_compiling() and type(input) is torch.Tensor:
             y = _direct_forward(self, input, z)
             if y is not None:
                 return y
