@@ -160,8 +160,9 @@ class Plan:
                 gptrs = self.gptrs  # (the engine's caches compare an address tuple they hold by identity first)
                 # The very gradient tensors checked at the last step, alive (a weak reference answers its own
                 # object or None: never another one, as an id may), at the same addresses: checked then.
+                # (a list compares its items by identity first; a dead reference's None is no tensor's equal)
                 grefs = self.grefs
-                if grefs is None or not all(map(is_, map(_deref, grefs), gs)):
+                if grefs is None or list(map(_deref, grefs)) != gs:
                     if not self.fits(gs):
                         return None
                     # Weak references to gradients that stay (accumulated into, not set to None): made twice at
