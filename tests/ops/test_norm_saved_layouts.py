@@ -11,19 +11,12 @@ import apex
 from apex.ops.fused_add_norm import _fused_add
 from apex.ops.layer_norm import layer_norm_general
 from apex.ops.rms_norm import rms_norm_general
+from tests._layouts import column_major, dense
 
 N = 12
 
 
-def _dense(t):
-    return t.detach().clone(memory_format=torch.contiguous_format) if t.dim() >= 2 else t
-
-
-def _column_major(t):
-    return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
-
-
-HOOKS = {"dense copy": _dense, "column-major copy": _column_major}
+HOOKS = {"dense copy": dense, "column-major copy": column_major}
 
 
 def _grads(call, leaves, hook):

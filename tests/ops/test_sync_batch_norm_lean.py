@@ -14,8 +14,8 @@ import torch
 
 import apex
 import apex.parallel._syncbn_direct as lean_mod
-import apex.parallel.sync_batchnorm as sbn_mod
 from apex.parallel import SyncBatchNorm
+from tests.parallel.test_sync_batchnorm_direct import _general
 
 
 @pytest.fixture
@@ -32,16 +32,6 @@ def keys(monkeypatch, triton_device):
     monkeypatch.setattr(lean_mod, "_lookup", counting)
     with apex.backend("triton"):
         yield built
-
-
-def _general(fn):
-    """``fn()`` on the general path of ``SyncBatchNorm.forward`` alone (the lean path switched off)."""
-    lean = sbn_mod._direct_forward
-    sbn_mod._direct_forward = lambda mod, input, z: None
-    try:
-        return fn()
-    finally:
-        sbn_mod._direct_forward = lean
 
 
 def _step(bn, x, z=None):

@@ -12,12 +12,7 @@ from apex.contrib.transducer import TransducerJoint, TransducerLoss
 from apex.contrib.transducer import transducer as M
 from apex.ops import transducer_joint as TJ
 from apex.ops import transducer_loss as TL
-
-
-def _column_major(t):
-    if t.dim() >= 2 and t.shape[-1] > 1 and t.shape[-2] > 1:
-        return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
-    return t
+from tests._layouts import column_major as _column_major
 
 
 @contextlib.contextmanager

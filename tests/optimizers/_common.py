@@ -120,3 +120,33 @@ def counting_tables() -> Iterator[list]:
         yield built
     finally:
         tables.TensorTable = real
+
+
+# One of each fused optimizer (and FusedAdam's capturable master-weight form), with weight decay where it has
+# one: the tests that make one change between steps, or one layout, and compare (plans and tables reused).
+def _fused_optimizers() -> dict:
+    from apex.optimizers import (
+        FusedAdagrad,
+        FusedAdam,
+        FusedLAMB,
+        FusedLARS,
+        FusedMixedPrecisionLamb,
+        FusedNovoGrad,
+        FusedSGD,
+    )
+
+    return {
+        "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+        "FusedAdam-capturable-master": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
+                                                            master_weights=True),
+        "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+        "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01),
+        "FusedLARS": lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+        "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
+        "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01),
+        "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, weight_decay=0.01,
+                                                                     reduced_precision_dtype=torch.bfloat16),
+    }
+
+
+FUSED_OPTIMIZERS = _fused_optimizers()

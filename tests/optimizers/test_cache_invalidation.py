@@ -12,32 +12,12 @@ import pytest
 import torch
 
 import apex
-from apex.optimizers import (
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedLARS,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedSGD,
-)
 from apex.testing import TritonTrace
-from tests.optimizers._common import grads_for_step, make_params
+from tests.optimizers._common import FUSED_OPTIMIZERS, grads_for_step, make_params
 
 SHAPES = [(33,), (4097,), (3, 5)]
 
-OPTIMIZERS = {
-    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
-    "FusedAdam-capturable-master": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
-                                                        master_weights=True),
-    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01),
-    "FusedLARS": lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
-    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01),
-    "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, weight_decay=0.01,
-                                                                 reduced_precision_dtype=torch.bfloat16),
-}
+OPTIMIZERS = FUSED_OPTIMIZERS
 # NovoGrad keeps one running norm per parameter with a gradient and refuses a step where that set changed.
 FIXED_SET = {"FusedNovoGrad"}
 

@@ -15,28 +15,9 @@ import copy
 import pytest
 import torch
 
-from apex.optimizers import (
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedLARS,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedSGD,
-)
+from tests.optimizers._common import FUSED_OPTIMIZERS
 
-OPTIMIZERS = {
-    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
-    "FusedAdam-capturable-master": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
-                                                        master_weights=True),
-    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01),
-    "FusedLARS": lambda ps: FusedLARS(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
-    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
-    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01),
-    "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, weight_decay=0.01,
-                                                                 reduced_precision_dtype=torch.bfloat16),
-}
+OPTIMIZERS = FUSED_OPTIMIZERS
 SHAPE = (4, 3, 3, 3)  # (a conv weight: channels_last is another layout of it)
 CL = torch.channels_last
 

@@ -10,12 +10,7 @@ import torch
 import apex
 from apex.parallel import SyncBatchNorm
 from apex.parallel import sync_batchnorm as S
-
-
-def _column_major(t):
-    if t.dim() >= 2 and t.shape[-1] > 1 and t.shape[-2] > 1:
-        return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
-    return t
+from tests._layouts import column_major as _column_major
 
 
 @contextlib.contextmanager
