@@ -289,8 +289,8 @@ class TransducerJointFunc(torch.autograd.Function):
         mask, f_len, g_len, batch_offset = ctx.saved_tensors
         sizes, pack_output, scale = ctx.args
         # The mask as the forward's kernel wrote it (contiguous), unless a saved-tensor hook gave it back in
-        # another layout: the kernels read it contiguous.
-        if sizes[0] is not False and mask is not None and not mask.is_contiguous():
+        # another layout: the kernels read it contiguous (the PyTorch path reads any layout).
+        if mask is not None and not mask.is_contiguous():
             mask = mask.contiguous()
         if len(sizes) == 4:
             df, dg = _kernels().backward_dense(dh.contiguous(), mask, f_len, g_len, *sizes, scale)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from apex._backend import _resolve
 from apex.ops import _syncbn_direct as direct
+from apex.ops._lean import triton_takes as _triton_takes
 from apex.ops.sync_batch_norm import _kernels
 
 _MISSING = object()
@@ -144,10 +144,7 @@ def module_forward(mod, input: torch.Tensor, z: torch.Tensor | None) -> torch.Te
         return None
     # The backend first (another backend's call pays for no plan; its error is the general path's to raise),
     # then what functorch transforms or a tracer see (the general path's Function); neither is planned.
-    try:
-        if _resolve(input.is_cuda, input) != "triton":
-            return None
-    except RuntimeError:
+    if not _triton_takes(input.is_cuda, input):
         return None
     if _functorch_active() or _tracing_state() is not None:
         return None
